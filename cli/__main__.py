@@ -1,0 +1,3 @@
+from recycle_planner.cli.main import main
+
+main(prog_name="recycle-planner")

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The main job on the bundled GPT-shaped example: plan the fault-free schedule and a failure,
+# compare against plain re-routing, and draw both. Called by `make demo` as
+#   bash examples/demo.sh .venv/bin out
+set -euo pipefail
+BIN=${1:-.venv/bin}
+OUT=${2:-out}
+SPEC=examples/gpt.toml
+RP="$BIN/recycle-planner"
+mkdir -p "$OUT"
+
+echo "== fault-free plan of $SPEC"
+"$RP" plan "$SPEC" -o "$OUT/gpt-fault-free.json"
+echo
+echo "== worker 1:3 dies: re-route its micro-batches to the stage-3 peers (all mechanisms on)"
+"$RP" plan "$SPEC" --fail 1:3 -o "$OUT/gpt-fail-1-3.json"
+echo
+echo "== the same failure with plain re-routing (fused backward, global barrier)"
+"$RP" plan "$SPEC" --fail 1:3 --no-decouple --no-stagger -o "$OUT/gpt-fail-1-3-plain.json"
+echo
+"$RP" validate "$OUT/gpt-fail-1-3.json"
+"$RP" show "$OUT/gpt-fail-1-3.json" --max-workers 16 --no-critical-path | tail -n 20
+"$RP" gantt "$OUT/gpt-fail-1-3.json" --compare "$OUT/gpt-fault-free.json" -o "$OUT/gpt-fail-1-3.png"
+"$RP" gantt "$OUT/gpt-fail-1-3-plain.json" --compare "$OUT/gpt-fail-1-3.json" --max-workers 16 \
+    -o "$OUT/gpt-plain-vs-recycle.png"
+"$RP" export-torch "$OUT/gpt-fault-free.json" -o "$OUT/gpt-fault-free-torch.csv"
+echo
+echo "plans, pictures and the torch CSV are in $OUT/"

@@ -1,0 +1,45 @@
+"""Export a fault-free plan to torch.distributed.pipelining's compute-only CSV.
+
+One row per pipeline-stage rank, one cell per action in execution order (`0F1` = stage 0
+forward of micro-batch 1; I, W and B as in torch). torch's
+`_PipelineScheduleRuntime._load_csv(path, format="compute_only")` reads it and adds the sends
+and receives itself. torch runs one pipeline, so one pipeline of the plan is exported; torch's
+data-parallel wrapper handles the gradient all-reduce, so ALLREDUCE and OPTIMIZER are left out.
+A plan with dead workers re-routes micro-batches across pipelines, which torch's runtime cannot
+express: those plans need recycle-planner's own executor.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from recycle_planner.errors import RecycleError
+from recycle_planner.failures import format_workers
+from recycle_planner.ops import KIND_CODES
+from recycle_planner.plan import Plan
+from recycle_planner.planfile import atomic_write
+
+
+def torch_rows(plan: Plan, pipeline: int = 0) -> list[list[str]]:
+    if plan.failed:
+        raise RecycleError(f"export-torch needs a fault-free plan; this one has dead workers "
+                           f"({format_workers(plan.failed)}) and re-routes micro-batches across "
+                           f"pipelines, which torch's pipeline runtime cannot run")
+    spec = plan.spec
+    if not 0 <= pipeline < spec.pipelines:
+        raise RecycleError(f"pipeline {pipeline} is outside 0..{spec.pipelines - 1}")
+    rows = []
+    for s in range(spec.stages):
+        row = []
+        for op in plan.schedule.ops((pipeline, s)):
+            if KIND_CODES[op.kind] >= 4:
+                continue
+            row.append(f"{op.stage}{op.kind}{op.microbatch}")
+        rows.append(row)
+    return rows
+
+
+def export_torch_csv(plan: Plan, path: str | Path, pipeline: int = 0) -> None:
+    rows = torch_rows(plan, pipeline)
+    atomic_write(path, lambda fh: csv.writer(fh, lineterminator="\n").writerows(rows))

@@ -1,0 +1,141 @@
+"""Gantt charts of plans (matplotlib): one row per worker, grouped by pipeline.
+
+Colours by op kind; re-routed ops are hatched and labelled with the pipeline they belong to;
+dead workers are drawn as dead; the all-reduce and the optimizer step are blocks of their own.
+Several plans are stacked on one time scale, for example a fault-free plan above a failure
+plan. The file's extension picks the format: .png, .svg or .pdf.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from recycle_planner.errors import RecycleError
+from recycle_planner.failures import format_workers
+from recycle_planner.ops import KIND_NAMES
+from recycle_planner.plan import Plan
+from recycle_planner.planfile import atomic_write
+from recycle_planner.timeline import shown_pipelines
+
+COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#3A3A3A")
+FORMATS = (".png", ".svg", ".pdf")
+LABEL_LIMIT = 700  # above this many ops in a panel, bars are not labelled
+
+
+def plan_title(plan: Plan) -> str:
+    m = plan.metrics
+    name = plan.spec.name or "job"
+    return (f"{name} | failed: {format_workers(plan.failed)} | {plan.policy.label} | "
+            f"period {m['period']:.4g} ms ({m['degradation']:+.1%} vs fault-free), "
+            f"lower bound {m['lower_bound']:.4g} ms")
+
+
+def draw_gantt(plans: Sequence[Plan], path: str | Path, titles: Sequence[str] | None = None,
+               max_workers: int = 48) -> None:
+    """Draw `plans` one above the other on one time axis and write the figure to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
+    from matplotlib.patches import Patch
+
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise RecycleError(f"{path}: unknown picture format {path.suffix!r} (use "
+                           f"{', '.join(FORMATS)})")
+    panels = []
+    for plan in plans:
+        panels.append((plan, shown_pipelines(plan, max_workers)))
+    rows = [len(p) * plan.spec.stages + len(p) - 1 for plan, p in panels]
+    height = sum(0.24 * r + 1.1 for r in rows) + 0.9
+    fig, axes = plt.subplots(len(plans), 1, figsize=(14, height), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [r + 3 for r in rows]})
+    t_max = 0.0
+    for i, (plan, pipelines) in enumerate(panels):
+        ax = axes[i][0]
+        t_max = max(t_max, _draw_panel(ax, plan, pipelines, PolyCollection))
+        title = titles[i] if titles else plan_title(plan)
+        if len(pipelines) < plan.spec.pipelines:
+            title += f"  (showing {len(pipelines)} of {plan.spec.pipelines} pipelines)"
+        ax.set_title(title, fontsize=9, loc="left")
+    for row in axes:
+        row[0].set_xlim(0, t_max * 1.01)
+    axes[-1][0].set_xlabel("time (ms)")
+    handles = [Patch(facecolor=COLOURS[k], label=KIND_NAMES[k]) for k in range(6)]
+    handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
+                         label="re-routed (label: its pipeline)"))
+    handles.append(Patch(facecolor="#d9d9d9", edgecolor="#7f7f7f", hatch="xx", label="dead worker"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.6 / height, 1, 1))
+    fmt = path.suffix.lower().lstrip(".")
+    try:
+        atomic_write(path, lambda fh: fig.savefig(fh, format=fmt, dpi=130), binary=True)
+    finally:
+        plt.close(fig)
+
+
+def _draw_panel(ax, plan: Plan, pipelines: list[int], PolyCollection) -> float:
+    sched, timing = plan.schedule, plan.timing
+    S = sched.spec.stages
+    dead = set(plan.failed)
+    ids, workers = sched.flat
+    t_end = float(np.nanmax(timing.end[ids]))
+    y_of: dict[int, float] = {}
+    labels, ticks = [], []
+    y = 0.0
+    for d in pipelines:
+        for s in range(S):
+            y_of[d * S + s] = y
+            labels.append(f"p{d} s{s}")
+            ticks.append(y)
+            y += 1.0
+        y += 0.6
+    keep = np.array([int(w) in y_of for w in workers], dtype=bool)
+    ids_k, workers_k = ids[keep], workers[keep]
+    kind, pipe, _, mb = sched.space.decode(ids_k)
+    start, end = timing.start[ids_k], timing.end[ids_k]
+    ys = np.array([y_of[int(w)] for w in workers_k])
+    rerouted = (mb >= 0) & (pipe != workers_k // S)
+    h = 0.8
+    for k in range(6):
+        for rr in (False, True):
+            sel = (kind == k) & (rerouted == rr)
+            if not sel.any():
+                continue
+            x0, x1, yy = start[sel], end[sel], ys[sel] - h / 2
+            verts = np.stack([np.stack([x0, yy], 1), np.stack([x1, yy], 1),
+                              np.stack([x1, yy + h], 1), np.stack([x0, yy + h], 1)], 1)
+            coll = PolyCollection(verts, facecolors=COLOURS[k], edgecolors="white",
+                                  linewidths=0.4, hatch="///" if rr else None)
+            ax.add_collection(coll)
+    for w, yy in y_of.items():
+        if (w // S, w % S) in dead:
+            ax.add_patch(_dead_patch(t_end, yy, h))
+            ax.text(t_end / 2, yy, "dead", ha="center", va="center", fontsize=8, color="#404040")
+    if len(ids_k) <= LABEL_LIMIT:
+        min_w = t_end / 140
+        for x0, x1, yy, k, p, m, rr in zip(start, end, ys, kind, pipe, mb, rerouted):
+            if x1 - x0 < min_w or m < 0:
+                continue
+            text = f"p{p}" if rr else str(m)
+            if rr and x1 - x0 >= 2.2 * min_w:
+                text = f"p{p}:{m}"
+            ax.text((x0 + x1) / 2, yy, text, ha="center", va="center", fontsize=6,
+                    color="black" if rr else "white")
+    ax.set_yticks(ticks)
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.set_ylim(y - 0.6 + 0.5, -0.7)
+    ax.grid(axis="x", color="#e0e0e0", linewidth=0.5)
+    ax.set_axisbelow(True)
+    return t_end
+
+
+def _dead_patch(t_end: float, y: float, h: float):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((0, y - h / 2), t_end, h, facecolor="#d9d9d9", edgecolor="#7f7f7f",
+                     hatch="xx", linewidth=0.5)

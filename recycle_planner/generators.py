@@ -1,0 +1,107 @@
+"""Fault-free schedule generators: compute-only op orders per stage, no times.
+
+Every pipeline runs the same order, so a generator returns one list per stage of
+(kind, micro-batch) pairs; `fault_free` turns that into a full `Schedule` for all D pipelines.
+
+- GPipe: every forward, then every backward.
+- 1F1B: stage s runs w_s warm-up forwards, then alternates one forward and one backward, then
+  drains the backwards. w_s = S - s - 1 unless the memory cap is lower (and never more than
+  the stage before it, or the pipeline deadlocks).
+- ZB-H1 (Qi et al., ICLR 2024): backward split into I and W; stage s runs n_s = S - s forwards,
+  then I_k, W_{k - s} (once k >= s), F_{k + n_s}; W is delayed by s micro-batches so that it
+  fills the cool-down bubble, and every stage keeps at most S micro-batches in flight, 1F1B's
+  peak. Uniform costs give m(F + I + W) + (p - 1)(F + I - W).
+With the I/W split and 1F1B or GPipe, each B becomes I immediately followed by W.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from recycle_planner.errors import SpecError
+from recycle_planner.ops import B, F, I, W, OpSpace
+from recycle_planner.policy import Policy, natural_caps
+from recycle_planner.schedule import Schedule, with_collectives
+from recycle_planner.spec import JobSpec
+
+StageOrder = list[tuple[int, int]]  # (kind, microbatch)
+
+
+def gpipe(stages: int, microbatches: int, split: bool) -> list[StageOrder]:
+    order: StageOrder = [(F, m) for m in range(microbatches)]
+    for m in range(microbatches):
+        order += [(I, m), (W, m)] if split else [(B, m)]
+    return [list(order) for _ in range(stages)]
+
+
+def one_f_one_b(stages: int, microbatches: int, split: bool,
+                caps: tuple[int, ...] | None = None) -> list[StageOrder]:
+    M = microbatches
+    out = []
+    warm_prev = M
+    for s in range(stages):
+        warm = min(stages - s - 1, M, warm_prev)
+        if caps is not None:
+            warm = min(warm, caps[s] - 1)
+        warm_prev = warm
+        back = [(I, None), (W, None)] if split else [(B, None)]
+        order: StageOrder = [(F, m) for m in range(warm)]
+        for k in range(M):
+            if k + warm < M:
+                order.append((F, k + warm))
+            order += [(kind, k) for kind, _ in back]
+        out.append(order)
+    return out
+
+
+def zb_h1(stages: int, microbatches: int, caps: tuple[int, ...] | None = None) -> list[StageOrder]:
+    M = microbatches
+    out = []
+    n_prev = M
+    for s in range(stages):
+        n = min(stages - s, M, n_prev)
+        cap = caps[s] if caps is not None else stages
+        n = min(n, cap)
+        n_prev = n
+        lag = max(0, min(s, cap - n))
+        order: StageOrder = [(F, m) for m in range(n)]
+        next_f, next_w = n, 0
+        for k in range(M):
+            order.append((I, k))
+            if k >= lag:
+                order.append((W, next_w))
+                next_w += 1
+            if next_f < M:
+                order.append((F, next_f))
+                next_f += 1
+        order += [(W, m) for m in range(next_w, M)]
+        out.append(order)
+    return out
+
+
+def stage_orders(spec: JobSpec, policy: Policy) -> list[StageOrder]:
+    """The compute-only order of each stage under `policy`, within the memory caps."""
+    S, M = spec.stages, spec.microbatches
+    caps = natural_caps(spec, policy)
+    if policy.schedule == "gpipe":
+        for s, cap in enumerate(caps):
+            if cap < M:
+                raise SpecError(f"gpipe keeps all {M} micro-batches in flight, but the memory "
+                                f"budget allows {cap} on stage {s}: use 1f1b or zb-h1")
+        return gpipe(S, M, policy.decouple)
+    if policy.schedule == "zb-h1":
+        return zb_h1(S, M, caps)
+    return one_f_one_b(S, M, policy.decouple, caps)
+
+
+def fault_free(spec: JobSpec, policy: Policy) -> Schedule:
+    """The fault-free schedule: every pipeline runs `stage_orders`, then all-reduce and step."""
+    space = OpSpace(spec.stages, spec.pipelines, spec.microbatches)
+    per_stage = stage_orders(spec, policy)
+    orders = []
+    for d in range(spec.pipelines):
+        for s, order in enumerate(per_stage):
+            kinds = np.array([k for k, _ in order], dtype=np.int64)
+            mbs = np.array([m for _, m in order], dtype=np.int64)
+            orders.append(with_collectives(space, d, s, space.compute(kinds, d, s, mbs)))
+    return Schedule(spec=spec, policy=policy, failed=(), orders=tuple(orders))

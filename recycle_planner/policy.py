@@ -1,0 +1,78 @@
+"""Which mechanisms a plan may use, and the memory caps that follow from the schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from recycle_planner.errors import SpecError
+from recycle_planner.spec import JobSpec
+
+SCHEDULES = ("1f1b", "zb-h1", "gpipe")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """`schedule` is the fault-free pipeline schedule the job runs; `decouple` splits each
+    backward into I and W and lets W fill idle time; `stagger` lets each stage all-reduce and
+    step on its own instead of a global barrier at the end of the iteration. Plain re-routing
+    (no split, barrier) is the baseline."""
+
+    schedule: str = "1f1b"
+    decouple: bool = True
+    stagger: bool = True
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise SpecError(f"unknown schedule {self.schedule!r} (expected one of: "
+                            f"{', '.join(SCHEDULES)})")
+        if self.schedule == "zb-h1" and not self.decouple:
+            raise SpecError("schedule 'zb-h1' needs the I/W split: drop --no-decouple")
+
+    @property
+    def forward_first(self) -> bool:
+        """GPipe runs every forward before any backward; the others run backwards first."""
+        return self.schedule == "gpipe"
+
+    def to_dict(self) -> dict:
+        return {"schedule": self.schedule, "decouple": self.decouple, "stagger": self.stagger}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Policy":
+        return cls(schedule=data["schedule"], decouple=bool(data["decouple"]),
+                   stagger=bool(data["stagger"]))
+
+    @property
+    def label(self) -> str:
+        parts = [self.schedule, "split" if self.decouple else "fused",
+                 "staggered" if self.stagger else "barrier"]
+        return "/".join(parts)
+
+
+BASELINE = Policy(schedule="1f1b", decouple=False, stagger=False)
+
+
+def natural_caps(spec: JobSpec, policy: Policy) -> tuple[int, ...]:
+    """In-flight micro-batches per stage that the fault-free schedule itself uses: 1F1B keeps
+    S - s on stage s, ZB-H1 allows every stage 1F1B's peak S, GPipe keeps all M; never more
+    than the memory model allows."""
+    limits = spec.caps()
+    return tuple(c if lim is None else min(c, lim)
+                 for c, lim in zip(_schedule_caps(spec, policy), limits))
+
+
+def budget_caps(spec: JobSpec, policy: Policy) -> tuple[int, ...]:
+    """In-flight micro-batches per stage that re-routed plans may use: the memory model's limit,
+    or, without one, the fault-free schedule's peak on its busiest worker (memory is provisioned
+    for the peak, so every worker has that much)."""
+    if spec.memory is None:
+        return (max(_schedule_caps(spec, policy)),) * spec.stages
+    return tuple(int(c) for c in spec.caps())
+
+
+def _schedule_caps(spec: JobSpec, policy: Policy) -> list[int]:
+    S, M = spec.stages, spec.microbatches
+    if policy.schedule == "gpipe":
+        return [M] * S
+    if policy.schedule == "zb-h1":
+        return [min(S, M)] * S
+    return [min(S - s, M) for s in range(S)]

@@ -1,0 +1,263 @@
+"""The job spec: a hybrid-parallel training job described in a small TOML file.
+
+Every per-stage figure is stored as a tuple with one value per stage, so that the rest of the
+code never has to ask whether the user wrote a number or a list. `JobSpec.to_dict` writes the
+spec back with the same keys as the TOML file (a number where all stages agree).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from recycle_planner.errors import SpecError
+
+TIME_KEYS = ("forward", "backward_input", "backward_weight", "p2p", "allreduce", "optimizer")
+TOP_KEYS = ("name", "stages", "pipelines", "microbatches", "microbatch_size", "time", "memory")
+MEMORY_KEYS = ("activation", "budget", "static", "max_inflight")
+
+_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """Per-worker memory model. Each in-flight micro-batch (forward started, weight gradient
+    not yet done) holds `activation[s]` bytes on a stage-s worker, which also holds `static[s]`
+    bytes of parameters and optimizer state; a worker has `budget` bytes. `max_inflight`
+    caps the number of in-flight micro-batches directly. Either or both may be given."""
+
+    activation: tuple[float, ...] | None = None
+    budget: float | None = None
+    static: tuple[float, ...] | None = None
+    max_inflight: int | None = None
+
+    def caps(self, stages: int) -> tuple[int | None, ...]:
+        """In-flight micro-batch limit per stage implied by this model (None: no limit)."""
+        out: list[int | None] = []
+        for s in range(stages):
+            cap = self.max_inflight
+            if self.budget is not None and self.activation is not None:
+                static = self.static[s] if self.static else 0.0
+                by_bytes = int(math.floor((self.budget - static) / self.activation[s] + 1e-9))
+                cap = by_bytes if cap is None else min(cap, by_bytes)
+            out.append(cap)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """S stages, D pipelines, M micro-batches per pipeline per iteration, and per-stage costs in
+    milliseconds. `p2p[s]` is the latency of a message sent by a stage-s worker (activations
+    downstream, gradients upstream)."""
+
+    stages: int
+    pipelines: int
+    microbatches: int
+    forward: tuple[float, ...]
+    backward_input: tuple[float, ...]
+    backward_weight: tuple[float, ...]
+    p2p: tuple[float, ...]
+    allreduce: tuple[float, ...]
+    optimizer: tuple[float, ...]
+    memory: MemorySpec | None = None
+    microbatch_size: int | None = None
+    name: str | None = None
+
+    @property
+    def backward(self) -> tuple[float, ...]:
+        """Full backward (B = I + W) per stage."""
+        return tuple(i + w for i, w in zip(self.backward_input, self.backward_weight))
+
+    @property
+    def workers(self) -> int:
+        return self.stages * self.pipelines
+
+    def caps(self) -> tuple[int | None, ...]:
+        return self.memory.caps(self.stages) if self.memory else (None,) * self.stages
+
+    def to_dict(self) -> dict[str, Any]:
+        """The spec with the TOML file's keys; a number where every stage has the same value."""
+        out: dict[str, Any] = {}
+        if self.name is not None:
+            out["name"] = self.name
+        out.update(stages=self.stages, pipelines=self.pipelines, microbatches=self.microbatches)
+        if self.microbatch_size is not None:
+            out["microbatch_size"] = self.microbatch_size
+        out["time"] = {k: _compact(getattr(self, k)) for k in TIME_KEYS}
+        if self.memory is not None:
+            mem: dict[str, Any] = {}
+            for key in MEMORY_KEYS:
+                value = getattr(self.memory, key)
+                if value is not None:
+                    mem[key] = _compact(value) if isinstance(value, tuple) else value
+            out["memory"] = mem
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "spec") -> "JobSpec":
+        return _parse(data, where)
+
+    def with_changes(self, **changes: Any) -> "JobSpec":
+        """A copy with some top-level fields replaced, re-validated."""
+        data = self.to_dict()
+        for key, value in changes.items():
+            if key in TIME_KEYS:
+                data["time"][key] = value
+            else:
+                data[key] = value
+        return _parse(data, "spec")
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read and validate a TOML job spec; every error names the file and the key."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read spec: {exc.strerror or exc}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise SpecError(f"{path}: not a text file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{path}: invalid TOML: {exc}") from None
+    return _parse(data, str(path))
+
+
+def _compact(values: tuple[float, ...]) -> float | list[float]:
+    first = values[0]
+    if all(v == first for v in values):
+        return _plain(first)
+    return [_plain(v) for v in values]
+
+
+def _plain(v: float) -> float | int:
+    return int(v) if float(v).is_integer() and abs(v) < 2**53 else float(v)
+
+
+def _parse(data: Mapping[str, Any], where: str) -> JobSpec:
+    if not isinstance(data, Mapping):
+        raise SpecError(f"{where}: expected a table of keys, got {type(data).__name__}")
+    _no_unknown(data, TOP_KEYS, where, "")
+    stages = _count(data, "stages", where)
+    pipelines = _count(data, "pipelines", where)
+    microbatches = _count(data, "microbatches", where)
+    mbs = _count(data, "microbatch_size", where) if "microbatch_size" in data else None
+    name = data.get("name")
+    if name is not None and not isinstance(name, str):
+        raise SpecError(f"{where}: 'name' must be a string")
+
+    time = data.get("time")
+    if time is None:
+        raise SpecError(f"{where}: missing table [time]")
+    if not isinstance(time, Mapping):
+        raise SpecError(f"{where}: 'time' must be a table")
+    _no_unknown(time, TIME_KEYS, where, "time.")
+    costs = {}
+    for key in TIME_KEYS:
+        if key not in time:
+            raise SpecError(f"{where}: missing key 'time.{key}'")
+        positive = key in ("forward", "backward_input")
+        costs[key] = _per_stage(time[key], stages, where, f"time.{key}", positive=positive)
+
+    memory = None
+    if "memory" in data:
+        memory = _parse_memory(data["memory"], stages, where)
+
+    spec = JobSpec(stages=stages, pipelines=pipelines, microbatches=microbatches,
+                   memory=memory, microbatch_size=mbs, name=name, **costs)
+    for s, cap in enumerate(spec.caps()):
+        if cap is not None and cap < 1:
+            raise SpecError(f"{where}: 'memory.budget' leaves stage {s} no room for a single "
+                            f"micro-batch's activations")
+    return spec
+
+
+def _parse_memory(mem: Any, stages: int, where: str) -> MemorySpec:
+    if not isinstance(mem, Mapping):
+        raise SpecError(f"{where}: 'memory' must be a table")
+    _no_unknown(mem, MEMORY_KEYS, where, "memory.")
+    if not mem:
+        raise SpecError(f"{where}: [memory] needs 'activation' and 'budget', or 'max_inflight'")
+    has_bytes = "activation" in mem or "budget" in mem
+    if has_bytes and not ("activation" in mem and "budget" in mem):
+        missing = "budget" if "activation" in mem else "activation"
+        raise SpecError(f"{where}: 'memory.{missing}' is needed with "
+                        f"'memory.{'activation' if missing == 'budget' else 'budget'}'")
+    if "static" in mem and not has_bytes:
+        raise SpecError(f"{where}: 'memory.static' needs 'memory.activation' and 'memory.budget'")
+    activation = budget = static = None
+    if has_bytes:
+        activation = _per_stage(mem["activation"], stages, where, "memory.activation",
+                                positive=True, units=True)
+        budget = _bytes(mem["budget"], where, "memory.budget")
+        if budget <= 0:
+            raise SpecError(f"{where}: 'memory.budget' must be positive")
+        if "static" in mem:
+            static = _per_stage(mem["static"], stages, where, "memory.static", units=True)
+    max_inflight = _count(mem, "max_inflight", where, prefix="memory.") if "max_inflight" in mem else None
+    return MemorySpec(activation=activation, budget=budget, static=static, max_inflight=max_inflight)
+
+
+def _no_unknown(table: Mapping[str, Any], allowed: tuple[str, ...], where: str, prefix: str) -> None:
+    for key in table:
+        if key not in allowed:
+            raise SpecError(f"{where}: unknown key '{prefix}{key}' "
+                            f"(expected one of: {', '.join(allowed)})")
+
+
+def _count(table: Mapping[str, Any], key: str, where: str, prefix: str = "") -> int:
+    if key not in table:
+        raise SpecError(f"{where}: missing key '{prefix}{key}'")
+    value = table[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{where}: '{prefix}{key}' must be a whole number, got {value!r}")
+    if value < 1:
+        raise SpecError(f"{where}: '{prefix}{key}' must be at least 1, got {value}")
+    return value
+
+
+def _number(value: Any, where: str, key: str, units: bool = False) -> float:
+    if units and isinstance(value, str):
+        return _bytes(value, where, key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(f"{where}: '{key}' must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise SpecError(f"{where}: '{key}' must be finite, got {value!r}")
+    return float(value)
+
+
+def _bytes(value: Any, where: str, key: str) -> float:
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]i?B|B)?\s*",
+                             value, flags=re.IGNORECASE)
+        if not match:
+            raise SpecError(f"{where}: '{key}' must be a number of bytes or a size like "
+                            f"'12GiB', got {value!r}")
+        return float(match.group(1)) * _UNITS[(match.group(2) or "").upper()]
+    return _number(value, where, key)
+
+
+def _per_stage(value: Any, stages: int, where: str, key: str, positive: bool = False,
+               units: bool = False) -> tuple[float, ...]:
+    if isinstance(value, list):
+        if len(value) != stages:
+            raise SpecError(f"{where}: '{key}' lists {len(value)} values but there are "
+                            f"{stages} stages")
+        values = tuple(_number(v, where, f"{key}[{i}]", units) for i, v in enumerate(value))
+    else:
+        values = (_number(value, where, key, units),) * stages
+    for i, v in enumerate(values):
+        if v < 0 or (positive and v == 0):
+            bound = "positive" if positive else "zero or more"
+            at = f"{key}[{i}]" if isinstance(value, list) else key
+            raise SpecError(f"{where}: '{at}' must be {bound}, got {_plain(v)}")
+    return values

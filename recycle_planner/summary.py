@@ -1,0 +1,34 @@
+"""The short human-readable summary of a plan that the CLI prints."""
+
+from __future__ import annotations
+
+from recycle_planner.failures import format_workers
+from recycle_planner.plan import Plan
+
+
+def plan_summary(plan: Plan) -> str:
+    m = plan.metrics
+    spec = plan.spec
+    name = spec.name or "job"
+    solver = plan.solver.get("name", "?")
+    detail = plan.solver.get("detail")
+    lines = [
+        f"{name}: {spec.stages} stages x {spec.pipelines} pipelines x {spec.microbatches} "
+        f"micro-batches, failed: {format_workers(plan.failed)}",
+        f"  policy          {plan.policy.label}   solver {solver}" + (f" ({detail})" if detail else ""),
+        f"  period          {m['period']:.4g} ms   (fault-free {m['fault_free_period']:.4g} ms, "
+        f"degradation {m['degradation']:+.1%})",
+        f"  iteration time  {m['iteration_time']:.4g} ms",
+        f"  lower bound     {m['lower_bound']:.4g} ms   (gap {m.get('gap', 0.0):.1%}"
+        + (f": {m['lower_bound_reason']}" if m.get("lower_bound_reason") else "") + ")",
+    ]
+    if "bubble_rate" in m:
+        lines.append(f"  bubble rate     {m['bubble_rate']:.1%} mean, "
+                     f"{m.get('max_bubble_rate', m['bubble_rate']):.1%} worst worker")
+    if "peak_inflight" in m:
+        lines.append(f"  peak in-flight  {m['peak_inflight']} micro-batches per worker")
+    if "rerouted_ops" in m:
+        lines.append(f"  re-routed ops   {m['rerouted_ops']} of {m.get('ops', '?')}")
+    if "throughput" in m:
+        lines.append(f"  throughput      {m['throughput']:.5g} samples/s")
+    return "\n".join(lines)

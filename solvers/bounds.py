@@ -1,0 +1,77 @@
+"""Lower bounds on the period of any plan for a failure situation.
+
+Every bound ignores memory (a relaxation) and holds for every peer assignment: the busiest live
+worker of stage s must run at least n_s = ceil(D*M / (D - k_s)) micro-batches, where k_s
+workers of stage s are dead. Costs: c_s = F_s + I_s + W_s per micro-batch; with the fused
+backward the input gradient of a micro-batch is ready only after the whole B.
+
+With a global barrier the period is the iteration time, which is at least, for every stage s:
+  (work)       head_s + n_s c_s + AR_s + OPT_s, where head_s is when stage s can first start;
+  (last input) head_s + n_s (F_s + I_s) + the input-gradient chain from s up to stage 0
+               + W_0 + AR_0 + OPT_0 (the last backward of stage s still has to reach stage 0);
+  (first input) the earliest time stage s can get its first gradient + n_s (I_s + W_s)
+               + AR_s + OPT_s.
+With the staggered optimizer a worker's iterations still run one after the other, so the period
+is at least the shortest span of one worker's iteration, for every stage s:
+  (work)       n_s c_s + AR_s + OPT_s;
+  (round trip) forward chain from s to the last stage and gradient chain back to s
+               + n_s (I_s + W_s) + AR_s + OPT_s.
+These bounds are tight for 1F1B and ZB-H1 without failures (33 and 27 with unit costs, p = 4,
+m = 8).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from recycle_planner.failures import dead_per_stage
+from recycle_planner.ops import Worker
+from recycle_planner.policy import Policy
+from recycle_planner.spec import JobSpec
+
+
+@dataclass(frozen=True)
+class Bound:
+    value: float
+    reason: str
+
+
+def busiest_load(spec: JobSpec, failed: tuple[Worker, ...]) -> tuple[int, ...]:
+    """n_s: micro-batches on the busiest live stage-s worker under the most even split."""
+    D, M = spec.pipelines, spec.microbatches
+    return tuple(math.ceil(D * M / (D - k)) for k in dead_per_stage(spec, failed))
+
+
+def lower_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Bound:
+    """The largest of the bounds in the module docstring, with the one that decided it."""
+    S = spec.stages
+    n = busiest_load(spec, failed)
+    fwd, p2p = spec.forward, spec.p2p
+    if policy.decouple:
+        inp, wgt = spec.backward_input, spec.backward_weight
+    else:
+        inp, wgt = spec.backward, (0.0,) * S
+    tail = [spec.allreduce[s] + spec.optimizer[s] for s in range(S)]
+    head = [sum(fwd[j] + p2p[j] for j in range(s)) for s in range(S)]
+    # Gradient chain: from the end of stage s's input backward to the end of stage 0's.
+    up = [sum(p2p[j + 1] + inp[j] for j in range(s)) for s in range(S)]
+    # Forward from the start of stage s's forward to the end of the last stage's forward, then
+    # gradients back to the start of stage s's input backward.
+    round_trip = [sum(fwd[j] for j in range(s, S)) + sum(p2p[j] for j in range(s, S - 1))
+                  + sum(inp[j] + p2p[j] for j in range(s + 1, S)) for s in range(S)]
+    work = [n[s] * (fwd[s] + inp[s] + wgt[s]) for s in range(S)]
+    bounds: list[Bound] = []
+    for s in range(S):
+        if policy.stagger:
+            bounds.append(Bound(work[s] + tail[s], f"work of the busiest stage-{s} worker"))
+            bounds.append(Bound(round_trip[s] + n[s] * (inp[s] + wgt[s]) + tail[s],
+                                f"round trip to stage {s}'s first gradient plus its backwards"))
+        else:
+            bounds.append(Bound(head[s] + work[s] + tail[s],
+                                f"start of stage {s} plus the work of its busiest worker"))
+            bounds.append(Bound(head[s] + n[s] * (fwd[s] + inp[s]) + up[s] + wgt[0] + tail[0],
+                                f"stage {s}'s last gradient travelling up to stage 0"))
+            bounds.append(Bound(head[s] + round_trip[s] + n[s] * (inp[s] + wgt[s]) + tail[s],
+                                f"stage {s}'s first gradient plus its backwards"))
+    return max(bounds, key=lambda b: b.value)

@@ -1,0 +1,30 @@
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from recycle_planner.spec import JobSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+settings.register_profile("default", deadline=None, max_examples=40,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", deadline=None, max_examples=600,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def make_spec(stages=4, pipelines=2, microbatches=8, memory=None, **time) -> JobSpec:
+    costs = dict(forward=1, backward_input=1, backward_weight=1, p2p=0, allreduce=0, optimizer=0)
+    costs.update(time)
+    data = dict(stages=stages, pipelines=pipelines, microbatches=microbatches, time=costs)
+    if memory is not None:
+        data["memory"] = memory
+    return JobSpec.from_dict(data)
+
+
+@pytest.fixture
+def small_spec() -> JobSpec:
+    return make_spec(pipelines=4, p2p=0.1, allreduce=1, optimizer=0.5)
