@@ -15,7 +15,10 @@ With the staggered optimizer a worker's iterations still run one after the other
 is at least the shortest span of one worker's iteration, for every stage s:
   (work)       n_s c_s + AR_s + OPT_s;
   (round trip) forward chain from s to the last stage and gradient chain back to s
-               + n_s (I_s + W_s) + AR_s + OPT_s.
+               + n_s (I_s + W_s) + AR_s + OPT_s;
+and the (last input) bound above still holds: it is a cycle that closes at stage 0, whose
+all-reduce waits for every stage-0 worker, and every stage-0 worker's next forward waits for
+its own optimizer step.
 These bounds are tight for 1F1B and ZB-H1 without failures (33 and 27 with unit costs, p = 4,
 m = 8).
 """
@@ -61,17 +64,21 @@ def lower_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Bo
     round_trip = [sum(fwd[j] for j in range(s, S)) + sum(p2p[j] for j in range(s, S - 1))
                   + sum(inp[j] + p2p[j] for j in range(s + 1, S)) for s in range(S)]
     work = [n[s] * (fwd[s] + inp[s] + wgt[s]) for s in range(S)]
+    def last_input(s: int) -> Bound:
+        return Bound(head[s] + n[s] * (fwd[s] + inp[s]) + up[s] + wgt[0] + tail[0],
+                     f"stage {s}'s last gradient travelling up to stage 0")
+
     bounds: list[Bound] = []
     for s in range(S):
         if policy.stagger:
             bounds.append(Bound(work[s] + tail[s], f"work of the busiest stage-{s} worker"))
             bounds.append(Bound(round_trip[s] + n[s] * (inp[s] + wgt[s]) + tail[s],
                                 f"round trip to stage {s}'s first gradient plus its backwards"))
+            bounds.append(last_input(s))
         else:
             bounds.append(Bound(head[s] + work[s] + tail[s],
                                 f"start of stage {s} plus the work of its busiest worker"))
-            bounds.append(Bound(head[s] + n[s] * (fwd[s] + inp[s]) + up[s] + wgt[0] + tail[0],
-                                f"stage {s}'s last gradient travelling up to stage 0"))
+            bounds.append(last_input(s))
             bounds.append(Bound(head[s] + round_trip[s] + n[s] * (inp[s] + wgt[s]) + tail[s],
                                 f"stage {s}'s first gradient plus its backwards"))
     return max(bounds, key=lambda b: b.value)
