@@ -11,6 +11,7 @@ import click
 from recycle_planner import __version__
 from recycle_planner.errors import RecycleError
 from recycle_planner.policy import SCHEDULES
+from recycle_planner.solvers import SOLVERS
 
 log = logging.getLogger("recycle_planner")
 
@@ -22,6 +23,9 @@ Typical session:
   recycle-planner gantt fail.json -o fail.png --compare ff.json
   recycle-planner validate fail.json
   recycle-planner export-torch ff.json -o schedule.csv
+  recycle-planner plan-all examples/gpt.toml --max-failures 2 -o plans/
+  recycle-planner lookup plans/ --failed 3:1 --failed 0:5
+  recycle-planner report plans/ -o degradation.png
 """
 
 
@@ -65,6 +69,21 @@ def policy_options(func):
     return func
 
 
+def solver_options(func):
+    func = click.option("--backend", type=click.Choice(["highs", "pulp-cbc", "pulp-highs"]),
+                        default="highs", show_default=True,
+                        help="MILP backend: highspy directly, or PuLP with CBC or HiGHS.")(func)
+    func = click.option("--time-limit", type=click.FloatRange(min=0.1), default=10.0,
+                        show_default=True, metavar="SECONDS",
+                        help="Budget of the MILP (and of 'auto') per situation.")(func)
+    func = click.option("--solver", type=click.Choice(SOLVERS), default="heuristic",
+                        show_default=True,
+                        help="heuristic: list scheduling (fast, any size); dp: dynamic programs "
+                             "that pack re-routed work into idle time; milp: exact model with a "
+                             "time limit; auto: the best that fits the time budget.")(func)
+    return func
+
+
 def make_policy(schedule: str, decouple: bool, stagger: bool):
     from recycle_planner.policy import Policy
 
@@ -76,10 +95,11 @@ def make_policy(schedule: str, decouple: bool, stagger: bool):
 @click.option("--fail", "fail", multiple=True, metavar="PIPELINE:STAGE",
               help="A dead worker; repeat for several.")
 @policy_options
+@solver_options
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the plan here (JSON; .json.gz is compressed).")
 def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagger: bool,
-         output: Path | None) -> None:
+         solver: str, time_limit: float, backend: str, output: Path | None) -> None:
     """Plan one failure situation of the job in SPEC and print its figures.
 
     With no --fail, the plan is the fault-free schedule. The summary gives the period
@@ -95,7 +115,8 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     job = load_spec(spec)
     policy = make_policy(schedule, decouple, stagger)
     failed = [parse_worker(f) for f in fail]
-    result = plan_situation(job, policy, failed)
+    result = plan_situation(job, policy, failed, solver=solver, time_limit=time_limit,
+                            backend=backend)
     click.echo(plan_summary(result))
     if output is not None:
         write_plan(result, output)
@@ -182,3 +203,98 @@ def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
 
     export_torch_csv(read_plan(plan_file), output, pipeline)
     click.echo(f"wrote {output}")
+
+
+@main.command("plan-all")
+@click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--max-failures", "-f", required=True, type=int, metavar="F",
+              help="Plan every situation with up to F dead workers.")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Library folder (created; index.json plus one plan per situation).")
+@policy_options
+@solver_options
+@click.option("--jobs", "-j", type=click.IntRange(1), default=None,
+              help="Processes (default: every core).")
+@click.option("--max-placements", type=click.IntRange(1), default=4, show_default=True,
+              help="Ways to line up the holes across logical pipelines to try per situation.")
+@click.option("--force", is_flag=True, help="Rebuild even if the folder holds a library for "
+                                            "another spec, or a corrupted index.")
+def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decouple: bool,
+             stagger: bool, solver: str, time_limit: float, backend: str, jobs: int | None,
+             max_placements: int, force: bool) -> None:
+    """Precompute the best plan for every failure situation with up to F dead workers.
+
+    Workers of a stage are interchangeable, so a situation is the number of dead workers per
+    stage; one plan covers every physical failure set with those counts. Resumable: run it
+    again and only missing or stale situations are planned. Prints the library report.
+    """
+    from tqdm import tqdm
+
+    from recycle_planner.library import PlanLibrary, Settings, build_library
+    from recycle_planner.report import library_text
+    from recycle_planner.spec import load_spec
+
+    job = load_spec(spec)
+    policy = make_policy(schedule, decouple, stagger)
+    settings = Settings(solver=solver, time_limit=time_limit, backend=backend,
+                        max_placements=max_placements)
+    bar = tqdm(total=None, unit="situation", desc="planning", file=sys.stderr, disable=None)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    try:
+        build_library(job, policy, max_failures, output, settings, jobs=jobs, force=force,
+                      progress=progress)
+    finally:
+        bar.close()
+    click.echo(library_text(PlanLibrary.open(output)))
+
+
+@main.command()
+@click.argument("library", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--failed", "failed", multiple=True, metavar="PIPELINE:STAGE",
+              help="A dead physical worker; repeat for several.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def lookup(library: Path, failed: tuple[str, ...], as_json: bool) -> None:
+    """Find the plan for the workers that are actually dead, and which logical pipeline each
+    physical worker plays in it."""
+    import json
+
+    from recycle_planner.failures import format_workers, parse_worker
+    from recycle_planner.library import PlanLibrary
+
+    lib = PlanLibrary.open(library)
+    hit = lib.lookup([parse_worker(f) for f in failed])
+    if as_json:
+        click.echo(json.dumps(hit.to_dict(), indent=2))
+        return
+    m = hit.entry["metrics"]
+    click.echo(f"plan: {hit.file}")
+    click.echo(f"dead (physical): {format_workers(sorted(parse_worker(f) for f in failed))}; "
+               f"per stage {list(hit.failed_per_stage)}; in the plan (logical): "
+               f"{format_workers(tuple(map(tuple, hit.entry.get('failed', []))))}")
+    click.echo(f"period {m['period']:.4g} ms, degradation {m['degradation']:+.1%}, "
+               f"gap {m.get('gap', 0):.1%}")
+    click.echo("logical pipeline of each physical worker, by stage (pipeline 0, 1, ...):")
+    for s, row in enumerate(hit.mapping.logical_of_physical):
+        click.echo(f"  stage {s}: {' '.join(str(x) for x in row)}")
+
+
+@main.command()
+@click.argument("library", type=click.Path(file_okay=False, path_type=Path))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also plot degradation against the number of failures (.png/.svg/.pdf).")
+def report(library: Path, output: Path | None) -> None:
+    """Summarize a plan library: situations, worst and mean degradation, gaps to the lower
+    bounds."""
+    from recycle_planner.library import PlanLibrary
+    from recycle_planner.report import library_text, plot_library
+
+    lib = PlanLibrary.open(library)
+    click.echo(library_text(lib))
+    if output is not None:
+        plot_library(lib, output)
+        click.echo(f"wrote {output}")

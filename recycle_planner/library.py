@@ -1,0 +1,297 @@
+"""The plan library: the best plan for every failure situation up to a threshold, and lookup.
+
+A folder with one plan file per situation and `index.json`:
+
+    {"format": "recycle-plan-library", "version": 1, "spec_hash": "...", "spec": {...},
+     "policy": {...}, "max_failures": 2, "settings": {...}, "fault_free_period": 501.4,
+     "entries": [{"failed_per_stage": [0, 1, 0, 0], "file": "k0-1-0-0.json.gz",
+                  "placement": [[1]], "failed": [[0, 1]], "failure_sets": 4,
+                  "metrics": {...}, "solver": {...}, "gap": 0.0, "spec_hash": "...",
+                  "settings_hash": "..."}, ...]}
+
+Building is parallel over processes, resumable (an entry whose file exists and whose spec and
+settings hashes match is kept) and deterministic (each situation's plan depends only on the
+spec, the policy and the settings). A launcher looks up the physical dead workers and gets the
+plan file plus the physical -> logical mapping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from recycle_planner import __version__
+from recycle_planner.errors import FailureSetError, PlanFileError, RecycleError
+from recycle_planner.failures import check_failed, dead_per_stage
+from recycle_planner.normalize import (Mapping, Placement, canonical, check_threshold,
+                                       failure_sets, logical_failed, map_failure, placements,
+                                       situations)
+from recycle_planner.plan import Plan
+from recycle_planner.planfile import read_json, read_plan, write_json, write_plan
+from recycle_planner.planner import plan_situation
+from recycle_planner.policy import Policy
+from recycle_planner.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+LIBRARY_FORMAT = "recycle-plan-library"
+LIBRARY_VERSION = 1
+INDEX = "index.json"
+
+
+def spec_hash(spec: JobSpec, policy: Policy) -> str:
+    blob = json.dumps({"spec": spec.to_dict(), "policy": policy.to_dict()}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How plans are computed; a change makes entries stale."""
+
+    solver: str = "auto"
+    time_limit: float = 10.0
+    backend: str = "highs"
+    max_placements: int = 4
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"solver": self.solver, "time_limit": self.time_limit, "backend": self.backend,
+                "max_placements": self.max_placements, "planner": __version__}
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def situation_file(counts: tuple[int, ...]) -> str:
+    return "k" + "-".join(str(k) for k in counts) + ".json.gz"
+
+
+def plan_best_placement(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
+                        settings: Settings, reference: float | None) -> tuple[Plan, Placement]:
+    """Plan every placement of the holes (up to the settings' limit) and keep the shortest
+    period; ties go to the placement listed first (packed before spread)."""
+    best: tuple[Plan, Placement] | None = None
+    for placement in placements(counts, spec.pipelines, settings.max_placements):
+        plan = plan_situation(spec, policy, logical_failed(placement), settings.solver,
+                              settings.time_limit, settings.backend, reference=reference)
+        if best is None or plan.metrics["period"] < best[0].metrics["period"] - 1e-9:
+            best = (plan, placement)
+    assert best is not None
+    return best
+
+
+def _build_one(args: tuple) -> dict[str, Any]:
+    spec, policy, counts, settings, reference, folder, shash = args
+    plan, placement = plan_best_placement(spec, policy, counts, settings, reference)
+    plan = Plan(plan.schedule, plan.timing, plan.metrics, plan.solver,
+                mapping={"placement": [list(g) for g in placement]})
+    name = situation_file(counts)
+    write_plan(plan, Path(folder) / name)
+    m = plan.metrics
+    return {"failed_per_stage": list(counts), "file": name,
+            "placement": [list(g) for g in placement],
+            "failed": [list(w) for w in plan.failed],
+            "failure_sets": failure_sets(spec, counts),
+            "metrics": {k: m[k] for k in ("period", "iteration_time", "fault_free_period",
+                                          "degradation", "lower_bound", "gap", "optimal")
+                        if k in m},
+            "solver": plan.solver, "gap": m["gap"], "spec_hash": shash,
+            "settings_hash": settings.hash}
+
+
+def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str | Path,
+                  settings: Settings = Settings(), jobs: int | None = None, force: bool = False,
+                  progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Compute (or complete) the library for `spec` in `folder`; returns the index.
+
+    `progress(done, total)` is called after each situation."""
+    check_threshold(spec, max_failures)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shash = spec_hash(spec, policy)
+    old_entries = _reusable_entries(folder, spec, shash, force)
+    wanted = situations(spec, max_failures)
+    keep = {}
+    for entry in old_entries:
+        counts = tuple(entry.get("failed_per_stage", ()))
+        if (entry.get("spec_hash") == shash and entry.get("settings_hash") == settings.hash
+                and (folder / str(entry.get("file", ""))).is_file()):
+            keep[counts] = entry
+    todo = [k for k in wanted if k not in keep]
+    log.info("library %s: %d situations, %d up to date, %d to plan", folder, len(wanted),
+             len(wanted) - len(todo), len(todo))
+    zero = (0,) * spec.stages
+    entries = dict(keep)
+    done = len(wanted) - len(todo)
+    if progress:
+        progress(done, len(wanted))
+    # The fault-free situation first: every other entry's degradation is measured against it.
+    if zero in keep:
+        reference = keep[zero]["metrics"]["period"]
+    else:
+        entries[zero] = _build_one((spec, policy, zero, settings, None, folder, shash))
+        reference = entries[zero]["metrics"]["period"]
+        todo.remove(zero)
+        done += 1
+        _write_index(folder, spec, policy, max_failures, settings, shash, reference, entries, wanted)
+        if progress:
+            progress(done, len(wanted))
+    jobs = jobs or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else os.cpu_count() or 1)
+    tasks = [(spec, policy, k, settings, reference, str(folder), shash) for k in todo]
+    if jobs > 1 and len(tasks) > 1:
+        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
+                                          else "spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            results: Iterable = pool.map(_build_one, tasks, chunksize=1)
+            for entry in results:
+                entries[tuple(entry["failed_per_stage"])] = entry
+                done += 1
+                _write_index(folder, spec, policy, max_failures, settings, shash, reference,
+                             entries, wanted)
+                if progress:
+                    progress(done, len(wanted))
+    else:
+        for task in tasks:
+            entry = _build_one(task)
+            entries[tuple(entry["failed_per_stage"])] = entry
+            done += 1
+            _write_index(folder, spec, policy, max_failures, settings, shash, reference, entries,
+                         wanted)
+            if progress:
+                progress(done, len(wanted))
+    return _write_index(folder, spec, policy, max_failures, settings, shash, reference, entries,
+                        wanted)
+
+
+def _reusable_entries(folder: Path, spec: JobSpec, shash: str, force: bool) -> list[dict]:
+    path = folder / INDEX
+    if not path.exists():
+        return []
+    try:
+        index = _check_index(read_json(path, "library index"), path)
+    except PlanFileError as exc:
+        if force:
+            return []
+        raise PlanFileError(f"{exc}; delete it or pass --force to rebuild the library") from None
+    if index["spec_hash"] != shash and not force:
+        other = index.get("spec", {}).get("name") or "another job"
+        raise RecycleError(f"{folder} holds a library for another spec or policy ({other}, hash "
+                           f"{index['spec_hash']}, this one is {shash}); pass --force to rebuild "
+                           f"it there or choose another folder")
+    return index["entries"]
+
+
+def _write_index(folder: Path, spec: JobSpec, policy: Policy, max_failures: int,
+                 settings: Settings, shash: str, reference: float,
+                 entries: dict[tuple[int, ...], dict], wanted: list[tuple[int, ...]]) -> dict:
+    order = {k: i for i, k in enumerate(wanted)}
+    listed = sorted((e for k, e in entries.items() if k in order),
+                    key=lambda e: order[tuple(e["failed_per_stage"])])
+    index = {"format": LIBRARY_FORMAT, "version": LIBRARY_VERSION, "spec_hash": shash,
+             "spec": spec.to_dict(), "policy": policy.to_dict(), "max_failures": max_failures,
+             "settings": settings.to_dict(), "fault_free_period": reference,
+             "complete": len(listed) == len(wanted), "entries": listed}
+    write_json(folder / INDEX, index)
+    return index
+
+
+def _check_index(data: Any, path: Path) -> dict:
+    if not isinstance(data, dict) or data.get("format") != LIBRARY_FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise PlanFileError(f"{path}: not a recycle-plan-library index (format is {found!r})")
+    if data.get("version") != LIBRARY_VERSION:
+        raise PlanFileError(f"{path}: library version {data.get('version')!r} is not supported "
+                            f"(this recycle-planner reads version {LIBRARY_VERSION})")
+    for key, kind in (("spec_hash", str), ("spec", dict), ("policy", dict),
+                      ("max_failures", int), ("entries", list)):
+        if not isinstance(data.get(key), kind):
+            raise PlanFileError(f"{path}: '{key}' is missing or malformed")
+    for i, entry in enumerate(data["entries"]):
+        if not (isinstance(entry, dict) and isinstance(entry.get("failed_per_stage"), list)
+                and isinstance(entry.get("file"), str) and isinstance(entry.get("placement"), list)
+                and isinstance(entry.get("metrics"), dict)):
+            raise PlanFileError(f"{path}: entries[{i}] is malformed (needs failed_per_stage, "
+                                f"file, placement and metrics)")
+        name = entry["file"]
+        if "/" in name or "\\" in name or name.startswith("."):
+            raise PlanFileError(f"{path}: entries[{i}].file {name!r} must be a file in the folder")
+    return data
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What a launcher needs for a set of dead physical workers."""
+
+    file: Path
+    failed_per_stage: tuple[int, ...]
+    mapping: Mapping
+    entry: dict[str, Any]
+
+    def plan(self) -> Plan:
+        return read_plan(self.file)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": str(self.file), "failed_per_stage": list(self.failed_per_stage),
+                "mapping": self.mapping.to_dict(), "placement": self.entry["placement"],
+                "failed_logical": self.entry.get("failed", []), "metrics": self.entry["metrics"]}
+
+
+class PlanLibrary:
+    """A built library, opened for lookups. `PlanLibrary.open("plans/").lookup([(1, 3)])`."""
+
+    def __init__(self, folder: Path, index: dict[str, Any]):
+        self.folder = folder
+        self.index = index
+        self.spec = JobSpec.from_dict(index["spec"], f"{folder / INDEX}: spec")
+        self.policy = Policy.from_dict(index["policy"])
+        self.max_failures = int(index["max_failures"])
+        self._by_counts = {tuple(e["failed_per_stage"]): e for e in index["entries"]}
+
+    @classmethod
+    def open(cls, folder: str | Path, spec: JobSpec | None = None) -> "PlanLibrary":
+        folder = Path(folder)
+        path = folder / INDEX
+        if not path.is_file():
+            raise PlanFileError(f"{folder}: no plan library here (missing {INDEX}); build one "
+                                f"with 'recycle-planner plan-all'")
+        lib = cls(folder, _check_index(read_json(path, "library index"), path))
+        if spec is not None and spec_hash(spec, lib.policy) != lib.index["spec_hash"]:
+            raise RecycleError(f"{folder} was built for another spec (hash "
+                               f"{lib.index['spec_hash']}); rebuild it with 'recycle-planner "
+                               f"plan-all' for this one")
+        return lib
+
+    @property
+    def fault_free_period(self) -> float:
+        return float(self.index["fault_free_period"])
+
+    def entries(self) -> list[dict[str, Any]]:
+        return list(self.index["entries"])
+
+    def entry(self, counts: tuple[int, ...]) -> dict[str, Any] | None:
+        return self._by_counts.get(tuple(counts))
+
+    def lookup(self, failed: Iterable[Iterable[int]]) -> Lookup:
+        """The plan and mapping for these dead physical workers; an error if a worker is outside
+        the grid or listed twice, if a stage has no live worker left, or if the set is beyond
+        the library's threshold."""
+        dead = check_failed(self.spec, failed)
+        counts = dead_per_stage(self.spec, dead)
+        if len(dead) > self.max_failures:
+            raise FailureSetError(f"{len(dead)} dead workers is beyond this library's threshold "
+                                  f"of {self.max_failures}: fall back to a checkpoint restart")
+        entry = self._by_counts.get(counts)
+        if entry is None:
+            raise PlanFileError(f"{self.folder}: the library has no plan for per-stage failures "
+                                f"{list(counts)} (incomplete library: run plan-all again)")
+        placement = canonical(entry["placement"])
+        mapping = map_failure(self.spec, dead, placement)
+        return Lookup(self.folder / entry["file"], counts, mapping, entry)

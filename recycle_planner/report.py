@@ -1,0 +1,108 @@
+"""Summaries of a plan library: how bad it gets with 1, 2, ... failures, and how sure we are."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from recycle_planner.library import PlanLibrary
+from recycle_planner.planfile import atomic_write
+
+
+def library_rows(lib: PlanLibrary) -> list[dict]:
+    """One row per number of failures: situations, raw failure sets, degradation, gap."""
+    groups: dict[int, list[dict]] = defaultdict(list)
+    for entry in lib.entries():
+        groups[sum(entry["failed_per_stage"])].append(entry)
+    rows = []
+    for n in sorted(groups):
+        es = groups[n]
+        deg = [e["metrics"]["degradation"] for e in es]
+        gap = [e["metrics"].get("gap", 0.0) for e in es]
+        rows.append({"failures": n, "situations": len(es),
+                     "failure_sets": sum(e.get("failure_sets", 0) for e in es),
+                     "mean_degradation": sum(deg) / len(deg), "worst_degradation": max(deg),
+                     "mean_gap": sum(gap) / len(gap), "worst_gap": max(gap),
+                     "optimal": sum(bool(e["metrics"].get("optimal")) for e in es)})
+    return rows
+
+
+def library_text(lib: PlanLibrary) -> str:
+    spec = lib.spec
+    entries = lib.entries()
+    gaps = [e["metrics"].get("gap", 0.0) for e in entries]
+    lines = [f"library {lib.folder}: {spec.name or 'job'}, {spec.stages} stages x "
+             f"{spec.pipelines} pipelines x {spec.microbatches} micro-batches, "
+             f"policy {lib.policy.label}, up to {lib.max_failures} failures",
+             f"fault-free period {lib.fault_free_period:.4g} ms; {len(entries)} situations; "
+             f"mean gap to lower bound {sum(gaps) / max(1, len(gaps)):.2%}"
+             + ("" if lib.index.get("complete", True) else "  (INCOMPLETE: run plan-all again)"),
+             "",
+             f"{'failures':>8} {'situations':>10} {'failure sets':>12} {'mean degr.':>10} "
+             f"{'worst degr.':>11} {'mean gap':>9} {'worst gap':>9} {'optimal':>8}"]
+    for r in library_rows(lib):
+        lines.append(f"{r['failures']:>8} {r['situations']:>10} {r['failure_sets']:>12} "
+                     f"{r['mean_degradation']:>10.1%} {r['worst_degradation']:>11.1%} "
+                     f"{r['mean_gap']:>9.2%} {r['worst_gap']:>9.2%} "
+                     f"{r['optimal']:>4}/{r['situations']:<3}")
+    worst = sorted(entries, key=lambda e: -e["metrics"]["degradation"])[:5]
+    if worst and worst[0]["metrics"]["degradation"] > 0:
+        lines += ["", "worst situations (dead workers per stage):"]
+        for e in worst:
+            m = e["metrics"]
+            lines.append(f"  {e['failed_per_stage']}  period {m['period']:.4g} ms, "
+                         f"degradation {m['degradation']:+.1%}, gap {m.get('gap', 0):.1%}, "
+                         f"solver {e.get('solver', {}).get('name', '?')}  ({e['file']})")
+    return "\n".join(lines)
+
+
+def plot_library(lib: PlanLibrary, path: str | Path) -> None:
+    """Degradation against the number of failures: every situation as a dot, the mean as a
+    line, the lower bound's degradation as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fmt = path.suffix.lower().lstrip(".")
+    if fmt not in ("png", "svg", "pdf"):
+        from recycle_planner.errors import RecycleError
+
+        raise RecycleError(f"{path}: unknown picture format {path.suffix!r} (use .png, .svg, .pdf)")
+    ref = lib.fault_free_period
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    xs, ys, lbs = [], [], []
+    for e in lib.entries():
+        n = sum(e["failed_per_stage"])
+        xs.append(n)
+        ys.append(100 * e["metrics"]["degradation"])
+        lbs.append(100 * (e["metrics"]["lower_bound"] / ref - 1))
+    # Spread the dots of one failure count sideways so that equal values stay visible.
+    jitter = list(map(float, xs))
+    for n in set(xs):
+        idx = [i for i, x in enumerate(xs) if x == n]
+        for j, i in enumerate(sorted(idx, key=lambda i: ys[i])):
+            jitter[i] += 0.0 if len(idx) == 1 else 0.3 * (j / (len(idx) - 1) - 0.5)
+    ax.scatter(jitter, ys, s=12, alpha=0.6, label="each situation (plan)")
+    rows = library_rows(lib)
+    ax.plot([r["failures"] for r in rows], [100 * r["mean_degradation"] for r in rows], "-o",
+            color="#C44E52", label="mean")
+    by_n: dict[int, list[float]] = defaultdict(list)
+    for x, lb in zip(xs, lbs):
+        by_n[x].append(lb)
+    ax.plot(sorted(by_n), [sum(v) / len(v) for _, v in sorted(by_n.items())], "--",
+            color="#555555", label="mean lower bound")
+    ax.set_xlabel("dead workers")
+    ax.set_ylabel("period degradation vs fault-free (%)")
+    ax.set_xticks(sorted(by_n))
+    spec = lib.spec
+    ax.set_title(f"{spec.name or 'job'}: {spec.stages}x{spec.pipelines}x{spec.microbatches}, "
+                 f"{lib.policy.label}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        atomic_write(path, lambda fh: fig.savefig(fh, format=fmt, dpi=130), binary=True)
+    finally:
+        plt.close(fig)
