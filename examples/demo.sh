@@ -25,4 +25,11 @@ echo
     -o "$OUT/gpt-plain-vs-recycle.png"
 "$RP" export-torch "$OUT/gpt-fault-free.json" -o "$OUT/gpt-fault-free-torch.csv"
 echo
-echo "plans, pictures and the torch CSV are in $OUT/"
+echo "== the plan library: the best plan for every situation with up to 2 dead workers"
+"$RP" plan-all "$SPEC" --max-failures 2 --solver auto -o "$OUT/gpt-plans"
+"$RP" report "$OUT/gpt-plans" -o "$OUT/gpt-plans-degradation.png" | tail -n 1
+echo
+echo "== a launcher looks up the workers that are actually dead"
+"$RP" lookup "$OUT/gpt-plans" --failed 2:5 --failed 0:1
+echo
+echo "plans, pictures, the plan library and the torch CSV are in $OUT/"
