@@ -73,6 +73,9 @@ def solver_options(func):
     func = click.option("--backend", type=click.Choice(["highs", "pulp-cbc", "pulp-highs"]),
                         default="highs", show_default=True,
                         help="MILP backend: highspy directly, or PuLP with CBC or HiGHS.")(func)
+    func = click.option("--node-limit", type=click.IntRange(1), default=None, metavar="NODES",
+                        help="Also stop the MILP after this many branch-and-bound nodes: the "
+                             "same answer on every machine (plan-all defaults to 500).")(func)
     func = click.option("--time-limit", type=click.FloatRange(min=0.1), default=10.0,
                         show_default=True, metavar="SECONDS",
                         help="Budget of the MILP (and of 'auto') per situation.")(func)
@@ -99,7 +102,8 @@ def make_policy(schedule: str, decouple: bool, stagger: bool):
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the plan here (JSON; .json.gz is compressed).")
 def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagger: bool,
-         solver: str, time_limit: float, backend: str, output: Path | None) -> None:
+         solver: str, time_limit: float, node_limit: int | None, backend: str,
+         output: Path | None) -> None:
     """Plan one failure situation of the job in SPEC and print its figures.
 
     With no --fail, the plan is the fault-free schedule. The summary gives the period
@@ -116,7 +120,7 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     policy = make_policy(schedule, decouple, stagger)
     failed = [parse_worker(f) for f in fail]
     result = plan_situation(job, policy, failed, solver=solver, time_limit=time_limit,
-                            backend=backend)
+                            backend=backend, node_limit=node_limit)
     click.echo(plan_summary(result))
     if output is not None:
         write_plan(result, output)
@@ -220,8 +224,8 @@ def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
 @click.option("--force", is_flag=True, help="Rebuild even if the folder holds a library for "
                                             "another spec, or a corrupted index.")
 def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decouple: bool,
-             stagger: bool, solver: str, time_limit: float, backend: str, jobs: int | None,
-             max_placements: int, force: bool) -> None:
+             stagger: bool, solver: str, time_limit: float, node_limit: int | None, backend: str,
+             jobs: int | None, max_placements: int, force: bool) -> None:
     """Precompute the best plan for every failure situation with up to F dead workers.
 
     Workers of a stage are interchangeable, so a situation is the number of dead workers per
@@ -237,7 +241,8 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
     job = load_spec(spec)
     policy = make_policy(schedule, decouple, stagger)
     settings = Settings(solver=solver, time_limit=time_limit, backend=backend,
-                        max_placements=max_placements)
+                        max_placements=max_placements,
+                        node_limit=500 if node_limit is None else node_limit)
     bar = tqdm(total=None, unit="situation", desc="planning", file=sys.stderr, disable=None)
 
     def progress(done: int, total: int) -> None:

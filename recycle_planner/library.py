@@ -10,8 +10,9 @@ A folder with one plan file per situation and `index.json`:
                   "settings_hash": "..."}, ...]}
 
 Building is parallel over processes, resumable (an entry whose file exists and whose spec and
-settings hashes match is kept) and deterministic (each situation's plan depends only on the
-spec, the policy and the settings). A launcher looks up the physical dead workers and gets the
+settings hashes match is kept) and deterministic: each situation's plan depends only on the
+spec, the policy and the settings, the MILP's budget is a node limit (one thread, fixed seed)
+and its time limit only a safety net that a normal run does not reach. A launcher looks up the physical dead workers and gets the
 plan file plus the physical -> logical mapping.
 """
 
@@ -59,10 +60,12 @@ class Settings:
     time_limit: float = 10.0
     backend: str = "highs"
     max_placements: int = 4
+    node_limit: int | None = 500   # the MILP's deterministic budget; the time limit is a net
 
     def to_dict(self) -> dict[str, Any]:
         return {"solver": self.solver, "time_limit": self.time_limit, "backend": self.backend,
-                "max_placements": self.max_placements, "planner": __version__}
+                "max_placements": self.max_placements, "node_limit": self.node_limit,
+                "planner": __version__}
 
     @property
     def hash(self) -> str:
@@ -80,7 +83,8 @@ def plan_best_placement(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
     best: tuple[Plan, Placement] | None = None
     for placement in placements(counts, spec.pipelines, settings.max_placements):
         plan = plan_situation(spec, policy, logical_failed(placement), settings.solver,
-                              settings.time_limit, settings.backend, reference=reference)
+                              settings.time_limit, settings.backend, reference=reference,
+                              node_limit=settings.node_limit)
         if best is None or plan.metrics["period"] < best[0].metrics["period"] - 1e-9:
             best = (plan, placement)
     assert best is not None

@@ -224,7 +224,9 @@ class DependencyGraph:
 
 @dataclass(frozen=True, eq=False)
 class Simulation:
-    """The first iteration's times and the steady-state period of a schedule."""
+    """The first iteration's times, the steady-state period of a schedule, and the times of
+    one steady-state iteration (shifted to start at 0): in those, every worker's iteration
+    fits in one period."""
 
     graph: DependencyGraph
     timing: Timing
@@ -232,6 +234,7 @@ class Simulation:
     period: float
     iterations_simulated: int
     converged: bool
+    steady: Timing
 
     @cached_property
     def schedule(self) -> Schedule:
@@ -249,13 +252,14 @@ def simulate(schedule: Schedule, max_iterations: int = 48) -> Simulation:
     iteration_time = float(end[:n].max() - start[:n].min()) if n else 0.0
     timing = graph.timing(start, end)
     if not schedule.policy.stagger or n == 0:
-        return Simulation(graph, timing, iteration_time, iteration_time, 1, True)
+        return Simulation(graph, timing, iteration_time, iteration_time, 1, True, timing)
 
     # Times of iteration k are a max-plus linear function of iteration k-1's, so once
     # iteration k is iteration k-c shifted by the same amount everywhere, it stays so forever.
     first, last = graph.first_of_worker, graph.last_of_worker
     live = first >= 0
-    history = [start[:n].copy()]
+    recent = [start[:n].copy()]          # the last few iterations' start times
+    means = [float(start[:n].mean())]    # every iteration's mean start, for the fallback
     prev_end = end
     period = None
     converged = False
@@ -263,9 +267,10 @@ def simulate(schedule: Schedule, max_iterations: int = 48) -> Simulation:
         base = np.zeros(graph.n_nodes)
         base[first[live]] = prev_end[last[live]]
         start_k, prev_end = graph.run(base)
-        history.append(start_k[:n].copy())
-        for cycle in range(1, min(4, k) + 1):
-            diff = history[-1] - history[-1 - cycle]
+        recent = (recent + [start_k[:n].copy()])[-5:]
+        means.append(float(start_k[:n].mean()))
+        for cycle in range(1, min(4, len(recent) - 1) + 1):
+            diff = recent[-1] - recent[-1 - cycle]
             if diff.max() - diff.min() <= 1e-9 * max(1.0, abs(float(diff.max()))):
                 period = float(diff.mean()) / cycle
                 converged = True
@@ -273,12 +278,9 @@ def simulate(schedule: Schedule, max_iterations: int = 48) -> Simulation:
         if converged:
             break
     if period is None:
-        half = len(history) // 2
-        period = float((history[-1] - history[half]).mean()) / (len(history) - 1 - half)
-    return Simulation(graph, timing, iteration_time, period, len(history), converged)
-
-
-def _first_duplicate(ids: np.ndarray) -> int:
-    uniq, counts = np.unique(ids, return_counts=True)
-    return int(uniq[np.argmax(counts > 1)])
-
+        half = len(means) // 2
+        period = (means[-1] - means[half]) / (len(means) - 1 - half)
+    last_start = recent[-1] - recent[-1].min()
+    steady = graph.timing(np.concatenate([last_start, np.zeros(graph.n_nodes - n)]),
+                          np.concatenate([last_start + graph.dur[:n], np.zeros(graph.n_nodes - n)]))
+    return Simulation(graph, timing, iteration_time, period, len(means), converged, steady)

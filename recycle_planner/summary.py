@@ -22,6 +22,16 @@ def plan_summary(plan: Plan) -> str:
         f"  lower bound     {m['lower_bound']:.4g} ms   (gap {m.get('gap', 0.0):.1%}"
         + (f": {m['lower_bound_reason']}" if m.get("lower_bound_reason") else "") + ")",
     ]
+    milp = plan.solver.get("milp")
+    if milp:
+        obj = "none" if milp.get("objective") is None else f"{milp['objective']:.4g}"
+        bnd = "none" if milp.get("best_bound") is None else f"{milp['best_bound']:.4g}"
+        gap = "" if milp.get("gap") is None else f", gap {milp['gap']:.1%}"
+        size = milp.get("model", {})
+        lines.append(f"  milp            {milp['status']}: objective {obj}, best bound {bnd}{gap}; "
+                     f"{size.get('binaries', '?')} binaries, {size.get('constraints', '?')} "
+                     f"constraints, {milp.get('seconds', 0):.1f} s ({milp.get('backend')}, "
+                     f"warm start {milp.get('warm_start')})")
     if "bubble_rate" in m:
         lines.append(f"  bubble rate     {m['bubble_rate']:.1%} mean, "
                      f"{m.get('max_bubble_rate', m['bubble_rate']):.1%} worst worker")

@@ -19,6 +19,11 @@ is at least the shortest span of one worker's iteration, for every stage s:
 and the (last input) bound above still holds: it is a cycle that closes at stage 0, whose
 all-reduce waits for every stage-0 worker, and every stage-0 worker's next forward waits for
 its own optimizer step.
+Memory sharpens two of them. A worker holds at most cap_s in-flight micro-batches (forward
+started, weight gradient not done), so after its last input backward at most cap_s weight
+gradients remain: (last input) counts (n_s - cap_s)+ W_s more; and before its first input
+backward it can have started at most cap_s forwards: (first input) and (round trip) count
+(n_s - cap_s)+ F_s more.
 These bounds are tight for 1F1B and ZB-H1 without failures (33 and 27 with unit costs, p = 4,
 m = 8).
 """
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 
 from recycle_planner.failures import dead_per_stage
 from recycle_planner.ops import Worker
-from recycle_planner.policy import Policy
+from recycle_planner.policy import Policy, budget_caps
 from recycle_planner.spec import JobSpec
 
 
@@ -56,6 +61,10 @@ def lower_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Bo
     else:
         inp, wgt = spec.backward, (0.0,) * S
     tail = [spec.allreduce[s] + spec.optimizer[s] for s in range(S)]
+    caps = budget_caps(spec, policy)
+    # Work that memory forces to the wrong side of a worker's last / first input backward.
+    late_w = [max(0, n[s] - caps[s]) * wgt[s] for s in range(S)]
+    late_f = [max(0, n[s] - caps[s]) * fwd[s] for s in range(S)]
     head = [sum(fwd[j] + p2p[j] for j in range(s)) for s in range(S)]
     # Gradient chain: from the end of stage s's input backward to the end of stage 0's.
     up = [sum(p2p[j + 1] + inp[j] for j in range(s)) for s in range(S)]
@@ -65,20 +74,21 @@ def lower_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Bo
                   + sum(inp[j] + p2p[j] for j in range(s + 1, S)) for s in range(S)]
     work = [n[s] * (fwd[s] + inp[s] + wgt[s]) for s in range(S)]
     def last_input(s: int) -> Bound:
-        return Bound(head[s] + n[s] * (fwd[s] + inp[s]) + up[s] + wgt[0] + tail[0],
+        return Bound(head[s] + n[s] * (fwd[s] + inp[s]) + late_w[s] + up[s] + wgt[0] + tail[0],
                      f"stage {s}'s last gradient travelling up to stage 0")
 
     bounds: list[Bound] = []
     for s in range(S):
         if policy.stagger:
             bounds.append(Bound(work[s] + tail[s], f"work of the busiest stage-{s} worker"))
-            bounds.append(Bound(round_trip[s] + n[s] * (inp[s] + wgt[s]) + tail[s],
+            bounds.append(Bound(round_trip[s] + n[s] * (inp[s] + wgt[s]) + late_f[s] + tail[s],
                                 f"round trip to stage {s}'s first gradient plus its backwards"))
             bounds.append(last_input(s))
         else:
             bounds.append(Bound(head[s] + work[s] + tail[s],
                                 f"start of stage {s} plus the work of its busiest worker"))
             bounds.append(last_input(s))
-            bounds.append(Bound(head[s] + round_trip[s] + n[s] * (inp[s] + wgt[s]) + tail[s],
+            bounds.append(Bound(head[s] + round_trip[s] + n[s] * (inp[s] + wgt[s]) + late_f[s]
+                                + tail[s],
                                 f"stage {s}'s first gradient plus its backwards"))
     return max(bounds, key=lambda b: b.value)

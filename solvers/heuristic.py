@@ -64,12 +64,14 @@ def template_keys(spec: JobSpec, policy: Policy) -> np.ndarray:
 
 def list_schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                   assignment: np.ndarray | None = None, caps: tuple[int, ...] | None = None,
-                  keys: np.ndarray | None = None, defer_w: bool = False) -> Schedule:
+                  keys: np.ndarray | None = None, defer_w: bool = False,
+                  op_keys: dict[tuple[int, int, int, int], float] | None = None) -> Schedule:
     """One list schedule (see the module docstring).
 
     `assignment[d, s, m]`: the pipeline whose stage-s worker runs micro-batch m of pipeline d;
     `caps[s]`: in-flight micro-batch limit of a stage-s worker (default: the memory budget);
-    `keys`: priorities from `template_keys`; `defer_w`: W only when nothing else is ready."""
+    `keys`: priorities from `template_keys`; `defer_w`: W only when nothing else is ready;
+    `op_keys[(kind, d, s, m)]`: a priority for one op that overrides `keys`."""
     D, S, M = spec.pipelines, spec.stages, spec.microbatches
     if assignment is None:
         assignment = default_assignment(spec, failed)
@@ -112,7 +114,9 @@ def list_schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
 
     def release(kind: int, d: int, s: int, m: int, t: float) -> None:
         w = exe[d][s][m]
-        entry = (key_of[kind][s][m], KIND_TIEBREAK[kind], d != w // S, d, m, kind)
+        key = key_of[kind][s][m] if op_keys is None else \
+            op_keys.get((kind, d, s, m), key_of[kind][s][m])
+        entry = (key, KIND_TIEBREAK[kind], d != w // S, d, m, kind)
         heapq.heappush(future[w], (t, entry))
         heapq.heappush(events, (t, w))
 
