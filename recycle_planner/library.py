@@ -38,6 +38,8 @@ from recycle_planner.plan import Plan
 from recycle_planner.planfile import read_json, read_plan, write_json, write_plan
 from recycle_planner.planner import plan_situation
 from recycle_planner.policy import Policy
+from recycle_planner.simulate import simulate
+from recycle_planner.solvers.heuristic import list_schedule
 from recycle_planner.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -76,12 +78,23 @@ def situation_file(counts: tuple[int, ...]) -> str:
     return "k" + "-".join(str(k) for k in counts) + ".json.gz"
 
 
+# Above this many ops per plan, placements are compared with one list-scheduling pass and only
+# the best one is planned with the full solver.
+SCREEN_ABOVE_OPS = 50_000
+
+
 def plan_best_placement(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
                         settings: Settings, reference: float | None) -> tuple[Plan, Placement]:
     """Plan every placement of the holes (up to the settings' limit) and keep the shortest
-    period; ties go to the placement listed first (packed before spread)."""
+    period; ties go to the placement listed first (packed before spread). On large jobs the
+    placements are screened by one list-scheduling pass first."""
+    options = placements(counts, spec.pipelines, settings.max_placements)
+    ops = spec.workers * spec.microbatches * (3 if policy.decouple else 2)
+    if len(options) > 1 and ops > SCREEN_ABOVE_OPS:
+        periods = [simulate(list_schedule(spec, policy, logical_failed(p))).period for p in options]
+        options = [options[min(range(len(options)), key=lambda i: (periods[i], i))]]
     best: tuple[Plan, Placement] | None = None
-    for placement in placements(counts, spec.pipelines, settings.max_placements):
+    for placement in options:
         plan = plan_situation(spec, policy, logical_failed(placement), settings.solver,
                               settings.time_limit, settings.backend, reference=reference,
                               node_limit=settings.node_limit)

@@ -63,7 +63,7 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
     path = Path(path)
     text = json.dumps(data, separators=(",", ":"), allow_nan=False)
     if path.suffix == ".gz":
-        atomic_write(path, lambda fh: fh.write(gzip.compress(text.encode(), mtime=0)), binary=True)
+        atomic_write(path, lambda fh: fh.write(gzip.compress(text.encode(), compresslevel=3, mtime=0)), binary=True)
     else:
         atomic_write(path, lambda fh: fh.write(text + "\n"))
 

@@ -39,12 +39,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from recycle_planner.generators import fault_free
 from recycle_planner.ops import B, F, I, OpSpace, Worker
 from recycle_planner.policy import Policy, budget_caps
 from recycle_planner.simulate import Simulation, simulate
 from recycle_planner.spec import JobSpec
-from recycle_planner.solvers.heuristic import Candidate, list_schedule, template_keys
+from recycle_planner.solvers.heuristic import (Candidate, fault_free_simulation, list_schedule,
+                                               template_keys)
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def dp_assignment(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]
     re-routed micro-batches to its peers' idle slots; also the total displacement."""
     S, D, M = spec.stages, spec.pipelines, spec.microbatches
     space = OpSpace(S, D, M)
-    ff = simulate(fault_free(spec, policy))
+    ff = fault_free_simulation(spec, policy)
     bwd = I if policy.decouple else B
     cost_fi = [spec.forward[s] + (spec.backward_input[s] if policy.decouple else spec.backward[s])
                for s in range(S)]

@@ -17,7 +17,9 @@ only lets stages start earlier.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -50,15 +52,25 @@ def default_assignment(spec: JobSpec, failed: tuple[Worker, ...]) -> np.ndarray:
     return assign
 
 
+@lru_cache(maxsize=8)
+def fault_free_simulation(spec: JobSpec, policy: Policy) -> Simulation:
+    """The generator's fault-free schedule, timed (cached: every failure plan of a job starts
+    from it)."""
+    return simulate(fault_free(spec, policy))
+
+
+@lru_cache(maxsize=8)
 def template_keys(spec: JobSpec, policy: Policy) -> np.ndarray:
-    """keys[kind, s, m]: start time of (kind, pipeline 0, s, m) in the fault-free schedule."""
-    sim = simulate(fault_free(spec, policy))
+    """keys[kind, s, m]: start time of (kind, pipeline 0, s, m) in the fault-free schedule
+    (cached and read-only)."""
+    sim = fault_free_simulation(spec, policy)
     space = OpSpace(spec.stages, spec.pipelines, spec.microbatches)
     S, M = spec.stages, spec.microbatches
     keys = np.full((4, S, M), np.inf)
     for kind in (F, I, W, B):
         ids = space.compute(kind, 0, np.arange(S)[:, None], np.arange(M)[None, :])
         keys[kind] = np.nan_to_num(sim.timing.start[ids], nan=np.inf)
+    keys.flags.writeable = False
     return keys
 
 
@@ -91,74 +103,77 @@ def list_schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
 
     dead = set(failed)
     n_workers = D * S
-    exe = (assignment * S + np.arange(S)[None, :, None]).tolist()  # exe[d][s][m] -> worker
-    remaining = [0] * n_workers
+    exe = (assignment * S + np.arange(S)[None, :, None]).ravel().tolist()  # [(d*S+s)*M+m] -> w
     per_mb = 3 if split else 2
-    for d in range(D):
-        for s in range(S):
-            for m in range(M):
-                remaining[exe[d][s][m]] += per_mb
+    remaining = (np.bincount(exe, minlength=n_workers) * per_mb).tolist()
     for d, s in dead:
         if remaining[d * S + s]:
             raise ValueError(f"assignment gives work to dead worker {d}:{s}")
 
+    # Op ids as in OpSpace: ((kind * D + d) * S + s) * M + m; unit = (d * S + s) * M + m.
+    DSM = D * S * M
+    deps_left = [0] * (4 * DSM)   # inputs an op still waits for
+    ready_at = [0.0] * (4 * DSM)  # when the last of them arrived
+    for s in range(S):
+        for d in range(D):
+            base = (d * S + s) * M
+            for m in range(M):
+                u = base + m
+                deps_left[F * DSM + u] = 1 if s > 0 else 0
+                deps_left[bwd * DSM + u] = 2 if s < S - 1 else 1
+                deps_left[W * DSM + u] = 1
     cap = [caps[w % S] for w in range(n_workers)]
     inflight = [0] * n_workers
     free_at = [0.0] * n_workers
-    future: list[list] = [[] for _ in range(n_workers)]   # (ready time, entry)
+    wake = [math.inf] * n_workers       # time of the worker's next decision event
+    future: list[list] = [[] for _ in range(n_workers)]   # (ready time, key, tie, op)
     ready_f: list[list] = [[] for _ in range(n_workers)]  # forwards, gated by memory
     ready_o: list[list] = [[] for _ in range(n_workers)]  # everything else
     orders: list[list[int]] = [[] for _ in range(n_workers)]
-    pending: dict[tuple[int, int, int, int], list] = {}   # op -> [deps left, ready time]
     events: list[tuple[float, int]] = []
+    heappush, heappop = heapq.heappush, heapq.heappop
+    tie_kind = [KIND_TIEBREAK[k] for k in range(4)]
 
-    def release(kind: int, d: int, s: int, m: int, t: float) -> None:
-        w = exe[d][s][m]
+    def release(op: int, t: float) -> None:
+        """Op `op` has all its inputs at time t: queue it on its worker."""
+        kind, u = divmod(op, DSM)
+        m = u % M
+        d, s = divmod(u // M, S)
+        w = exe[u]
         key = key_of[kind][s][m] if op_keys is None else \
             op_keys.get((kind, d, s, m), key_of[kind][s][m])
-        entry = (key, KIND_TIEBREAK[kind], d != w // S, d, m, kind)
-        heapq.heappush(future[w], (t, entry))
-        heapq.heappush(events, (t, w))
-
-    def arrive(kind: int, d: int, s: int, m: int, t: float, deps: int) -> None:
-        """One dependency of op (kind, d, s, m) is met at time t."""
-        if deps == 1:
-            release(kind, d, s, m, t)
-            return
-        op = (kind, d, s, m)
-        entry = pending.get(op)
-        if entry is None:
-            pending[op] = [deps - 1, t]
-            return
-        entry[0] -= 1
-        if t > entry[1]:
-            entry[1] = t
-        if entry[0] == 0:
-            del pending[op]
-            release(kind, d, s, m, entry[1])
+        tie = ((tie_kind[kind] * 2 + (d != w // S)) * D + d) * M + m
+        heappush(future[w], (t, key, tie, op))
+        if t < wake[w] and free_at[w] <= t:  # a busy worker decides when it is free anyway
+            wake[w] = t
+            heappush(events, (t, w))
 
     for d in range(D):
         for m in range(M):
-            release(F, d, 0, m, 0.0)
+            release(F * DSM + d * S * M + m, 0.0)
 
     while events:
-        t, w = heapq.heappop(events)
-        if free_at[w] > t or remaining[w] == 0:
-            continue
+        t, w = heappop(events)
+        if t != wake[w] or free_at[w] > t or remaining[w] == 0:
+            continue  # superseded, busy, or done
+        wake[w] = math.inf
         fut = future[w]
         while fut and fut[0][0] <= t:
-            entry = heapq.heappop(fut)[1]
-            heapq.heappush(ready_f[w] if entry[5] == F else ready_o[w], entry)
+            item = heappop(fut)
+            heappush(ready_f[w] if item[3] < DSM else ready_o[w], item[1:])
         qf = ready_f[w] if inflight[w] < cap[w] else None
         qo = ready_o[w]
         if qf and (not qo or qf[0] < qo[0]):
-            chosen = heapq.heappop(qf)
+            op = heappop(qf)[2]
         elif qo:
-            chosen = heapq.heappop(qo)
+            op = heappop(qo)[2]
         else:
+            if fut:
+                wake[w] = fut[0][0]
+                heappush(events, (wake[w], w))
             continue
-        d, m, kind = chosen[3], chosen[4], chosen[5]
-        s = w % S
+        kind, u = divmod(op, DSM)
+        s = (u // M) % S
         if kind == F:
             end = t + fwd_cost[s]
             inflight[w] += 1
@@ -167,22 +182,37 @@ def list_schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
             inflight[w] -= 1
         else:
             end = t + bwd_cost[s]
+            if kind == B:
+                inflight[w] -= 1
         free_at[w] = end
-        orders[w].append(space.compute(kind, d, s, m))
+        orders[w].append(op)
         remaining[w] -= 1
-        heapq.heappush(events, (end, w))
+        wake[w] = end
+        heappush(events, (end, w))
+        # Inputs this op produces: the next stage's forward, this micro-batch's backward,
+        # the previous stage's backward, this micro-batch's W.
         if kind == F:
             if s < S - 1:
-                arrive(F, d, s + 1, m, end + p2p[s], 1)
-            arrive(bwd, d, s, m, end, 2 if s < S - 1 else 1)
-        elif kind == I:
-            release(W, d, s, m, end)
-            if s > 0:
-                arrive(I, d, s - 1, m, end + p2p[s], 2)
-        elif kind == B:
-            inflight[w] -= 1
-            if s > 0:
-                arrive(B, d, s - 1, m, end + p2p[s], 2)
+                nxt = op + M
+                ready_at[nxt] = end + p2p[s]
+                release(nxt, ready_at[nxt])
+            nxt = bwd * DSM + u
+            deps_left[nxt] -= 1
+            if end > ready_at[nxt]:
+                ready_at[nxt] = end
+            if deps_left[nxt] == 0:
+                release(nxt, ready_at[nxt])
+        else:
+            if kind == I:
+                release(W * DSM + u, end)
+            if kind != W and s > 0:
+                nxt = op - M
+                t_in = end + p2p[s]
+                deps_left[nxt] -= 1
+                if t_in > ready_at[nxt]:
+                    ready_at[nxt] = t_in
+                if deps_left[nxt] == 0:
+                    release(nxt, ready_at[nxt])
     if any(remaining):  # a bug, not bad input: with every cap >= 1 the last stage always drains
         raise RuntimeError("list scheduling stalled")
     out = []
@@ -192,7 +222,7 @@ def list_schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
             out.append(np.zeros(0, dtype=np.int64))
         else:
             out.append(np.array(orders[w] + [space.allreduce(d, s), space.optimizer(d, s)],
-                                dtype=np.int64))
+                                dtype=np.int64))  # compute op ids equal OpSpace's
     return Schedule(spec=spec, policy=policy, failed=tuple(failed), orders=tuple(out))
 
 
