@@ -84,7 +84,8 @@ SCREEN_ABOVE_OPS = 50_000
 
 
 def plan_best_placement(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
-                        settings: Settings, reference: float | None) -> tuple[Plan, Placement]:
+                        settings: Settings, reference: float | None,
+                        reference_bound: float | None = None) -> tuple[Plan, Placement]:
     """Plan every placement of the holes (up to the settings' limit) and keep the shortest
     period; ties go to the placement listed first (packed before spread). On large jobs the
     placements are screened by one list-scheduling pass first."""
@@ -97,7 +98,7 @@ def plan_best_placement(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
     for placement in options:
         plan = plan_situation(spec, policy, logical_failed(placement), settings.solver,
                               settings.time_limit, settings.backend, reference=reference,
-                              node_limit=settings.node_limit)
+                              node_limit=settings.node_limit, reference_bound=reference_bound)
         if best is None or plan.metrics["period"] < best[0].metrics["period"] - 1e-9:
             best = (plan, placement)
     assert best is not None
@@ -105,8 +106,9 @@ def plan_best_placement(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
 
 
 def _build_one(args: tuple) -> dict[str, Any]:
-    spec, policy, counts, settings, reference, folder, shash = args
-    plan, placement = plan_best_placement(spec, policy, counts, settings, reference)
+    spec, policy, counts, settings, reference, reference_bound, folder, shash = args
+    plan, placement = plan_best_placement(spec, policy, counts, settings, reference,
+                                          reference_bound)
     plan = Plan(plan.schedule, plan.timing, plan.metrics, plan.solver,
                 mapping={"placement": [list(g) for g in placement]})
     name = situation_file(counts)
@@ -150,19 +152,20 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
     if progress:
         progress(done, len(wanted))
     # The fault-free situation first: every other entry's degradation is measured against it.
-    if zero in keep:
-        reference = keep[zero]["metrics"]["period"]
-    else:
-        entries[zero] = _build_one((spec, policy, zero, settings, None, folder, shash))
-        reference = entries[zero]["metrics"]["period"]
+    if zero not in keep:
+        entries[zero] = _build_one((spec, policy, zero, settings, None, None, folder, shash))
         todo.remove(zero)
         done += 1
+    reference = entries[zero]["metrics"]["period"]
+    reference_bound = entries[zero]["metrics"]["lower_bound"]
+    if zero not in keep:
         _write_index(folder, spec, policy, max_failures, settings, shash, reference, entries, wanted)
         if progress:
             progress(done, len(wanted))
     jobs = jobs or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                        else os.cpu_count() or 1)
-    tasks = [(spec, policy, k, settings, reference, str(folder), shash) for k in todo]
+    tasks = [(spec, policy, k, settings, reference, reference_bound, str(folder), shash)
+             for k in todo]
     if jobs > 1 and len(tasks) > 1:
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
                                           else "spawn")

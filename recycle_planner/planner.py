@@ -64,36 +64,50 @@ def solve(spec: JobSpec, policy: Policy, failed: tuple, solver: str = "heuristic
 def plan_situation(spec: JobSpec, policy: Policy, failed: Iterable[Iterable[int]] = (),
                    solver: str = "heuristic", time_limit: float | None = None,
                    backend: str = "highs", reference: float | None = None,
-                   node_limit: int | None = None) -> Plan:
-    """The plan for one failure set, with its figures. `reference` is the fault-free period
-    (computed when not given; pass it to save the work for many situations)."""
+                   node_limit: int | None = None, reference_bound: float | None = None) -> Plan:
+    """The plan for one failure set, with its figures. `reference` is the fault-free period and
+    `reference_bound` a proven lower bound of the fault-free situation (both computed when not
+    given; pass them to save the work for many situations). A failure plan is also a valid
+    fault-free plan (the dead workers just idle), so the fault-free bound bounds it too."""
     failed = check_failed(spec, failed)
     solution = solve(spec, policy, failed, solver, time_limit, backend, node_limit)
-    if reference is None:
-        reference = solution.simulation.period if not failed else \
-            solve(spec, policy, (), solver, time_limit, backend, node_limit).simulation.period
+    bounds = []
+    if solution.bound is not None:
+        bounds.append(Bound(solution.bound, "the MILP's best bound"))
+    if not failed:
+        reference = solution.simulation.period
+    elif reference is None or reference_bound is None:
+        ff = solve(spec, policy, (), solver, time_limit, backend, node_limit)
+        reference = ff.simulation.period if reference is None else reference
+        if reference_bound is None:
+            reference_bound = max(lower_bound(spec, policy, ()).value, ff.bound or 0.0)
+    if failed and reference_bound is not None:
+        bounds.append(Bound(reference_bound, "the fault-free optimum's bound"))
     log.debug("planned %s with %s: period %.3f", failed or "no failures", solution.info,
               solution.simulation.period)
-    return finish_plan(solution.simulation, reference, solution.info, bound=solution.bound)
+    return finish_plan(solution.simulation, reference, solution.info, bounds=bounds)
 
 
 def finish_plan(sim: Simulation, fault_free_period: float, solver: dict[str, Any],
-                mapping: dict[str, Any] | None = None, bound: float | None = None) -> Plan:
-    """Attach metrics to a timed schedule; `bound` is a solver's proven bound, if any."""
+                mapping: dict[str, Any] | None = None, bounds: Iterable[Bound] = ()) -> Plan:
+    """Attach metrics to a timed schedule; `bounds` are proven bounds beyond the analytic
+    ones (a solver's, the fault-free situation's)."""
     return Plan(schedule=sim.schedule, timing=sim.timing,
-                metrics=compute_metrics(sim, fault_free_period, bound), solver=solver,
+                metrics=compute_metrics(sim, fault_free_period, bounds), solver=solver,
                 mapping=mapping)
 
 
 def compute_metrics(sim: Simulation, fault_free_period: float,
-                    solver_bound: float | None = None) -> dict[str, Any]:
+                    bounds: Iterable[Bound] = ()) -> dict[str, Any]:
     schedule = sim.schedule
     spec = schedule.spec
     stats = worker_stats(schedule, sim.timing, sim.period)
     alive = [i for i, o in enumerate(schedule.orders) if len(o)]
     bound = lower_bound(spec, schedule.policy, schedule.failed)
-    if solver_bound is not None and solver_bound > bound.value:
-        bound = Bound(min(solver_bound, sim.period), "the MILP's best bound")
+    for other in bounds:
+        if other.value > bound.value + 1e-9:
+            # Never above the plan itself: a solver's bound is only trusted to its tolerance.
+            bound = Bound(min(other.value, sim.period), other.reason)
     lb = max(bound.value, 0.0)
     metrics: dict[str, Any] = {
         "iteration_time": sim.iteration_time,

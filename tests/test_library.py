@@ -215,3 +215,16 @@ def test_cli_plan_all_lookup_report(tmp_path):
     r = runner.invoke(main, ["plan-all", str(EXAMPLES / "small.toml"), "-f", "5", "-o",
                              str(tmp_path / "lib2")])
     assert r.exit_code == 2 and "cannot survive 5 failures" in r.output
+
+
+def test_fault_free_bound_certifies_failure_plans():
+    """A failure plan is also a valid fault-free plan, so the fault-free situation's proven
+    bound bounds it; the plan says which bound decided."""
+    from recycle_planner.planner import plan_situation
+
+    spec = make_spec(stages=2, pipelines=3, microbatches=2, p2p=0.25)
+    plan = plan_situation(spec, Policy(), [(1, 1)], reference_bound=1e6)
+    assert plan.metrics["lower_bound"] == pytest.approx(plan.metrics["period"])
+    assert plan.metrics["lower_bound_reason"] == "the fault-free optimum's bound"
+    plain = plan_situation(spec, Policy(), [(1, 1)])
+    assert plain.metrics["lower_bound"] <= plain.metrics["period"]
