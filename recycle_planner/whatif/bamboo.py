@@ -19,7 +19,7 @@ from recycle_planner.errors import SpecError
 from recycle_planner.spec import JobSpec
 from recycle_planner.whatif.deadset import DeadState
 from recycle_planner.whatif.durations import format_duration
-from recycle_planner.whatif.strategy import Context, Speed, Strategy
+from recycle_planner.whatif.strategy import Context, Speed, Strategy, derived_memory
 
 
 def groups_of(stages: int, dead: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -64,16 +64,8 @@ def bamboo_spec(spec: JobSpec, dead: tuple[int, ...] = ()) -> JobSpec:
     data: dict[str, Any] = {"name": f"{spec.name or 'job'} with Bamboo redundancy",
                             "stages": len(groups), "pipelines": 1,
                             "microbatches": spec.microbatches, "time": time}
-    mem = spec.memory
-    if mem is not None:
-        memory: dict[str, Any] = {}
-        if mem.activation is not None:
-            memory["activation"] = [total(mem.activation, h) for h in held]
-            memory["budget"] = mem.budget
-            if mem.static is not None:
-                memory["static"] = [total(mem.static, h) for h in held]
-        if mem.max_inflight is not None:
-            memory["max_inflight"] = mem.max_inflight
+    memory = derived_memory(spec.memory, lambda values: [total(values, h) for h in held])
+    if memory is not None:
         data["memory"] = memory
     return JobSpec.from_dict(data, "Bamboo")
 

@@ -17,7 +17,8 @@ from typing import Any, Hashable, Sequence
 from recycle_planner.spec import JobSpec
 from recycle_planner.whatif.deadset import DeadState
 from recycle_planner.whatif.durations import format_duration
-from recycle_planner.whatif.strategy import Context, Speed, Strategy, min_max_split
+from recycle_planner.whatif.strategy import (Context, Speed, Strategy, derived_memory,
+                                             min_max_split)
 
 
 def window(values: Sequence[float], length: int) -> list[float]:
@@ -52,16 +53,8 @@ def pipeline_spec(spec: JobSpec, length: int, microbatches: int) -> JobSpec:
     data: dict[str, Any] = {"name": f"{spec.name or 'job'} as {length} stages",
                             "stages": length, "pipelines": 1, "microbatches": microbatches,
                             "time": time}
-    mem = spec.memory
-    if mem is not None:
-        memory: dict[str, Any] = {}
-        if mem.activation is not None:
-            memory["activation"] = window(mem.activation, length)
-            memory["budget"] = mem.budget
-            if mem.static is not None:
-                memory["static"] = window(mem.static, length)
-        if mem.max_inflight is not None:
-            memory["max_inflight"] = mem.max_inflight
+    memory = derived_memory(spec.memory, lambda values: window(values, length))
+    if memory is not None:
         data["memory"] = memory
     return JobSpec.from_dict(data, f"{spec.name or 'job'} re-cut into {length} stages")
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, ClassVar, Hashable, Iterable, Sequence
 from recycle_planner.library import PlanLibrary
 from recycle_planner.planner import plan_situation
 from recycle_planner.policy import Policy
-from recycle_planner.spec import JobSpec
+from recycle_planner.spec import JobSpec, MemorySpec
 from recycle_planner.whatif.deadset import DeadState
 from recycle_planner.whatif.durations import format_duration
 from recycle_planner.whatif.trace import Event
@@ -185,6 +185,23 @@ class Strategy:
         for key in todo:
             self._speeds[key] = self._speed(key)
         return self._speeds
+
+
+def derived_memory(mem: MemorySpec | None,
+                   recut: Callable[[tuple[float, ...]], list[float]]) -> dict[str, Any] | None:
+    """The [memory] table of a derived spec (another pipeline shape) whose per-worker byte
+    figures are `recut` from the job's per-stage ones; budget and in-flight cap unchanged."""
+    if mem is None:
+        return None
+    memory: dict[str, Any] = {}
+    if mem.activation is not None:
+        memory["activation"] = recut(mem.activation)
+        memory["budget"] = mem.budget
+        if mem.static is not None:
+            memory["static"] = recut(mem.static)
+    if mem.max_inflight is not None:
+        memory["max_inflight"] = mem.max_inflight
+    return memory
 
 
 def min_max_split(groups: Sequence[Hashable], total: int,
