@@ -215,3 +215,19 @@ def test_without_failures_every_strategy_but_bamboo_runs_at_fault_free_speed(lib
     study = simulate(context(libraries), [("none", trace(duration=1000))])
     for o in study.runs[0].outcomes:
         assert o.relative == pytest.approx(0.75 if o.strategy == "bamboo" else 1.0)
+
+
+def test_rerouting_is_not_ahead_of_checkpoint_restart_on_every_trace(libraries):
+    """Why no test claims re-routing always beats checkpoint-restart without spares: their
+    checkpoints fall at different times. Library for 1 failure; 1:0 dies at 0.5 s, is back at
+    40.5 s, dies again at 190.5 s, and 1:1 dies at 193.5 s; the trace ends at 194.5 s.
+
+    Re-routing: 2000 - 20 (iteration in progress) + 37 s x 2400 + 57.5 s x 4000 = 320,780 at
+    its checkpoint at 100 s; at 193.5 s two are dead, beyond the library: back to 320,780.
+    Checkpoint-restart: back to 0 at 0.5 s, restart from 40.5 s to 50.5 s, checkpoint at
+    150.5 s after 100 s x 4000 = 400,000; back to it at 190.5 s."""
+    tr = trace((0.5, "fail", (1, 0)), (40.5, "repair", (1, 0)), (190.5, "fail", (1, 0)),
+               (193.5, "fail", (1, 1)), duration=194.5)
+    ctx = context(libraries, f=1)
+    assert run(ctx, "reroute", tr).samples == pytest.approx(320_780)
+    assert run(ctx, "checkpoint-wait", tr).samples == pytest.approx(400_000)
