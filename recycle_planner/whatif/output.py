@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from recycle_planner import __version__
-from recycle_planner.whatif.durations import format_duration
 from recycle_planner.whatif.engine import Outcome, Run, Study
 
 WHATIF_FORMAT = "recycle-whatif"
@@ -19,7 +18,7 @@ def header(study: Study) -> list[str]:
     lines = [f"{spec.name or 'job'}: {spec.stages} stages x {spec.pipelines} pipelines x "
              f"{spec.microbatches} micro-batches ({spec.workers} workers), policy "
              f"{ctx.policy.label}",
-             f"fault-free: period {ctx.fault_free_period:.4g} ms, {ff.rate:.4g} {ctx.unit}/s"
+             f"fault-free: period {ctx.fault_free_period:.4g} ms, {_num(ff.rate)} {ctx.unit}/s"
              + ("" if spec.microbatch_size else " (no microbatch_size in the spec: counting "
                                                 "micro-batches)")]
     if ctx.library is not None:
@@ -29,8 +28,17 @@ def header(study: Study) -> list[str]:
     return lines
 
 
+def _num(x: float) -> str:
+    """4 significant digits, or whole numbers with thousands separators from 1,000 up."""
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
+
+
 def _duration(seconds: float) -> str:
-    return format_duration(round(seconds)) if seconds >= 1 else f"{seconds:.2g}s"
+    """Time paused or waiting, to one decimal in the largest unit that fits."""
+    for size, unit in ((86400.0, "d"), (3600.0, "h"), (60.0, "min")):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 def run_table(run: Run, unit: str) -> list[str]:
@@ -38,8 +46,8 @@ def run_table(run: Run, unit: str) -> list[str]:
     lines = [f"{'strategy':<30} {unit + '/s':>15} {'vs fault-free':>13} {'restarts':>8} "
              f"{'reconfig.':>9} {'lost (rollback)':>16} {'paused':>8} {'waiting':>8}"]
     for o in run.outcomes:
-        lines.append(f"{o.title:<30} {o.mean_rate:>15.4g} {o.relative:>13.1%} {o.restarts:>8} "
-                     f"{o.reconfigurations:>9} {o.lost_rollback:>16.4g} "
+        lines.append(f"{o.title:<30} {_num(o.mean_rate):>15} {o.relative:>13.1%} {o.restarts:>8} "
+                     f"{o.reconfigurations:>9} {_num(o.lost_rollback):>16} "
                      f"{_duration(o.paused):>8} {_duration(o.waiting):>8}")
     for name, why in run.infeasible.items():
         lines.append(f"{name:<30} {'infeasible':>15}   {why}")
@@ -56,7 +64,7 @@ def frequency_table(study: Study) -> list[str]:
         row = f"{strategy.title:<30}"
         for run in study.runs:
             o = _outcome(run, strategy.name)
-            cell = f"{o.mean_rate:.4g} ({o.relative:.1%})" if o else "infeasible"
+            cell = f"{_num(o.mean_rate)} ({o.relative:.1%})" if o else "infeasible"
             row += f"{cell:>{width}}"
         lines.append(row)
     return lines

@@ -9,6 +9,7 @@ import numpy as np
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.planfile import atomic_write
+from recycle_planner.whatif.durations import format_duration
 from recycle_planner.whatif.engine import Run, Study
 from recycle_planner.whatif.trace import FAIL
 
@@ -42,7 +43,15 @@ def _pyplot():
     return plt
 
 
-def plot_over_time(study: Study, run: Run, path: str | Path, bins: int = 168) -> None:
+BIN_WIDTHS = (60.0, 300.0, 600.0, 1800.0, 3600.0, 3 * 3600.0, 6 * 3600.0, 86400.0, 7 * 86400.0)
+
+
+def bin_width(duration: float, most: int = 300) -> float:
+    """The shortest round bin width that cuts `duration` into at most `most` bins."""
+    return next((w for w in BIN_WIDTHS if duration / w <= most), duration / most)
+
+
+def plot_over_time(study: Study, run: Run, path: str | Path) -> None:
     """Top: each strategy's training speed (mean per bin, % of fault-free), failures marked
     below it. Bottom: net samples trained so far (rollbacks subtracted) against fault-free."""
     path = Path(path)
@@ -53,7 +62,8 @@ def plot_over_time(study: Study, run: Run, path: str | Path, bins: int = 168) ->
     T = run.trace.duration
     scale, unit = (86400.0, "days") if T >= 3 * 86400 else (3600.0, "hours") if T >= 3 * 3600 \
         else (60.0, "minutes")
-    edges = np.linspace(0.0, T, bins + 1)
+    width = bin_width(T)
+    edges = np.append(np.arange(0.0, T, width), T)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True,
                                       gridspec_kw={"height_ratios": [3, 2]})
     for o in run.outcomes:
@@ -70,7 +80,7 @@ def plot_over_time(study: Study, run: Run, path: str | Path, bins: int = 168) ->
         top.plot(fails / scale, np.full(fails.size, -4.0), "|", color="#333333", markersize=7,
                  label=f"failures ({fails.size})")
     top.set_ylim(-8, 108)
-    top.set_ylabel(f"throughput, % of fault-free\n(mean per {T / bins / 3600:.3g} h)")
+    top.set_ylabel(f"throughput, % of fault-free\n(mean per {format_duration(width)})")
     top.grid(alpha=0.3)
     top.legend(fontsize=7.5, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=4,
                frameon=False)
