@@ -29,8 +29,10 @@ def header(study: Study) -> list[str]:
 
 
 def _num(x: float) -> str:
-    """4 significant digits, or whole numbers with thousands separators from 1,000 up."""
-    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
+    """Whole numbers with thousands separators from 1,000 up, one decimal from 10 up."""
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
 
 
 def _duration(seconds: float) -> str:
