@@ -88,7 +88,7 @@ def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str
     from recycle_planner.whatif.engine import simulate
     from recycle_planner.whatif.output import study_dict, study_text
     from recycle_planner.whatif.strategy import Context, Costs
-    from recycle_planner.whatif.trace import read_trace, sample_trace, write_trace
+    from recycle_planner.whatif.trace import read_trace, sample_trace
 
     if (trace_file is None) == (mtbf is None):
         raise RecycleError("give either --trace TRACE.csv or --mtbf DURATIONS (to sample "
@@ -118,17 +118,16 @@ def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str
     study = simulate(Context.from_library(lib, costs), traces, names)
     click.echo(json.dumps(study_dict(study), indent=1) if as_json else study_text(study))
     if output is not None:
-        _write_outputs(study, output, plot_format, sampled=trace_file is None,
-                       quiet=as_json, write_trace=write_trace)
+        _write_outputs(study, output, plot_format, sampled=trace_file is None, quiet=as_json)
 
 
-def _write_outputs(study, folder: Path, fmt: str, sampled: bool, quiet: bool,
-                   write_trace) -> None:
+def _write_outputs(study, folder: Path, fmt: str, sampled: bool, quiet: bool) -> None:
     """whatif.json, one throughput-over-time plot per trace, the across-frequencies plot when
     there are several traces, and the sampled traces as CSV."""
     from recycle_planner.planfile import write_json
     from recycle_planner.whatif.output import study_dict
     from recycle_planner.whatif.plots import plot_frequencies, plot_over_time
+    from recycle_planner.whatif.trace import write_trace
 
     try:
         folder.mkdir(parents=True, exist_ok=True)

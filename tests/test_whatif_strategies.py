@@ -23,6 +23,7 @@ iteration in progress is 5/9 done: 20 samples.
 
 import pytest
 
+from recycle_planner.errors import RecycleError
 from recycle_planner.library import PlanLibrary, Settings, build_library
 from recycle_planner.policy import BASELINE
 from recycle_planner.whatif.engine import STRATEGIES, replay, simulate
@@ -209,6 +210,20 @@ def test_bamboo_that_does_not_fit_is_reported_not_run(libraries):
     study = simulate(context(libraries, spec=spec), [("A", TRACE_A)], ["bamboo", "oobleck"])
     assert [o.strategy for o in study.runs[0].outcomes] == ["oobleck"]
     assert "do not fit the memory budget" in study.runs[0].infeasible["bamboo"]
+
+
+def test_bamboo_whose_schedule_cannot_run_in_the_budget_is_reported(libraries):
+    """GPipe keeps both micro-batches in flight; with its successor's state a worker has room
+    for one only (1 + 1 GB static, 2 GB per micro-batch, 5 GB)."""
+    from recycle_planner.policy import Policy
+
+    spec = SPEC.with_changes(memory={"activation": "1GB", "static": "1GB", "budget": "5GB"})
+    gpipe = Policy("gpipe", decouple=False, stagger=False)
+    ctx = Context(spec, gpipe, COSTS, 8.0, None, PeriodModel(gpipe))
+    bamboo = STRATEGIES["bamboo"](ctx)
+    assert "gpipe keeps all 2 micro-batches in flight" in bamboo.infeasible()
+    with pytest.raises(RecycleError, match="Bamboo-style cannot run this job"):
+        replay(bamboo, TRACE_A)
 
 
 def test_without_failures_every_strategy_but_bamboo_runs_at_fault_free_speed(libraries):

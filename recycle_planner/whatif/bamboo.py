@@ -84,7 +84,9 @@ class Bamboo(Strategy):
             return
         try:
             self.normal = bamboo_spec(ctx.spec)
+            ctx.model.period(self.normal)  # the schedule may not run within the budget either
         except SpecError as exc:
+            self.normal = None
             self._why_not = (f"the successor's redundant layers do not fit the memory budget "
                              f"({exc})")
 

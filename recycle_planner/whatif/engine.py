@@ -261,6 +261,9 @@ def _frac(x: float) -> float:
 def replay(strategy: Strategy, trace: Trace, states: Sequence[DeadState] | None = None
            ) -> Outcome:
     """Replay `trace` against `strategy`; its configurations are costed first, all at once."""
+    why = strategy.infeasible()
+    if why is not None:
+        raise RecycleError(f"{strategy.title} cannot run this job: {why}")
     if states is None:
         states = dead_states(trace)
     start = healthy(trace.stages, trace.pipelines)

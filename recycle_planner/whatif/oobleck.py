@@ -14,6 +14,7 @@ import math
 from fractions import Fraction
 from typing import Any, Hashable, Sequence
 
+from recycle_planner.errors import SpecError
 from recycle_planner.spec import JobSpec
 from recycle_planner.whatif.deadset import DeadState
 from recycle_planner.whatif.durations import format_duration
@@ -110,8 +111,11 @@ class Oobleck(Strategy):
             return 0.0
         key = (length, microbatches)
         if key not in self._periods:
-            self._periods[key] = self.ctx.model.period(
-                pipeline_spec(self.ctx.spec, length, microbatches))
+            try:
+                self._periods[key] = self.ctx.model.period(
+                    pipeline_spec(self.ctx.spec, length, microbatches))
+            except SpecError:  # the policy's schedule cannot run it within the budget (GPipe)
+                self._periods[key] = math.inf
         return self._periods[key]
 
     def _speed(self, key: Hashable) -> Speed:
