@@ -258,18 +258,29 @@ def _frac(x: float) -> float:
     return x - math.floor(x) if math.isfinite(x) else 0.0
 
 
-def replay(strategy: Strategy, trace: Trace, states: Sequence[DeadState] | None = None
-           ) -> Outcome:
-    """Replay `trace` against `strategy`; its configurations are costed first, all at once."""
+def configurations(strategy: Strategy, states: Sequence[DeadState]) -> list[Hashable | None]:
+    """The strategy's configuration after each event; every one of them, and the healthy one,
+    is costed here, all at once (and cached), so that the replay only looks up."""
+    spec = strategy.ctx.spec
+    keys = [strategy.config(st) for st in states]
+    strategy.speeds([strategy.config(healthy(spec.stages, spec.pipelines)), *keys])
+    return keys
+
+
+def replay(strategy: Strategy, trace: Trace, states: Sequence[DeadState] | None = None,
+           keys: Sequence[Hashable | None] | None = None) -> Outcome:
+    """Replay `trace` against `strategy`: `states` from `dead_states`, `keys` from
+    `configurations` (both computed when not given)."""
     why = strategy.infeasible()
     if why is not None:
         raise RecycleError(f"{strategy.title} cannot run this job: {why}")
     if states is None:
         states = dead_states(trace)
+    if keys is None:
+        keys = configurations(strategy, states)
     start = healthy(trace.stages, trace.pipelines)
-    keys = [strategy.config(st) for st in states]
     first = strategy.config(start)
-    speeds = strategy.speeds([first, *keys])
+    speeds = strategy.speeds([first])
     run = _Replay(strategy, speeds, first, trace.duration)
     before = start
     for event, state, key in zip(trace.events, states, keys):
@@ -321,24 +332,16 @@ def simulate(ctx: Context, traces: Sequence[tuple[str, Trace]],
             raise RecycleError(f"the trace is for {trace.pipelines} pipelines x {trace.stages} "
                                f"stages, the job has {ctx.spec.pipelines} x {ctx.spec.stages}")
     t0 = time.perf_counter()
-    strategies = make_strategies(ctx, names)
     states = [dead_states(trace) for _, trace in traces]
-    start = healthy(ctx.spec.stages, ctx.spec.pipelines)
     t1 = time.perf_counter()
-    for strategy in strategies:
-        if strategy.infeasible() is None:
-            keys = [strategy.config(st) for sts in states for st in sts]
-            strategy.speeds([strategy.config(start), *keys])
+    strategies = make_strategies(ctx, names)
+    feasible = [s for s in strategies if s.infeasible() is None]
+    keys = {(s.name, i): configurations(s, sts) for s in feasible for i, sts in enumerate(states)}
     t2 = time.perf_counter()
     runs = []
-    for (label, trace), sts in zip(traces, states):
-        outcomes, infeasible = [], {}
-        for strategy in strategies:
-            why = strategy.infeasible()
-            if why is not None:
-                infeasible[strategy.name] = why
-                continue
-            outcomes.append(replay(strategy, trace, sts))
+    for i, ((label, trace), sts) in enumerate(zip(traces, states)):
+        outcomes = [replay(s, trace, sts, keys[s.name, i]) for s in feasible]
+        infeasible = {s.name: s.infeasible() for s in strategies if s not in feasible}
         runs.append(Run(label, trace, outcomes, infeasible))
     t3 = time.perf_counter()
     seconds = {"setup": t1 - t0, "costing": t2 - t1, "replay": t3 - t2, "total": t3 - t0}
