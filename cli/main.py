@@ -303,3 +303,7 @@ def report(library: Path, output: Path | None) -> None:
     if output is not None:
         plot_library(lib, output)
         click.echo(f"wrote {output}")
+
+from recycle_planner.cli.whatif import simulate_trace  # noqa: E402
+
+main.add_command(simulate_trace)

@@ -1,0 +1,151 @@
+"""`recycle-planner simulate-trace`: training throughput over a failure trace, per strategy."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import click
+
+from recycle_planner.errors import RecycleError
+from recycle_planner.whatif.engine import STRATEGIES
+from recycle_planner.whatif.trace import DISTRIBUTIONS, REPAIR_DISTRIBUTIONS, SAMPLINGS
+
+EPILOG = """\b
+Examples:
+  recycle-planner plan-all examples/gpt.toml --max-failures 2 -o plans/
+  recycle-planner simulate-trace examples/gpt.toml --library plans/ --mtbf 6h,2h,30min -o out/
+  recycle-planner simulate-trace examples/gpt.toml --library plans/ --trace examples/trace.csv
+"""
+
+
+@click.command("simulate-trace", epilog=EPILOG)
+@click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--library", "-l", "library", required=True,
+              type=click.Path(file_okay=False, path_type=Path),
+              help="Plan library of this spec (from plan-all): re-routing's periods and the "
+                   "policy every strategy runs.")
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False, path_type=Path),
+              metavar="TRACE.csv", help="Replay this trace (lines: time,event,worker).")
+@click.option("--mtbf", metavar="DURATIONS",
+              help="Sample traces instead: mean time between failures of the whole job; "
+                   "several, comma-separated (6h,2h,30min), give one run each.")
+@click.option("--repair", default="1h", show_default=True, metavar="DURATION",
+              help="Mean repair time of a worker (sampled traces).")
+@click.option("--duration", metavar="DURATION",
+              help="Length of the trace [default: 7d when sampling, the last event of a trace "
+                   "file].")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampling.")
+@click.option("--distribution", type=click.Choice(DISTRIBUTIONS), default="exponential",
+              show_default=True, help="Distribution of the times between failures.")
+@click.option("--shape", default=0.7, show_default=True, type=click.FloatRange(min=0.0,
+                                                                                min_open=True),
+              help="Weibull shape (below 1: failures come in bursts).")
+@click.option("--sampling", type=click.Choice(SAMPLINGS), default="worker", show_default=True,
+              help="worker: each worker fails on its own (MTBF x workers each); fleet: one "
+                   "failure process for the job, hitting a uniformly chosen live worker.")
+@click.option("--repair-distribution", type=click.Choice(REPAIR_DISTRIBUTIONS),
+              default="exponential", show_default=True, help="Distribution of repair times.")
+@click.option("--strategies", default=",".join(STRATEGIES), show_default=True,
+              help="Which strategies to compare, comma-separated.")
+@click.option("--detect", default="10s", show_default=True, metavar="DURATION",
+              help="Time to notice a failure.")
+@click.option("--switch", default="5s", show_default=True, metavar="DURATION",
+              help="Re-routing plan switch; also a regrouping for dropped pipelines and "
+                   "Bamboo's fail-over.")
+@click.option("--reconfigure", default="60s", show_default=True, metavar="DURATION",
+              help="Oobleck's re-instantiation of pipelines.")
+@click.option("--checkpoint-interval", default="30min", show_default=True, metavar="DURATION",
+              help="Wall-clock time between checkpoints.")
+@click.option("--restart", default="10min", show_default=True, metavar="DURATION",
+              help="Relaunch from a checkpoint.")
+@click.option("--spares", default=2, show_default=True, type=click.IntRange(0),
+              help="Spare workers for checkpoint-restart with spares.")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path),
+              help="Folder (created) for whatif.json, the plots and the sampled traces.")
+@click.option("--plot-format", type=click.Choice(["png", "svg", "pdf"]), default="png",
+              show_default=True)
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the results as JSON instead of the tables.")
+def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str | None,
+                   repair: str, duration: str | None, seed: int, distribution: str,
+                   shape: float, sampling: str, repair_distribution: str, strategies: str,
+                   detect: str, switch: str, reconfigure: str, checkpoint_interval: str,
+                   restart: str, spares: int, output: Path | None, plot_format: str,
+                   as_json: bool) -> None:
+    """Replay worker failures and repairs and compare how much each recovery strategy trains.
+
+    Strategies: re-routing with the plan library (reroute), checkpoint-restart with spares
+    and without (checkpoint-spares, checkpoint-wait), dropping the broken pipelines
+    (drop-pipelines), Oobleck-style re-instantiation of shorter pipelines (oobleck) and
+    Bamboo-style redundant computation (bamboo). All are costed with the same per-stage costs
+    through the planner; each strategy's assumptions are printed with the results.
+    """
+    from recycle_planner.library import PlanLibrary
+    from recycle_planner.spec import load_spec
+    from recycle_planner.whatif.durations import parse_duration, parse_durations
+    from recycle_planner.whatif.engine import simulate
+    from recycle_planner.whatif.output import study_dict, study_text
+    from recycle_planner.whatif.strategy import Context, Costs
+    from recycle_planner.whatif.trace import read_trace, sample_trace
+
+    if (trace_file is None) == (mtbf is None):
+        raise RecycleError("give either --trace TRACE.csv or --mtbf DURATIONS (to sample "
+                           "traces), not both")
+    job = load_spec(spec)
+    lib = PlanLibrary.open(library, spec=job)
+    if not lib.index.get("complete", True):
+        raise RecycleError(f"{library}: the plan library is incomplete: run plan-all again")
+    costs = Costs(detect=parse_duration(detect, "--detect"),
+                  switch=parse_duration(switch, "--switch"),
+                  reconfigure=parse_duration(reconfigure, "--reconfigure"),
+                  checkpoint_interval=parse_duration(checkpoint_interval,
+                                                     "--checkpoint-interval", allow_zero=False),
+                  restart=parse_duration(restart, "--restart"), spares=spares)
+    names = [n.strip() for n in strategies.split(",") if n.strip()]
+    if trace_file is not None:
+        length = parse_duration(duration, "--duration", allow_zero=False) if duration else None
+        traces = [(trace_file.name, read_trace(trace_file, job, length))]
+    else:
+        length = parse_duration(duration or "7d", "--duration", allow_zero=False)
+        mean_repair = parse_duration(repair, "--repair")
+        traces = []
+        for value, text in zip(parse_durations(mtbf, "--mtbf"), mtbf.split(",")):
+            traces.append((f"every {text.strip()}",
+                           sample_trace(job, value, mean_repair, length, seed, distribution,
+                                        shape, sampling, repair_distribution)))
+    study = simulate(Context.from_library(lib, costs), traces, names)
+    click.echo(json.dumps(study_dict(study), indent=1) if as_json else study_text(study))
+    if output is not None:
+        _write_outputs(study, output, plot_format, sampled=trace_file is None, quiet=as_json)
+
+
+def _write_outputs(study, folder: Path, fmt: str, sampled: bool, quiet: bool) -> None:
+    """whatif.json, one throughput-over-time plot per trace, the across-frequencies plot when
+    there are several traces, and the sampled traces as CSV."""
+    from recycle_planner.planfile import write_json
+    from recycle_planner.whatif.output import study_dict
+    from recycle_planner.whatif.plots import plot_frequencies, plot_over_time
+    from recycle_planner.whatif.trace import write_trace
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RecycleError(f"{folder}: cannot create the output folder: "
+                           f"{exc.strerror or exc}") from None
+    written = [folder / "whatif.json"]
+    write_json(written[0], study_dict(study))
+    for run in study.runs:
+        slug = re.sub(r"[^A-Za-z0-9.]+", "-", re.sub(r"\.csv$", "", run.label)).strip("-")
+        written.append(folder / f"throughput-{slug}.{fmt}")
+        plot_over_time(study, run, written[-1])
+        if sampled:
+            written.append(folder / f"trace-{slug}.csv")
+            write_trace(run.trace, written[-1])
+    if len(study.runs) > 1:
+        written.append(folder / f"frequencies.{fmt}")
+        plot_frequencies(study, written[-1])
+    if not quiet:
+        click.echo("")
+        click.echo("wrote " + ", ".join(str(p) for p in written))

@@ -1,0 +1,133 @@
+"""Pictures of a what-if study: throughput over time on one trace, and every strategy across
+failure frequencies. The file's extension picks the format (.png, .svg, .pdf)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from recycle_planner.errors import RecycleError
+from recycle_planner.planfile import atomic_write
+from recycle_planner.whatif.durations import format_duration
+from recycle_planner.whatif.engine import Run, Study
+from recycle_planner.whatif.trace import FAIL
+
+FORMATS = (".png", ".svg", ".pdf")
+COLOURS = {"reroute": "#C44E52", "checkpoint-spares": "#4C72B0", "checkpoint-wait": "#8172B3",
+           "drop-pipelines": "#DD8452", "oobleck": "#55A868", "bamboo": "#937860"}
+
+
+def _check(path: Path) -> str:
+    if path.suffix.lower() not in FORMATS:
+        raise RecycleError(f"{path}: unknown picture format {path.suffix!r} (use "
+                           f"{', '.join(FORMATS)})")
+    return path.suffix.lower().lstrip(".")
+
+
+def _save(fig, path: Path, fmt: str) -> None:
+    import matplotlib.pyplot as plt
+
+    try:
+        atomic_write(path, lambda fh: fig.savefig(fh, format=fmt, dpi=130), binary=True)
+    finally:
+        plt.close(fig)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+BIN_WIDTHS = (60.0, 300.0, 600.0, 1800.0, 3600.0, 3 * 3600.0, 6 * 3600.0, 86400.0, 7 * 86400.0)
+
+
+def bin_width(duration: float, most: int = 300) -> float:
+    """The shortest round bin width that cuts `duration` into at most `most` bins."""
+    return next((w for w in BIN_WIDTHS if duration / w <= most), duration / most)
+
+
+def plot_over_time(study: Study, run: Run, path: str | Path) -> None:
+    """Top: each strategy's training speed (mean per bin, % of fault-free), failures marked
+    below it. Bottom: net samples trained so far (rollbacks subtracted) against fault-free."""
+    path = Path(path)
+    fmt = _check(path)
+    plt = _pyplot()
+    ctx = study.ctx
+    ff = ctx.fault_free.rate
+    T = run.trace.duration
+    scale, unit = (86400.0, "days") if T >= 3 * 86400 else (3600.0, "hours") if T >= 3 * 3600 \
+        else (60.0, "minutes")
+    width = bin_width(T)
+    edges = np.append(np.arange(0.0, T, width), T)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]})
+    for o in run.outcomes:
+        colour = COLOURS.get(o.strategy)
+        rate = o.binned_rate(edges)
+        top.step(edges / scale, 100 * np.append(rate, rate[-1]) / ff, where="post",
+                 color=colour, linewidth=1.1, label=f"{o.title} (mean {o.relative:.1%})")
+        at = np.linspace(0.0, T, 600)
+        bottom.plot(at / scale, o.cumulative(at), color=colour, linewidth=1.2)
+    at = np.linspace(0.0, T, 2)
+    bottom.plot(at / scale, ff * at, "--", color="#555555", linewidth=1, label="fault-free")
+    fails = np.array([e.time for e in run.trace.events if e.kind == FAIL])
+    if fails.size:
+        top.plot(fails / scale, np.full(fails.size, -4.0), "|", color="#333333", markersize=7,
+                 label=f"failures ({fails.size})")
+    top.set_ylim(-8, 108)
+    top.set_ylabel(f"throughput, % of fault-free\n(mean per {format_duration(width)})")
+    top.grid(alpha=0.3)
+    top.legend(fontsize=7.5, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=4,
+               frameon=False)
+    spec = ctx.spec
+    fig.suptitle(f"{spec.name or 'job'} ({spec.stages}x{spec.pipelines}, {ctx.policy.label}), "
+                 f"trace {run.label}: {run.trace.failures} failures", fontsize=10, x=0.01,
+                 ha="left")
+    bottom.set_ylabel(f"{ctx.unit} trained (net)")
+    bottom.set_xlabel(unit)
+    bottom.grid(alpha=0.3)
+    bottom.legend(fontsize=8, loc="upper left")
+    bottom.set_xlim(0, T / scale)
+    fig.tight_layout()
+    _save(fig, path, fmt)
+
+
+def plot_frequencies(study: Study, path: str | Path) -> None:
+    """Grouped bars: mean throughput (% of fault-free) of each strategy on each trace."""
+    path = Path(path)
+    fmt = _check(path)
+    plt = _pyplot()
+    runs = study.runs
+    names = [s for s in study.strategies if s.infeasible() is None]
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(runs) * max(1, len(names)) / 3), 4.5))
+    width = 0.8 / max(1, len(names))
+    for i, strategy in enumerate(names):
+        xs, ys = [], []
+        for j, run in enumerate(runs):
+            o = next((o for o in run.outcomes if o.strategy == strategy.name), None)
+            if o is not None:
+                xs.append(j + (i - (len(names) - 1) / 2) * width)
+                ys.append(100 * o.relative)
+        bars = ax.bar(xs, ys, width * 0.95, color=COLOURS.get(strategy.name),
+                      label=strategy.title)
+        ax.bar_label(bars, labels=[f"{y:.0f}" for y in ys], fontsize=6.5, padding=1)
+    ax.set_xticks(range(len(runs)))
+    ax.set_xticklabels([r.label for r in runs])
+    ax.set_ylabel("mean throughput, % of fault-free")
+    ax.set_ylim(0, 112)
+    ax.axhline(100, color="#555555", linestyle="--", linewidth=0.8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    spec = study.ctx.spec
+    ax.set_title(f"{spec.name or 'job'} ({spec.stages}x{spec.pipelines}, "
+                 f"{study.ctx.policy.label}): failures at different frequencies", fontsize=10,
+                 loc="left")
+    ax.legend(fontsize=7.5, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.1),
+              frameon=False)
+    fig.tight_layout()
+    _save(fig, path, fmt)
