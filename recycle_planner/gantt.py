@@ -13,15 +13,13 @@ from typing import Sequence
 
 import numpy as np
 
-from recycle_planner.errors import RecycleError
 from recycle_planner.failures import format_workers
+from recycle_planner.figures import picture_format, pyplot, save_figure
 from recycle_planner.ops import KIND_NAMES
 from recycle_planner.plan import Plan
-from recycle_planner.planfile import atomic_write
 from recycle_planner.timeline import shown_pipelines
 
 COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#3A3A3A")
-FORMATS = (".png", ".svg", ".pdf")
 LABEL_LIMIT = 700  # above this many ops in a panel, bars are not labelled
 
 
@@ -36,17 +34,12 @@ def plan_title(plan: Plan) -> str:
 def draw_gantt(plans: Sequence[Plan], path: str | Path, titles: Sequence[str] | None = None,
                max_workers: int = 48) -> None:
     """Draw `plans` one above the other on one time axis and write the figure to `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    path = Path(path)
+    fmt = picture_format(path)
+    plt = pyplot()
     from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
 
-    path = Path(path)
-    if path.suffix.lower() not in FORMATS:
-        raise RecycleError(f"{path}: unknown picture format {path.suffix!r} (use "
-                           f"{', '.join(FORMATS)})")
     panels = []
     for plan in plans:
         panels.append((plan, shown_pipelines(plan, max_workers)))
@@ -71,11 +64,7 @@ def draw_gantt(plans: Sequence[Plan], path: str | Path, titles: Sequence[str] | 
     handles.append(Patch(facecolor="#d9d9d9", edgecolor="#7f7f7f", hatch="xx", label="dead worker"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.6 / height, 1, 1))
-    fmt = path.suffix.lower().lstrip(".")
-    try:
-        atomic_write(path, lambda fh: fig.savefig(fh, format=fmt, dpi=130), binary=True)
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, fmt)
 
 
 def _draw_panel(ax, plan: Plan, pipelines: list[int], PolyCollection) -> float:

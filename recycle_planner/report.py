@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from recycle_planner.library import PlanLibrary
-from recycle_planner.planfile import atomic_write
+from recycle_planner.figures import picture_format, pyplot, save_figure
 
 
 def library_rows(lib: PlanLibrary) -> list[dict]:
@@ -59,17 +59,9 @@ def library_text(lib: PlanLibrary) -> str:
 def plot_library(lib: PlanLibrary, path: str | Path) -> None:
     """Degradation against the number of failures: every situation as a dot, the mean as a
     line, the lower bound's degradation as a dashed line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     path = Path(path)
-    fmt = path.suffix.lower().lstrip(".")
-    if fmt not in ("png", "svg", "pdf"):
-        from recycle_planner.errors import RecycleError
-
-        raise RecycleError(f"{path}: unknown picture format {path.suffix!r} (use .png, .svg, .pdf)")
+    fmt = picture_format(path)
+    plt = pyplot()
     ref = lib.fault_free_period
     fig, ax = plt.subplots(figsize=(7, 4.2))
     xs, ys, lbs = [], [], []
@@ -102,7 +94,4 @@ def plot_library(lib: PlanLibrary, path: str | Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    try:
-        atomic_write(path, lambda fh: fig.savefig(fh, format=fmt, dpi=130), binary=True)
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, fmt)

@@ -7,40 +7,13 @@ from pathlib import Path
 
 import numpy as np
 
-from recycle_planner.errors import RecycleError
-from recycle_planner.planfile import atomic_write
+from recycle_planner.figures import picture_format, pyplot, save_figure
 from recycle_planner.whatif.durations import format_duration
 from recycle_planner.whatif.engine import Run, Study
 from recycle_planner.whatif.trace import FAIL
 
-FORMATS = (".png", ".svg", ".pdf")
 COLOURS = {"reroute": "#C44E52", "checkpoint-spares": "#4C72B0", "checkpoint-wait": "#8172B3",
            "drop-pipelines": "#DD8452", "oobleck": "#55A868", "bamboo": "#937860"}
-
-
-def _check(path: Path) -> str:
-    if path.suffix.lower() not in FORMATS:
-        raise RecycleError(f"{path}: unknown picture format {path.suffix!r} (use "
-                           f"{', '.join(FORMATS)})")
-    return path.suffix.lower().lstrip(".")
-
-
-def _save(fig, path: Path, fmt: str) -> None:
-    import matplotlib.pyplot as plt
-
-    try:
-        atomic_write(path, lambda fh: fig.savefig(fh, format=fmt, dpi=130), binary=True)
-    finally:
-        plt.close(fig)
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 BIN_WIDTHS = (60.0, 300.0, 600.0, 1800.0, 3600.0, 3 * 3600.0, 6 * 3600.0, 86400.0, 7 * 86400.0)
@@ -55,8 +28,8 @@ def plot_over_time(study: Study, run: Run, path: str | Path) -> None:
     """Top: each strategy's training speed (mean per bin, % of fault-free), failures marked
     below it. Bottom: net samples trained so far (rollbacks subtracted) against fault-free."""
     path = Path(path)
-    fmt = _check(path)
-    plt = _pyplot()
+    fmt = picture_format(path)
+    plt = pyplot()
     ctx = study.ctx
     ff = ctx.fault_free.rate
     T = run.trace.duration
@@ -94,14 +67,14 @@ def plot_over_time(study: Study, run: Run, path: str | Path) -> None:
     bottom.legend(fontsize=8, loc="upper left")
     bottom.set_xlim(0, T / scale)
     fig.tight_layout()
-    _save(fig, path, fmt)
+    save_figure(fig, path, fmt)
 
 
 def plot_frequencies(study: Study, path: str | Path) -> None:
     """Grouped bars: mean throughput (% of fault-free) of each strategy on each trace."""
     path = Path(path)
-    fmt = _check(path)
-    plt = _pyplot()
+    fmt = picture_format(path)
+    plt = pyplot()
     runs = study.runs
     names = [s for s in study.strategies if s.infeasible() is None]
     fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(runs) * max(1, len(names)) / 3), 4.5))
@@ -130,4 +103,4 @@ def plot_frequencies(study: Study, path: str | Path) -> None:
     ax.legend(fontsize=7.5, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.1),
               frameon=False)
     fig.tight_layout()
-    _save(fig, path, fmt)
+    save_figure(fig, path, fmt)
