@@ -34,7 +34,8 @@ from recycle_planner.spec import JobSpec, load_spec
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SPLIT = Policy("1f1b", decouple=True, stagger=False)
-POLICIES = [("plain re-routing", BASELINE), ("+ I/W split", SPLIT), ("+ staggered optimizer", Policy())]
+POLICIES = [("plain re-routing", BASELINE), ("+ I/W split", SPLIT),
+            ("+ staggered optimizer", Policy())]
 
 
 def spec(S, D, M, **time) -> JobSpec:

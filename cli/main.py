@@ -53,7 +53,8 @@ def main(verbose: int) -> None:
     JSON files that a launcher reads.
     """
     level = logging.WARNING - 10 * min(verbose, 2)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
 
 
 def policy_options(func):
@@ -147,7 +148,8 @@ def show(plan_file: Path, width: int, max_workers: int, critical_path: bool) -> 
     click.echo()
     click.echo(text_timeline(p, width=width, max_workers=max_workers))
     if critical_path and p.schedule.n_ops <= 20_000:
-        from recycle_planner.dag import critical_path as chain_of, describe_critical_path, plan_graph
+        from recycle_planner.dag import critical_path as chain_of
+        from recycle_planner.dag import describe_critical_path, plan_graph
 
         click.echo()
         click.echo("critical path (first iteration, from an idle start):")

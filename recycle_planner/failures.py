@@ -27,7 +27,8 @@ def check_failed(spec: JobSpec, failed: Iterable[Iterable[int]]) -> tuple[Worker
         try:
             d, s = (int(x) for x in item)
         except (TypeError, ValueError):
-            raise FailureSetError(f"failed worker {item!r} is not a [pipeline, stage] pair") from None
+            raise FailureSetError(f"failed worker {item!r} is not a [pipeline, stage] "
+                                  f"pair") from None
         if not (0 <= d < spec.pipelines and 0 <= s < spec.stages):
             raise FailureSetError(f"failed worker {d}:{s} is outside the grid of "
                                   f"{spec.pipelines} pipelines x {spec.stages} stages")

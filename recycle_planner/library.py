@@ -12,7 +12,8 @@ A folder with one plan file per situation and `index.json`:
 Building is parallel over processes, resumable (an entry whose file exists and whose spec and
 settings hashes match is kept) and deterministic: each situation's plan depends only on the
 spec, the policy and the settings, the MILP's budget is a node limit (one thread, fixed seed)
-and its time limit only a safety net that a normal run does not reach. A launcher looks up the physical dead workers and gets the
+and its time limit only a safety net that a normal run does not reach. A launcher looks up the
+physical dead workers and gets the
 plan file plus the physical -> logical mapping.
 """
 
@@ -159,7 +160,8 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
     reference = entries[zero]["metrics"]["period"]
     reference_bound = entries[zero]["metrics"]["lower_bound"]
     if zero not in keep:
-        _write_index(folder, spec, policy, max_failures, settings, shash, reference, entries, wanted)
+        _write_index(folder, spec, policy, max_failures, settings, shash, reference, entries,
+                     wanted)
         if progress:
             progress(done, len(wanted))
     jobs = jobs or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -167,8 +169,8 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
     tasks = [(spec, policy, k, settings, reference, reference_bound, str(folder), shash)
              for k in todo]
     if jobs > 1 and len(tasks) > 1:
-        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
-                                          else "spawn")
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        ctx = multiprocessing.get_context(method)
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
             results: Iterable = pool.map(_build_one, tasks, chunksize=1)
             for entry in results:

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import product
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from recycle_planner.errors import FailureSetError, RecycleError
 from recycle_planner.failures import check_failed, dead_per_stage

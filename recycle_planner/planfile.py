@@ -39,7 +39,8 @@ def atomic_write(path: str | Path, write: Callable[[Any], None], binary: bool = 
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
+        text_mode = {} if binary else {"encoding": "utf-8"}
+        with os.fdopen(fd, "wb" if binary else "w", **text_mode) as fh:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
@@ -63,7 +64,8 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
     path = Path(path)
     text = json.dumps(data, separators=(",", ":"), allow_nan=False)
     if path.suffix == ".gz":
-        atomic_write(path, lambda fh: fh.write(gzip.compress(text.encode(), compresslevel=3, mtime=0)), binary=True)
+        blob = gzip.compress(text.encode(), compresslevel=3, mtime=0)
+        atomic_write(path, lambda fh: fh.write(blob), binary=True)
     else:
         atomic_write(path, lambda fh: fh.write(text + "\n"))
 
@@ -178,7 +180,7 @@ def plan_from_dict(data: Any, where: str = "plan") -> Plan:
         raise PlanFileError(f"{where}: 'metrics' must be an object")
     for key in ("iteration_time", "period", "fault_free_period", "degradation", "lower_bound"):
         value = metrics.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not _is_number(value):
             raise PlanFileError(f"{where}: metrics.{key} must be a number")
     schedule = Schedule(spec=spec, policy=policy, failed=failed, orders=tuple(orders))
     solver = data.get("solver") if isinstance(data.get("solver"), dict) else {}
@@ -219,8 +221,13 @@ def _op_id(op: Any, space: OpSpace, spec: JobSpec, at: str) -> int:
     return space.compute(code, d, s, m)
 
 
+def _is_number(value: Any) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and math.isfinite(value))
+
+
 def _time(op: dict, key: str, at: str) -> float:
     value = op.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not _is_number(value):
         raise PlanFileError(f"{at}: '{key}' must be a number of milliseconds, got {value!r}")
     return float(value)

@@ -284,3 +284,8 @@ def simulate(schedule: Schedule, max_iterations: int = 48) -> Simulation:
     steady = graph.timing(np.concatenate([last_start, np.zeros(graph.n_nodes - n)]),
                           np.concatenate([last_start + graph.dur[:n], np.zeros(graph.n_nodes - n)]))
     return Simulation(graph, timing, iteration_time, period, len(means), converged, steady)
+
+
+def _first_duplicate(ids: np.ndarray) -> int:
+    uniq, counts = np.unique(ids, return_counts=True)
+    return int(uniq[np.argmax(counts > 1)])

@@ -203,11 +203,14 @@ def _parse_memory(mem: Any, stages: int, where: str) -> MemorySpec:
             raise SpecError(f"{where}: 'memory.budget' must be positive")
         if "static" in mem:
             static = _per_stage(mem["static"], stages, where, "memory.static", units=True)
-    max_inflight = _count(mem, "max_inflight", where, prefix="memory.") if "max_inflight" in mem else None
-    return MemorySpec(activation=activation, budget=budget, static=static, max_inflight=max_inflight)
+    max_inflight = (_count(mem, "max_inflight", where, prefix="memory.")
+                    if "max_inflight" in mem else None)
+    return MemorySpec(activation=activation, budget=budget, static=static,
+                      max_inflight=max_inflight)
 
 
-def _no_unknown(table: Mapping[str, Any], allowed: tuple[str, ...], where: str, prefix: str) -> None:
+def _no_unknown(table: Mapping[str, Any], allowed: tuple[str, ...], where: str,
+                prefix: str) -> None:
     for key in table:
         if key not in allowed:
             raise SpecError(f"{where}: unknown key '{prefix}{key}' "

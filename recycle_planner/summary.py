@@ -15,7 +15,8 @@ def plan_summary(plan: Plan) -> str:
     lines = [
         f"{name}: {spec.stages} stages x {spec.pipelines} pipelines x {spec.microbatches} "
         f"micro-batches, failed: {format_workers(plan.failed)}",
-        f"  policy          {plan.policy.label}   solver {solver}" + (f" ({detail})" if detail else ""),
+        f"  policy          {plan.policy.label}   solver {solver}"
+        + (f" ({detail})" if detail else ""),
         f"  period          {m['period']:.4g} ms   (fault-free {m['fault_free_period']:.4g} ms, "
         f"degradation {m['degradation']:+.1%})",
         f"  iteration time  {m['iteration_time']:.4g} ms",

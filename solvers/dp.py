@@ -34,7 +34,6 @@ stages are matched independently (their windows come from the fault-free plan).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np

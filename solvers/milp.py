@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.ops import AR, B, F, I, OPT, W, OpSpace, Worker
+from recycle_planner.ops import B, F, I, W, OpSpace, Worker
 from recycle_planner.policy import Policy, budget_caps
 from recycle_planner.schedule import Schedule
 from recycle_planner.simulate import Simulation, simulate
@@ -164,6 +164,11 @@ class ReroutingModel:
 
     # ---- building ------------------------------------------------------------------------
 
+    def op_id(self, op: tuple[int, int]) -> int:
+        """The OpSpace id of op (unit, kind)."""
+        un = self.units[op[0]]
+        return self.space.compute(op[1], un.d, un.s, un.m)
+
     def dur(self, unit: Unit, kind: int) -> float:
         return self.costs[kind][unit.s]
 
@@ -263,7 +268,7 @@ class ReroutingModel:
         return None
 
     def _disjunctive(self, p: int, units: list[int]) -> None:
-        mdl, H = self.model, self.horizon
+        mdl = self.model
         ops = [(u, k) for u in units for k in self.kinds]
         for i in range(len(ops)):
             a = ops[i]
@@ -405,17 +410,14 @@ class ReroutingModel:
             for pos, op in enumerate(order.tolist()):
                 where[op] = (w, pos)
         for (u, k), col in self.T.items():
-            un = self.units[u]
-            op = self.space.compute(k, un.d, un.s, un.m)
+            op = self.op_id((u, k))
             if op not in where:
                 return None
             values[col] = float(timing.start[op])
         for (u, p), col in self.x.items():
-            un = self.units[u]
-            values[col] = 1.0 if where[self.space.compute(F, un.d, un.s, un.m)][0] == p else 0.0
+            values[col] = 1.0 if where[self.op_id((u, F))][0] == p else 0.0
         for (p, a, b), col in self.y.items():
-            oa = self.space.compute(a[1], self.units[a[0]].d, self.units[a[0]].s, self.units[a[0]].m)
-            ob = self.space.compute(b[1], self.units[b[0]].d, self.units[b[0]].s, self.units[b[0]].m)
+            oa, ob = self.op_id(a), self.op_id(b)
             wa, wb = where[oa], where[ob]
             if wa[0] == p and wb[0] == p:
                 values[col] = 1.0 if wa[1] < wb[1] else 0.0
@@ -468,7 +470,7 @@ class ReroutingModel:
                 p = un.candidates[0]
             for rank, k in enumerate(self.kinds):
                 t = values[self.T[u, k]]
-                per_worker[p].append((round(t, 6), rank, un.m, self.space.compute(k, un.d, un.s, un.m)))
+                per_worker[p].append((round(t, 6), rank, un.m, self.op_id((u, k))))
         orders = []
         for w in range(self.spec.workers):
             if w not in per_worker:

@@ -4,7 +4,7 @@ import itertools
 import random
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
 
 from recycle_planner.planner import plan_situation, solve
 from recycle_planner.policy import BASELINE, Policy

@@ -166,3 +166,15 @@ def test_violation_messages_name_the_op(plan):
     end[plan.schedule.space.compute(I, 2, 0, 0)] += 0.3
     (violation,) = [v for v in validate(rebuild(plan, end=end)) if v.rule == "duration"]
     assert str(Op("I", 2, 0, 0)) in violation.message
+
+
+def test_simulating_a_duplicated_op_is_a_clear_error(plan):
+    from recycle_planner.errors import ScheduleError
+    from recycle_planner.simulate import simulate
+
+    orders = list(plan.schedule.orders)
+    w = idx(plan, (0, 1))
+    orders[w] = np.insert(orders[w], 1, orders[w][0])
+    broken = rebuild(plan, orders).schedule
+    with pytest.raises(ScheduleError, match=r"F\(p0 s1 mb0\) is scheduled more than once"):
+        simulate(broken)
