@@ -74,6 +74,9 @@ def exhaustive(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
     peers = {s: [p for p in range(D) if (p, s) not in dead] for s in range(S)}
     holes = {d: tuple(sorted(s for dd, s in failed if dd == d)) for d in range(D)}
     choices = [peers[s] for _, s, _ in rerouted]
+    raw = math.prod(len(c) for c in choices)
+    if raw > limit:  # refuse before enumerating anything
+        raise RecycleError(f"exhaustive search would try {raw} peer assignments (limit {limit})")
     assignments = []
     seen = set()
     for combo in itertools.product(*choices):

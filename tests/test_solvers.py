@@ -157,3 +157,11 @@ def test_solver_errors_are_clear():
         solve(make_spec(), Policy(), (), "ilp")
     with pytest.raises(RecycleError, match="unknown MILP backend 'gurobi'"):
         solve(make_spec(), Policy(), (), "milp", backend="gurobi")
+
+
+def test_exhaustive_search_refuses_large_instances_before_enumerating():
+    from recycle_planner.errors import RecycleError
+
+    spec = make_spec(stages=4, pipelines=4, microbatches=8)
+    with pytest.raises(RecycleError, match="would try 43046721 peer assignments"):
+        exhaustive(spec, Policy(), ((0, 1), (2, 2)), limit=60_000)
