@@ -58,10 +58,17 @@ def draw_gantt(plans: Sequence[Plan], path: str | Path, titles: Sequence[str] | 
     for row in axes:
         row[0].set_xlim(0, t_max * 1.01)
     axes[-1][0].set_xlabel("time (ms)")
-    handles = [Patch(facecolor=COLOURS[k], label=KIND_NAMES[k]) for k in range(6)]
-    handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
-                         label="re-routed (label: its pipeline)"))
-    handles.append(Patch(facecolor="#d9d9d9", edgecolor="#7f7f7f", hatch="xx", label="dead worker"))
+    # The legend names what the picture shows.
+    kinds = set()
+    for plan, _ in panels:
+        kinds |= set(plan.schedule.space.decode(plan.schedule.flat[0])[0].tolist())
+    handles = [Patch(facecolor=COLOURS[k], label=KIND_NAMES[k]) for k in range(6) if k in kinds]
+    if any(plan.schedule.rerouted_count() for plan, _ in panels):
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
+                             label="re-routed (label: its pipeline)"))
+    if any(plan.failed for plan, _ in panels):
+        handles.append(Patch(facecolor="#d9d9d9", edgecolor="#7f7f7f", hatch="xx",
+                             label="dead worker"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.6 / height, 1, 1))
     save_figure(fig, path, fmt)
