@@ -1,0 +1,74 @@
+"""A tiny MLP cut into pipeline stages: the model of the executor's tests, demo and benchmarks.
+
+Use it as a job factory: `recycle-planner launch -n 4 examples/tiny_mlp.py:make_job -- --library
+plans/` (the words after `--` are this factory's options, see `options()`), or
+`recycle-planner profile examples/tiny_mlp.py:make_job --pipelines 2 --microbatches 4`.
+
+Every stage is a few Linear+Tanh blocks (the last one ends in a Linear head), seeded per stage
+so that a single-process reference builds the same weights. Data is a deterministic function
+of (iteration, logical pipeline, micro-batch): a seeded generator draws the inputs, the
+targets are a fixed smooth function of them, so any worker can (re)load any micro-batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from recycle_planner.executor import Job
+
+
+def options(argv=()) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tiny_mlp", description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--blocks", type=int, default=2, help="Linear+Tanh blocks per stage")
+    parser.add_argument("--microbatch-size", type=int, default=4)
+    parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float64")
+    parser.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--library", default=None, help="plan library folder")
+    parser.add_argument("--data-delay", type=float, default=0.0,
+                        help="seconds to sleep per micro-batch loaded (a slow data loader)")
+    return parser.parse_args(list(argv))
+
+
+def stage_factory(s: int, opts: argparse.Namespace):
+    def build() -> torch.nn.Module:
+        torch.manual_seed(1000 + s)
+        layers: list[torch.nn.Module] = []
+        for _ in range(opts.blocks):
+            layers += [torch.nn.Linear(opts.width, opts.width), torch.nn.Tanh()]
+        if s == opts.stages - 1:
+            layers.append(torch.nn.Linear(opts.width, 1))
+        return torch.nn.Sequential(*layers).to(getattr(torch, opts.dtype))
+    return build
+
+
+def data_source(opts: argparse.Namespace):
+    dtype = getattr(torch, opts.dtype)
+
+    def data(iteration: int, pipeline: int, microbatch: int):
+        if opts.data_delay:
+            time.sleep(opts.data_delay)
+        g = torch.Generator().manual_seed(((iteration * 1009) + pipeline) * 9173 + microbatch)
+        x = torch.randn(opts.microbatch_size, opts.width, generator=g, dtype=dtype)
+        y = torch.sin(x[:, :1] * 2.0) + 0.5 * x[:, 1:2] * x[:, 2:3]
+        return x, y
+    return data
+
+
+def make_job(argv=()) -> Job:
+    opts = options(argv)
+    if opts.optimizer == "adam":
+        def optimizer(params):
+            return torch.optim.Adam(params, lr=opts.lr)
+    else:
+        def optimizer(params):
+            return torch.optim.SGD(params, lr=opts.lr, momentum=0.9)
+    return Job(stages=[stage_factory(s, opts) for s in range(opts.stages)],
+               loss_fn=torch.nn.functional.mse_loss, optimizer=optimizer,
+               data=data_source(opts), iterations=opts.iterations, library=opts.library)
