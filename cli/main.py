@@ -298,3 +298,9 @@ def report(library: Path, output: Path | None) -> None:
     if output is not None:
         plot_library(lib, output)
         click.echo(f"wrote {output}")
+
+
+from recycle_planner.cli.executor import launch, profile  # noqa: E402
+
+main.add_command(launch)
+main.add_command(profile)

@@ -33,13 +33,41 @@ def options(argv=()) -> argparse.Namespace:
     parser.add_argument("--library", default=None, help="plan library folder")
     parser.add_argument("--data-delay", type=float, default=0.0,
                         help="seconds to sleep per micro-batch loaded (a slow data loader)")
+    parser.add_argument("--slow-backward", default=None, metavar="STAGE:SECONDS",
+                        help="make one stage's backward pass take this much longer per "
+                             "micro-batch (tests use it to order events across stages)")
     return parser.parse_args(list(argv))
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity forward; sleeps in backward (a stage whose backward is slow)."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class Slow(torch.nn.Module):
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        return SlowBackward.apply(x, self.seconds)
 
 
 def stage_factory(s: int, opts: argparse.Namespace):
     def build() -> torch.nn.Module:
         torch.manual_seed(1000 + s)
         layers: list[torch.nn.Module] = []
+        if opts.slow_backward and int(opts.slow_backward.split(":")[0]) == s:
+            layers.append(Slow(float(opts.slow_backward.split(":")[1])))
         for _ in range(opts.blocks):
             layers += [torch.nn.Linear(opts.width, opts.width), torch.nn.Tanh()]
         if s == opts.stages - 1:

@@ -123,13 +123,30 @@ def worker_command(target: str, args: Sequence[str] = ()) -> list[str]:
     return [sys.executable, "-m", "recycle_planner.executor", target, *args]
 
 
+def check_target(target: str) -> None:
+    """Fail before starting any process if a job file or script does not exist."""
+    path = target.rpartition(":")[0] if ":" in target else target
+    if (path.endswith(".py") or "/" in path) and not Path(path).is_file():
+        raise RecycleError(f"job file {path} does not exist")
+
+
 def launch(target: str | Sequence[str], config: LaunchConfig, args: Sequence[str] = (),
            on_event: Callable[[dict], None] | None = None) -> LaunchResult:
     """Run a job on `config.nproc` local worker processes and return what happened.
 
     `target` is a training script, a job factory (`FILE.py:FUNCTION`), or a full command list.
     Raises `TrainingStopped` if training could not finish (the result is attached)."""
-    command = list(target) if not isinstance(target, str) else worker_command(target, args)
+    if isinstance(target, str):
+        check_target(target)
+        command = worker_command(target, args)
+    else:
+        command = list(target)
+    if config.library is not None:
+        spec = PlanLibrary.open(config.library).spec
+        if spec.workers != config.nproc:
+            raise RecycleError(f"the plan library {config.library} is for {spec.pipelines} "
+                               f"pipelines x {spec.stages} stages = {spec.workers} workers, "
+                               f"not {config.nproc}")
     result = Agent(command, config, on_event).run()
     if result.status != "completed":
         raise TrainingStopped(result.message, result)
@@ -155,6 +172,13 @@ class Agent:
         self.on_event = on_event
         self.run_dir = Path(config.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.previous_losses: list = []
+        if config.resume and (self.run_dir / "result.json").is_file():
+            try:  # losses of the iterations before the checkpoint come from the earlier run
+                self.previous_losses = json.loads(
+                    (self.run_dir / "result.json").read_text()).get("losses", [])
+            except (OSError, ValueError):
+                pass
         self.store = dist.TCPStore(config.master_addr, config.master_port, is_master=True,
                                    wait_for_workers=False,
                                    timeout=timedelta(seconds=config.startup_timeout))
@@ -230,12 +254,8 @@ class Agent:
             if code is None:
                 continue
             del self.procs[rank]
-            if code == 0 and self.phase in ("exiting", "stopping"):
-                continue
-            if code == 0 and proc.hello is not None and self.store.check(
-                    [P.welcome_key(rank, proc.incarnation)]) and int(
-                    self.store.get(P.welcome_key(rank, proc.incarnation))) < 0:
-                continue  # a restarted worker that arrived after the end
+            if self.phase in ("exiting", "stopping"):
+                continue  # training is over: every exit is expected
             if code == CONFIG_ERROR:
                 self._finish_with("failed", f"worker {self._name(rank)} cannot run the job: "
                                             f"{_last_line(proc.log_path)}")
@@ -425,6 +445,7 @@ class Agent:
             self._event("stop", f"generation {gen}: {decision.reason}", gen=gen,
                         restart=decision.restart)
             self.phase, self.exit_started = "stopping", time.time()
+            self._dismiss_newcomers()
             return
         joined = [r for r, k in steps.items() if k is None]
         self._event("generation", f"generation {gen}: {len(decision.members)} live workers, "
@@ -466,13 +487,20 @@ class Agent:
         steps = json.loads(self.store.get(P.gen_key(self.gen, f"done/{members[0]}")))["steps"]
         self.final_iterations = int(steps)
         write_manifest(self.run_dir, self.final_iterations, self.stages)
-        for rank in self._joiners():
-            proc = self.procs[rank]
-            self.store.set(P.welcome_key(rank, proc.incarnation), "-1")
         self.store.set(P.gen_key(self.gen, "finish"), "1")
         self.phase, self.exit_started = "exiting", time.time()
-        self.restart_at.clear()
+        self._dismiss_newcomers()
         return True
+
+    def _dismiss_newcomers(self) -> None:
+        """Training is over: restarted workers that have not joined have nothing to do."""
+        self.restart_at.clear()
+        members = set(self._live_members())
+        for rank, proc in self.procs.items():
+            if rank not in members:
+                self._event("dismiss", f"restarted worker {self._name(rank)} arrived after the "
+                                       f"end: stopping it", rank=rank)
+                _kill(proc)
 
     def _checkpoints(self) -> None:
         every = self.config.checkpoint_every
@@ -517,7 +545,8 @@ class Agent:
             ends.append(end)
             gens.append(gen)
             complete = spec is not None and len(values) == spec.pipelines * spec.microbatches
-            losses.append(sum(v for _, v in values.values()) / len(values) if complete else None)
+            losses.append(sum(v for _, v in values.values()) / len(values) if complete else
+                          self.previous_losses[i] if i < len(self.previous_losses) else None)
             per_mb.update({f"{i}/{p}/{m}": v for (p, m), (_, v) in values.items()})
         recoveries = []
         for death in self.deaths:

@@ -8,8 +8,8 @@ For tests, the demo and chaos drills, never for production training. A fault is 
   `step`: right after its stage's optimizer step of that iteration, before the iteration has
   ended everywhere; `start`: at the start of that iteration; `recovery`: when it enters
   recovery from another failure at that iteration or later (a failure during recovery);
-  `hold`: pause at the start of that iteration until a restarted worker asks to join (makes a
-  re-join happen at a known point; no ACTION).
+  `hold`: at the start of that iteration, if some worker is dead, pause until a restarted
+  worker asks to join (makes a re-join happen at a known point; no ACTION).
 - ACTION `kill` (default): SIGKILL, the process vanishes; `hang`: SIGSTOP, the process stays
   but stops answering (caught by the launcher's heartbeat timeout).
 

@@ -172,8 +172,7 @@ class Worker:
                      program.logical, iteration, 1e3 * (t1 - t0), 1e3 * (t2 - t1),
                      1e3 * (time.perf_counter() - t2))
             while iteration < self.job.iterations:
-                hold = self.faults.at(iteration, "hold") if self.faults.active else None
-                if hold is not None:
+                if self.faults.active and decision.dead and self.faults.at(iteration, "hold"):
                     self._wait_for(P.gen_key(gen, "join"), check_abort=True)
                 if switch_at is None and self.store.check([P.gen_key(gen, "join")]):
                     switch_at = int(self.store.compare_set(P.gen_key(gen, "switch_at"), "",
