@@ -109,19 +109,27 @@ def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path):
 
 
 def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_path):
-    """Plain re-routing (fused backward, global barrier), a library for one failure: the
-    second death stops training cleanly with a consistent checkpoint of every stage, from
-    which a new launch resumes and ends where uninterrupted training ends."""
+    """Plain re-routing (fused backward, global barrier), a library for one failure. Worker
+    1:0 dies mid-backward; then worker 0:1's training thread stalls while its heartbeats go
+    on: its peers time out (process-group timeout), the launcher kills the worker that does
+    not report, and this second failure stops training cleanly with a consistent checkpoint
+    of every stage, from which a new launch resumes and ends where uninterrupted training
+    ends."""
     policy = Policy(decouple=False, stagger=False)
     lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=1,
                   policy=policy)
     args = ["--library", str(lib), "--iterations", "8", "--optimizer", "sgd"]
     run = tmp_path / "run"
-    faults = [parse_fault(f) for f in ("2:2:B1", "1:4:F0")]
+    faults = [parse_fault(f) for f in ("2:2:B1", "1:4:F0:stall")]
+    config = LaunchConfig(nproc=4, run_dir=str(run), faults=faults, pg_timeout=2.0,
+                          hang_timeout=1.0)
     with pytest.raises(TrainingStopped, match="beyond this library's threshold of 1") as info:
-        launch(TINY, LaunchConfig(nproc=4, run_dir=str(run), faults=faults), args)
+        launch(TINY, config, args)
     stopped = info.value.result
     assert stopped.status == "stopped"
+    assert [e["kind"] for e in stopped.events if e["kind"] in ("abort", "hang")] == \
+        ["abort", "abort", "hang"]
+    assert "communication error" in _events(stopped, "abort")[1]["message"]
     stop = _events(stopped, "stop")[0]
     iteration, _ = checkpoint_params(run, 2)
     assert iteration == stop["restart"] == stopped.iterations and 2 <= iteration <= 4

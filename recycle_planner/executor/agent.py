@@ -110,6 +110,7 @@ class LaunchResult:
     checkpoint: str | None
     run_dir: str
     microbatch_losses: dict[str, float] = field(default_factory=dict)
+    spec: dict | None = None             # the plan library's job spec
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -450,7 +451,8 @@ class Agent:
         joined = [r for r, k in steps.items() if k is None]
         self._event("generation", f"generation {gen}: {len(decision.members)} live workers, "
                                   f"dead {format_workers(decision.dead)}, plan {decision.plan} "
-                                  f"(predicted degradation {decision.degradation:+.1%}), from "
+                                  f"(predicted degradation "
+                                  f"{round(decision.degradation, 4) + 0.0:+.1%}), from "
                                   f"iteration {decision.restart}"
                     + (f"; {', '.join(self._name(r) for r in joined)} joined" if joined and
                        not initial else ""),
@@ -563,7 +565,8 @@ class Agent:
         self._event("end", message, status=status)
         found = latest_checkpoint(self.run_dir) if self.stages else None
         result = LaunchResult(status, message, n, losses, ends, self.events, recoveries,
-                              str(found[1]) if found else None, str(self.run_dir), per_mb)
+                              str(found[1]) if found else None, str(self.run_dir), per_mb,
+                              spec.to_dict() if spec is not None else None)
         write_json(self.run_dir / "result.json", result.to_dict())
         return result
 

@@ -10,8 +10,10 @@ For tests, the demo and chaos drills, never for production training. A fault is 
   recovery from another failure at that iteration or later (a failure during recovery);
   `hold`: at the start of that iteration, if some worker is dead, pause until a restarted
   worker asks to join (makes a re-join happen at a known point; no ACTION).
-- ACTION `kill` (default): SIGKILL, the process vanishes; `hang`: SIGSTOP, the process stays
-  but stops answering (caught by the launcher's heartbeat timeout).
+- ACTION `kill` (default): SIGKILL, the process vanishes; `hang`: SIGSTOP, the whole process
+  stops answering (caught by the launcher's heartbeat timeout); `stall`: only the training
+  thread stops (as in a deadlock in user code) while heartbeats go on (caught by the peers'
+  process-group timeout, after which the launcher kills the worker that does not report).
 
 Only incarnation 0 of a rank is hit: a worker restarted after its fault does not die again.
 Before dying, the worker writes the time into the store, so that the launcher can report the
@@ -32,7 +34,7 @@ from recycle_planner.errors import RecycleError
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("kill", "hang")
+ACTIONS = ("kill", "hang", "stall")
 _POINT = re.compile(r"(?:(?P<kind>[FIWB])(?P<index>\d+)|(?P<name>step|start|recovery|hold))")
 
 
@@ -68,7 +70,7 @@ def parse_fault(text: str) -> Fault:
                            f"step, start, recovery or hold")
     action = parts[3] if len(parts) == 4 else "kill"
     if action not in ACTIONS:
-        raise RecycleError(f"fault {text!r}: action {action!r} is not kill or hang")
+        raise RecycleError(f"fault {text!r}: action {action!r} is not kill, hang or stall")
     return Fault(int(parts[0]), int(parts[1]), point, action)
 
 
@@ -105,5 +107,8 @@ class FaultInjector:
         finally:
             for handler in logging.getLogger().handlers:
                 handler.flush()
-            os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
-            time.sleep(3600)  # SIGSTOP: the launcher kills us after its heartbeat timeout
+            if fault.action != "stall":
+                os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else
+                        signal.SIGSTOP)
+            while True:  # hang or stall: the launcher kills this process
+                time.sleep(3600)
