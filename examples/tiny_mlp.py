@@ -33,14 +33,20 @@ def options(argv=()) -> argparse.Namespace:
     parser.add_argument("--library", default=None, help="plan library folder")
     parser.add_argument("--data-delay", type=float, default=0.0,
                         help="seconds to sleep per micro-batch loaded (a slow data loader)")
+    parser.add_argument("--device-ms", default=None, metavar="F,I,W",
+                        help="emulate an accelerator: every stage also spends F ms in each "
+                             "forward, I ms in each input-gradient and W ms in each "
+                             "weight-gradient pass sleeping, with the CPU free (as while a "
+                             "GPU kernel runs), so that step times show the schedule rather "
+                             "than CPU contention")
     parser.add_argument("--slow-backward", default=None, metavar="STAGE:SECONDS",
                         help="make one stage's backward pass take this much longer per "
                              "micro-batch (tests use it to order events across stages)")
     return parser.parse_args(list(argv))
 
 
-class SlowBackward(torch.autograd.Function):
-    """Identity forward; sleeps in backward (a stage whose backward is slow)."""
+class _SleepInBackward(torch.autograd.Function):
+    """Identity; sleeps when its gradient is computed."""
 
     @staticmethod
     def forward(ctx, x, seconds):
@@ -54,24 +60,47 @@ class SlowBackward(torch.autograd.Function):
 
 
 class Slow(torch.nn.Module):
+    """Makes the backward pass through it slower by `seconds` (it sleeps)."""
+
     def __init__(self, seconds: float):
         super().__init__()
         self.seconds = seconds
 
     def forward(self, x):
-        return SlowBackward.apply(x, self.seconds)
+        return _SleepInBackward.apply(x, self.seconds)
+
+
+class DeviceTime(torch.nn.Module):
+    """Spends fixed times per pass with the CPU free: `forward_s` in the forward, `input_s`
+    in the input-gradient pass (on the input's path) and `weight_s` in the weight-gradient
+    pass (on the path of a one-element parameter whose gradient is always zero, so that
+    training is unchanged)."""
+
+    def __init__(self, forward_s: float, input_s: float, weight_s: float, dtype):
+        super().__init__()
+        self.times = (forward_s, input_s, weight_s)
+        self.anchor = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+
+    def forward(self, x):
+        time.sleep(self.times[0])
+        weight_path = _SleepInBackward.apply(self.anchor, self.times[2]) * 0.0
+        return _SleepInBackward.apply(x, self.times[1]) + weight_path
 
 
 def stage_factory(s: int, opts: argparse.Namespace):
     def build() -> torch.nn.Module:
         torch.manual_seed(1000 + s)
         layers: list[torch.nn.Module] = []
-        if opts.slow_backward and int(opts.slow_backward.split(":")[0]) == s:
-            layers.append(Slow(float(opts.slow_backward.split(":")[1])))
+        if opts.device_ms:
+            f, i, w = (float(v) / 1e3 for v in opts.device_ms.split(","))
+            layers.append(DeviceTime(f, i, w, getattr(torch, opts.dtype)))
         for _ in range(opts.blocks):
             layers += [torch.nn.Linear(opts.width, opts.width), torch.nn.Tanh()]
         if s == opts.stages - 1:
             layers.append(torch.nn.Linear(opts.width, 1))
+        if opts.slow_backward and int(opts.slow_backward.split(":")[0]) == s:
+            layers.append(Slow(float(opts.slow_backward.split(":")[1])))  # after a Linear:
+            # its input needs a gradient even on stage 0
         return torch.nn.Sequential(*layers).to(getattr(torch, opts.dtype))
     return build
 

@@ -141,3 +141,26 @@ def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_pa
     _, params = checkpoint_params(run, 2)
     assert_params_equal(params, ref.params)
     assert_losses_equal(resumed.losses, ref.losses)  # earlier iterations from the first run
+
+
+def test_a_stage_without_live_workers_stops_and_resumes_from_the_periodic_checkpoint(tmp_path):
+    """Both workers of stage 1 die (0:1 in iteration 4, 1:1 in iteration 5): its parameters
+    are gone, so training stops and points at the latest complete periodic checkpoint
+    (every 3 iterations), from which a new launch resumes and ends exactly."""
+    lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=2)
+    args = ["--library", str(lib), "--iterations", "8"]
+    run = tmp_path / "run"
+    faults = [parse_fault(f) for f in ("1:4:F0", "3:5:I0")]
+    config = LaunchConfig(nproc=4, run_dir=str(run), faults=faults, checkpoint_every=3)
+    with pytest.raises(TrainingStopped, match="no live worker holds the parameters of stage 1"):
+        launch(TINY, config, args)
+    iteration, _ = checkpoint_params(run, 2)
+    assert iteration == 3
+    resumed = launch(TINY, LaunchConfig(nproc=4, run_dir=str(run), resume=True,
+                                        checkpoint_every=3), args)
+    assert _events(resumed, "generation")[0]["restart"] == 3
+    assert [e["iteration"] for e in _events(resumed, "checkpoint")] == [6]
+    ref = reference(args[2:], 2, 4)
+    _, params = checkpoint_params(run, 2)
+    assert_params_equal(params, ref.params)
+    assert_losses_equal(resumed.losses, ref.losses)

@@ -24,9 +24,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -76,7 +79,8 @@ class LaunchConfig:
     faults: Sequence[Fault] = ()
     prefetch: int = 4
     threads: int = 1
-    poll: float = 0.002
+    poll: float = 0.002                   # between checks while something is happening
+    idle_poll: float = 0.02               # while training runs (a death wakes the launcher)
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -111,6 +115,8 @@ class LaunchResult:
     run_dir: str
     microbatch_losses: dict[str, float] = field(default_factory=dict)
     spec: dict | None = None             # the plan library's job spec
+    op_times: dict[str, dict] = field(default_factory=dict)
+    """Per worker that finished ("pipeline:stage"), per op kind: [count, seconds]."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -186,7 +192,6 @@ class Agent:
         self.port = self.store.port
         self.t0 = time.time()
         self.procs: dict[int, _Proc] = {}          # live processes by rank
-        self.dead_ranks: set[int] = set()
         self.restarts: dict[int, int] = {}
         self.restart_at: dict[int, float] = {}
         self.events: list[dict] = []
@@ -211,6 +216,16 @@ class Agent:
     # -- main loop ---------------------------------------------------------------------------
 
     def run(self) -> LaunchResult:
+        # A child's death wakes the loop at once, so that the launcher can poll slowly while
+        # training runs and leave the CPU to the workers. The wake-up goes through a socket
+        # that the interpreter writes to on SIGCHLD (no lock may be taken in a handler).
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        previous = old_fd = None
+        if threading.current_thread() is threading.main_thread():
+            old_fd = signal.set_wakeup_fd(wake_w.fileno())
+            previous = signal.signal(signal.SIGCHLD, lambda *_: None)
         try:
             for rank in range(self.config.nproc):
                 self._spawn(rank, 0)
@@ -224,9 +239,20 @@ class Agent:
                 self._hellos()
                 self._checkpoints()
                 getattr(self, f"_phase_{self.phase}")(now)
-                time.sleep(self.config.poll)
+                select.select([wake_r], [], [], self.config.idle_poll if self.phase ==
+                              "running" and previous is not None else self.config.poll)
+                try:
+                    while wake_r.recv(512):
+                        pass
+                except BlockingIOError:
+                    pass
             return self._result()
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGCHLD, previous)
+                signal.set_wakeup_fd(old_fd)
+            wake_r.close()
+            wake_w.close()
             self._kill_all()
 
     def _spawn(self, rank: int, incarnation: int) -> None:
@@ -245,7 +271,6 @@ class Agent:
             popen = subprocess.Popen(self.command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.procs[rank] = _Proc(rank, incarnation, popen, path, time.time())
-        self.dead_ranks.discard(rank)
 
     # -- watching processes --------------------------------------------------------------------
 
@@ -280,7 +305,6 @@ class Agent:
 
     def _death(self, proc: _Proc, how: str) -> None:
         rank = proc.rank
-        self.dead_ranks.add(rank)
         if self.first_death_log is None:
             self.first_death_log = proc.log_path
         info: dict[str, Any] = {"rank": rank, "worker": self._name(rank), "how": how,
@@ -296,7 +320,8 @@ class Agent:
         if self.config.restart_delay is not None and \
                 self.restarts.get(rank, 0) < self.config.max_restarts:
             self.restart_at[rank] = time.time() + self.config.restart_delay
-        if self.phase in ("running", "gathering"):
+        member = self.member_inc.get(rank) == proc.incarnation
+        if self.phase in ("running", "gathering") and member:
             self._abort(f"worker {self._name(rank)} {how}")
 
     def _restart_due(self, now: float) -> None:
@@ -434,6 +459,9 @@ class Agent:
         decision = P.decide(gen, lib.spec.pipelines, lib.spec.stages, steps, lookup, initial)
         self.store.set(P.gen_key(gen, "decision"), decision.to_json())
         self.gen, self.decision = gen, decision
+        if self.config.checkpoint_every:  # the next one the workers will write
+            every = self.config.checkpoint_every
+            self.next_checkpoint = (decision.restart // every + 1) * every
         self.member_inc = {r: self.procs[r].incarnation for r in decision.members}
         self.ready, self.aborted_at, self.join_posted = {}, None, False
         for rank in steps:
@@ -562,11 +590,15 @@ class Agent:
             if fault.point != "hold" and not self.store.check([P.fault_key(fault.rank, 0)]):
                 self._event("warning", f"fault {fault} never fired (no such point in the "
                                        f"plan, or training ended first)")
+        op_times = {}
+        for rank in range(world):
+            if self.store.check([P.op_times_key(rank)]):
+                op_times[self._name(rank)] = json.loads(self.store.get(P.op_times_key(rank)))
         self._event("end", message, status=status)
         found = latest_checkpoint(self.run_dir) if self.stages else None
         result = LaunchResult(status, message, n, losses, ends, self.events, recoveries,
                               str(found[1]) if found else None, str(self.run_dir), per_mb,
-                              spec.to_dict() if spec is not None else None)
+                              spec.to_dict() if spec is not None else None, op_times)
         write_json(self.run_dir / "result.json", result.to_dict())
         return result
 

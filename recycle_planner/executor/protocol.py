@@ -55,6 +55,11 @@ def loss_key(iteration: int, rank: int) -> str:
     return f"loss/{iteration}/{rank}"
 
 
+def op_times_key(rank: int) -> str:
+    """Per op kind, [count, seconds] a worker spent (its whole life), written at the end."""
+    return f"optimes/{rank}"
+
+
 def shape_key(stage: int) -> str:
     return f"shape/{stage}"
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -36,6 +37,8 @@ from recycle_planner.normalize import Mapping
 from recycle_planner.plan import Plan
 
 log = logging.getLogger(__name__)
+
+KINDS = ("F", "I", "W", "B", "ALLREDUCE", "OPTIMIZER")
 
 
 class Instr(NamedTuple):
@@ -155,6 +158,8 @@ class StageRuntime:
         self.on_step: Callable[[int, dict[tuple[int, int], float]], None] | None = None
         self.losses: dict[tuple[int, int], float] = {}
         self.reset()
+        self.op_times: dict[str, list[float]] = {kind: [0, 0.0] for kind in KINDS}
+        """Per op kind: how many ran and the seconds they took (waits for data included)."""
         self.handlers: dict[str, Callable[[int, Instr, int], None]] = {
             "F": self.forward, "I": self.backward_input, "W": self.backward_weight,
             "B": self.backward, "ALLREDUCE": self.allreduce, "OPTIMIZER": self.optimizer_step,
@@ -175,6 +180,8 @@ class StageRuntime:
         instrs, recvs = program.instrs, program.recvs
         parity = iteration % 2
         handlers = self.handlers
+        times = self.op_times
+        clock = time.perf_counter
         self.posted = {}
         self.losses = {}
         posted = consumed = 0
@@ -188,7 +195,11 @@ class StageRuntime:
                 posted += 1
             if faults.active:
                 faults.trigger(iteration, ins.point)
+            t0 = clock()
             handlers[ins.kind](k, ins, iteration)
+            spent = times[ins.kind]
+            spent[0] += 1
+            spent[1] += clock() - t0
         if faults.active:
             faults.trigger(iteration, "step")
 

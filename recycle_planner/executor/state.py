@@ -45,11 +45,32 @@ class StageState:
             else:
                 for buf, p in zip(self._saved_params, self.params):
                     buf.copy_(p)
-        self._saved_optimizer = copy.deepcopy(self.optimizer.state_dict())
+        self._save_optimizer()
         self._has_saved = True
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
+
+    def _save_optimizer(self) -> None:
+        """Copy the optimizer state into the buffers of the previous copy when its structure
+        is unchanged (every step but the first), else deep-copy it."""
+        current = self.optimizer.state_dict()
+        saved = self._saved_optimizer
+        if saved is None or saved["state"].keys() != current["state"].keys() or any(
+                saved["state"][i].keys() != st.keys() for i, st in current["state"].items()):
+            self._saved_optimizer = copy.deepcopy(current)
+            return
+        with torch.no_grad():
+            for i, st in current["state"].items():
+                into = saved["state"][i]
+                for key, value in st.items():
+                    old = into[key]
+                    if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) \
+                            and old.shape == value.shape and old.dtype == value.dtype:
+                        old.copy_(value)
+                    else:
+                        into[key] = copy.deepcopy(value)
+        saved["param_groups"] = copy.deepcopy(current["param_groups"])
 
     def rollback_to(self, steps: int) -> None:
         """Undo the latest step if the stage is one step past `steps`."""
@@ -62,7 +83,7 @@ class StageState:
             for p, buf in zip(self.params, self._saved_params or []):
                 p.copy_(buf)
         self.optimizer.load_state_dict(self._saved_optimizer)
-        self._saved_optimizer = None
+        self._saved_optimizer = None  # the optimizer may now share its tensors
         self._has_saved = False
         self.steps = steps
 

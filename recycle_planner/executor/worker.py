@@ -192,6 +192,7 @@ class Worker:
                 self._checkpoint(decision, iteration)
             comm.flush_sends()
             self._checkpoint(decision, iteration, final=True)
+            self.store.set(P.op_times_key(self.rank), P.dumps(runtime.op_times))
             return "done"
         except PeerFailure as exc:
             failure = str(exc)
