@@ -103,7 +103,8 @@ def run_workload(name: str, args: list[str], repeat: int, iterations: int, work:
                          "predicted_degradation": gen["degradation"],
                          "predicted_period_ms": lib.lookup([tuple(map(int, worker.split(":")))])
                          .entry["metrics"]["period"],
-                         "recovery_s": res.recoveries[0]["seconds"], "plan": gen["plan"]})
+                         "recovery_s": res.recoveries[0]["seconds"],
+                         "replan_s": res.recoveries[0]["replanned_after"], "plan": gen["plan"]})
         out["failures"][worker] = {key: statistics.median(r[key] for r in rows)
                                    for key in rows[0] if key != "plan"}
         out["failures"][worker]["plan"] = rows[0]["plan"]
@@ -121,14 +122,16 @@ def markdown(results: dict) -> str:
             lines.append(f"| {name} | {label} | {row['step_ms']:.1f} | "
                          f"{row['step_ms'] / base - 1:+.1%} | {pred} |")
     lines += ["", "| workload | dead worker | step before (ms) | step after (ms) | measured "
-              "degradation | predicted degradation | predicted period (ms) | kill to first "
-              "completed iteration (s) |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "degradation | predicted degradation | predicted period (ms) | kill to new plan "
+              "(s) | kill to first completed iteration (s) |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, res in results["workloads"].items():
         for worker, row in res["failures"].items():
             lines.append(f"| {name} | {worker} ({row['plan']}) | {row['before_ms']:.1f} | "
                          f"{row['after_ms']:.1f} | {row['measured_degradation']:+.1%} | "
                          f"{row['predicted_degradation']:+.1%} | "
-                         f"{row['predicted_period_ms']:.1f} | {row['recovery_s']:.3f} |")
+                         f"{row['predicted_period_ms']:.1f} | {row['replan_s']:.3f} | "
+                         f"{row['recovery_s']:.3f} |")
     return "\n".join(lines)
 
 

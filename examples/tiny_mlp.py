@@ -2,7 +2,9 @@
 
 Use it as a job factory: `recycle-planner launch -n 4 examples/tiny_mlp.py:make_job -- --library
 plans/` (the words after `--` are this factory's options, see `options()`), or
-`recycle-planner profile examples/tiny_mlp.py:make_job --pipelines 2 --microbatches 4`.
+`recycle-planner profile examples/tiny_mlp.py:make_job --pipelines 2 --microbatches 4`; or as a
+training script, started the way torchrun starts one: `recycle-planner launch -n 4
+examples/tiny_mlp.py --library plans/`.
 
 Every stage is a few Linear+Tanh blocks (the last one ends in a Linear head), seeded per stage
 so that a single-process reference builds the same weights. Data is a deterministic function
@@ -13,11 +15,12 @@ targets are a fixed smooth function of them, so any worker can (re)load any micr
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
 
-from recycle_planner.executor import Job
+from recycle_planner.executor import Job, run
 
 
 def options(argv=()) -> argparse.Namespace:
@@ -129,3 +132,7 @@ def make_job(argv=()) -> Job:
     return Job(stages=[stage_factory(s, opts) for s in range(opts.stages)],
                loss_fn=torch.nn.functional.mse_loss, optimizer=optimizer,
                data=data_source(opts), iterations=opts.iterations, library=opts.library)
+
+
+if __name__ == "__main__":
+    run(make_job(sys.argv[1:]))

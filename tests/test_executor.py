@@ -30,13 +30,15 @@ def _events(result, kind):
 
 def test_fault_free_run_matches_torch_schedule_1f1b_and_one_process(tmp_path):
     """2 stages x 2 pipelines, split backward and staggered optimizer: the same parameters
-    and losses as torch's Schedule1F1B (with a data-parallel all-reduce) and as one process."""
+    and losses as torch's Schedule1F1B (with a data-parallel all-reduce) and as one process.
+    The job runs as a training script that calls `run` (started like torchrun starts one)."""
     sys.path.insert(0, str(EXAMPLES))
     import torch_1f1b
 
     lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=1)
     args = ["--library", str(lib), "--iterations", "5"]
-    result = launch(TINY, LaunchConfig(nproc=4, run_dir=str(tmp_path / "run")), args)
+    result = launch(str(EXAMPLES / "tiny_mlp.py"), LaunchConfig(nproc=4,
+                                                              run_dir=str(tmp_path / "run")), args)
     ref = reference(args, 2, 4)
     assert result.status == "completed" and result.iterations == 5
     assert [e["dead"] for e in _events(result, "generation")] == [[]]

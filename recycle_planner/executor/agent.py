@@ -101,8 +101,9 @@ class LaunchConfig:
 class LaunchResult:
     """What a run did. `losses[i]`: mean loss of iteration i over all D*M micro-batches;
     `iteration_end[i]`: seconds from launch to the end of iteration i everywhere;
-    `recoveries`: per injected or observed death, the time to the first iteration completed
-    after it; `events`: what happened, in order."""
+    `recoveries`: per death, the seconds until the next generation was formed
+    (`replanned_after`) and until the first iteration it completed (`seconds`);
+    `events`: what happened, in order."""
 
     status: str                          # completed | stopped | failed
     message: str
@@ -584,8 +585,11 @@ class Agent:
                      if e is not None and g > death["gen"]]
             if after:
                 i, e = after[0]
+                formed = [ev["t"] for ev in self.events
+                          if ev["kind"] == "generation" and ev["gen"] > death["gen"]]
                 recoveries.append({"worker": death["worker"], "t_death": death["t"],
-                                   "first_iteration": i, "seconds": e - death["t"]})
+                                   "first_iteration": i, "seconds": e - death["t"],
+                                   "replanned_after": formed[0] - death["t"] if formed else None})
         for fault in self.config.faults:
             if fault.point != "hold" and not self.store.check([P.fault_key(fault.rank, 0)]):
                 self._event("warning", f"fault {fault} never fired (no such point in the "
