@@ -10,8 +10,9 @@ worker with torchrun's environment variables, then loops:
 - on a death (or a communication error a worker reports) it posts the generation's abort
   notice, gathers the survivors' step counts, and posts the next generation's decision
   (`protocol.decide`): the plan for the new dead set, or a clean stop with a checkpoint when
-  the library has no plan for it. A worker that does not report within `hang_timeout` of the
-  abort is killed, so a failure during recovery is just one more death;
+  the library has no plan for it. A worker that does not report within the group timeout plus
+  `hang_timeout` of the abort is stuck and gets killed; a failure during recovery is just one
+  more death;
 - with `restart_delay` set, a dead worker is started again after that many seconds; when it
   says hello the live workers stop at an iteration boundary, it copies its stage's state from
   a peer, and the plan switches back;
@@ -400,11 +401,13 @@ class Agent:
                     self.ready[rank] = json.loads(self.store.get(key))["steps"]
         missing = [r for r in members if r not in self.ready]
         if missing:
-            if self.aborted_at is not None and now - self.aborted_at > self.config.hang_timeout:
+            # A live worker blocked on a stuck peer notices within the group timeout; one that
+            # has not reported by then (plus the hang timeout) is itself stuck.
+            limit = self.config.pg_timeout + self.config.hang_timeout
+            if self.aborted_at is not None and now - self.aborted_at > limit:
                 for rank in missing:
                     self._event("hang", f"worker {self._name(rank)} did not leave generation "
-                                        f"{gen} within {self.config.hang_timeout:.1f} s: "
-                                        f"killing it", rank=rank)
+                                        f"{gen} within {limit:.1f} s: killing it", rank=rank)
                     _kill(self.procs[rank])
                 self.aborted_at = now
             return
