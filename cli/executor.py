@@ -99,8 +99,11 @@ def result_summary(result) -> str:
         lines.append(f"  iterations      {result.iterations}, median step "
                      f"{1e3 * _median_step(ends):.2f} ms")
     for rec in result.recoveries:
+        replanned = rec.get("replanned_after")
         lines.append(f"  recovery        worker {rec['worker']} died at {rec['t_death']:.3f} s; "
-                     f"iteration {rec['first_iteration']} completed {rec['seconds']:.3f} s later")
+                     + (f"new plan {replanned:.3f} s later, " if replanned is not None else "")
+                     + f"iteration {rec['first_iteration']} completed {rec['seconds']:.3f} s "
+                       f"later")
     if result.checkpoint:
         lines.append(f"  checkpoint      {result.checkpoint}")
     lines.append(f"  run folder      {result.run_dir} (result.json, logs/)")

@@ -36,6 +36,7 @@ def worker(rank: int, world: int, port: int, target: str, job_args: list[str], D
     from torch.distributed.pipelining.schedules import Schedule1F1B
 
     from recycle_planner.executor.job import load_job
+    from recycle_planner.planfile import atomic_write, write_json
 
     torch.set_num_threads(1)
     job = load_job(target, job_args)
@@ -79,10 +80,10 @@ def worker(rank: int, world: int, port: int, target: str, job_args: list[str], D
         ends.append(time.time() - t0)
         if s == S - 1:
             losses.append(sum(float(l.detach()) for l in mb_losses) / M)
-    record = {"ends": ends, "losses": losses}
-    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    write_json(out / f"rank{rank}.json", {"ends": ends, "losses": losses})
     if d == 0:
-        torch.save(module.state_dict(), out / f"stage{s}.pt")
+        atomic_write(out / f"stage{s}.pt", lambda fh: torch.save(module.state_dict(), fh),
+                     binary=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -110,7 +111,9 @@ def train(target: str, job_args: list[str], pipelines: int, microbatches: int, s
               for i in range(len(last[0]["losses"]))]
     ends = [max(rec["ends"][i] for rec in records) for i in range(len(records[0]["ends"]))]
     result = {"losses": losses, "iteration_end": ends}
-    (out / "result.json").write_text(json.dumps(result))
+    from recycle_planner.planfile import write_json
+
+    write_json(out / "result.json", result)
     return result
 
 

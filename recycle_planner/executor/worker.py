@@ -153,7 +153,7 @@ class Worker:
         comm = None
         iteration = decision.restart
         switch_at = None
-        failure = ""
+        failure, t_fail = "", 0.0
         t0 = time.perf_counter()
         try:
             self._rendezvous(gen, len(decision.members))
@@ -205,8 +205,8 @@ class Worker:
             runtime.comm = None
             if comm is not None:
                 comm.close()
-        log.warning("generation %d abandoned at iteration %d after %.0f ms: %s", gen, iteration,
-                    1e3 * (time.perf_counter() - t_fail), failure)
+        log.warning("generation %d abandoned at iteration %d (groups closed in %.0f ms): %s",
+                    gen, iteration, 1e3 * (time.perf_counter() - t_fail), failure)
         self.store.add(P.gen_key(gen, "errors"), 1)
         self.faults.on_recovery(iteration)
         return "failure"
