@@ -33,3 +33,21 @@ echo "== a launcher looks up the workers that are actually dead"
 "$RP" lookup "$OUT/gpt-plans" --failed 2:5 --failed 0:1
 echo
 echo "plans, pictures, the plan library and the torch CSV are in $OUT/"
+
+echo
+echo "== the executor: measure the tiny MLP of examples/tiny_mlp.py on this machine"
+TINY=examples/tiny_mlp.py:make_job
+"$RP" profile "$TINY" --pipelines 2 --microbatches 4 --name tiny-mlp -o "$OUT/tiny.toml"
+"$RP" plan-all "$OUT/tiny.toml" --max-failures 2 -o "$OUT/tiny-plans" | tail -n 4
+echo
+echo "== train it on 4 CPU processes (2 stages x 2 pipelines), nothing fails"
+"$RP" launch -n 4 --run-dir "$OUT/tiny-fault-free" "$TINY" -- --library "$OUT/tiny-plans" \
+    --iterations 30
+echo
+echo "== the same training; worker 1:0 (rank 2) is killed mid-forward in iteration 10"
+"$RP" launch -n 4 --run-dir "$OUT/tiny-killed" --inject-fault 2:10:F1 "$TINY" -- \
+    --library "$OUT/tiny-plans" --iterations 30
+echo
+echo "== the final parameters and losses equal the fault-free run's and one process's"
+"$BIN/python" examples/compare_runs.py "$OUT/tiny-fault-free" "$OUT/tiny-killed" \
+    --reference "$TINY" -- --iterations 30

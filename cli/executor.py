@@ -1,0 +1,177 @@
+"""`recycle-planner launch` and `recycle-planner profile`: train a job, measure a job."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+BYTES_HELP = "bytes, or a size like 80GiB"
+
+
+@click.command(context_settings={"ignore_unknown_options": True,
+                                 "allow_interspersed_args": False})
+@click.argument("target", metavar="JOB")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[-- JOB ARGS]...")
+@click.option("-n", "--nproc", "--nproc-per-node", "nproc", type=click.IntRange(1),
+              required=True, help="Worker processes: pipelines x stages of the plan library.")
+@click.option("--library", type=click.Path(file_okay=False, path_type=Path),
+              help="Plan library folder (overrides the job's).")
+@click.option("--run-dir", default="recycle-run", show_default=True,
+              type=click.Path(file_okay=False, path_type=Path),
+              help="Checkpoints, worker logs and result.json go here.")
+@click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo",
+              show_default=True, help="gloo on CPU; nccl on GPUs (one per worker).")
+@click.option("--master-addr", default="127.0.0.1", show_default=True,
+              help="Address of the store the launcher hosts.")
+@click.option("--master-port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="Port of the store (0: any free port).")
+@click.option("--hang-timeout", type=click.FloatRange(min=0.1), default=10.0,
+              show_default=True, metavar="SECONDS",
+              help="A worker without a heartbeat for this long is hung and gets killed.")
+@click.option("--heartbeat", type=click.FloatRange(min=0.01), default=0.2, show_default=True,
+              metavar="SECONDS", help="Seconds between a worker's heartbeats.")
+@click.option("--pg-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              metavar="SECONDS", help="Timeout of every process group.")
+@click.option("--restart-delay", type=click.FloatRange(min=0), default=None,
+              metavar="SECONDS", help="Restart a dead worker this long after it died; it "
+                                      "re-joins at an iteration boundary (default: never).")
+@click.option("--max-restarts", type=click.IntRange(0), default=3, show_default=True,
+              help="Restarts per worker.")
+@click.option("--checkpoint-every", type=click.IntRange(0), default=0, show_default=True,
+              metavar="ITERATIONS", help="Checkpoint every so many iterations (0: only the "
+                                         "final one, and one when training has to stop).")
+@click.option("--resume", is_flag=True, help="Start from the run folder's latest checkpoint.")
+@click.option("--inject-fault", "faults", multiple=True, metavar="RANK:ITER:POINT[:ACTION]",
+              help="Testing: kill (or hang) worker RANK at a point of iteration ITER, e.g. "
+                   "2:3:F1 (before its 2nd forward), 1:4:step, 0:5:I0:hang. Repeatable.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def launch(target: str, args: tuple[str, ...], nproc: int, library: Path | None, run_dir: Path,
+           backend: str, master_addr: str, master_port: int, hang_timeout: float,
+           heartbeat: float, pg_timeout: float, restart_delay: float | None,
+           max_restarts: int, checkpoint_every: int, resume: bool, faults: tuple[str, ...],
+           as_json: bool) -> None:
+    """Train JOB on NPROC local worker processes and keep training when workers die.
+
+    JOB is a job factory (FILE.py:FUNCTION or MODULE:FUNCTION returning a
+    recycle_planner.executor.Job; words after JOB go to the factory) or a training script
+    that calls recycle_planner.executor.run (started like torchrun starts it: RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). A dead worker's micro-batches are
+    re-routed to its stage's peers with the library's plan for the new failure set; a hung
+    one is killed after --hang-timeout. Beyond the library's threshold, or with a stage
+    without a live worker, training stops with a checkpoint (exit status 2).
+
+    \b
+      recycle-planner launch -n 4 examples/tiny_mlp.py:make_job -- --library plans/
+    """
+    from recycle_planner.executor.agent import LaunchConfig, launch as run_launch
+    from recycle_planner.executor.faults import parse_fault
+
+    config = LaunchConfig(nproc=nproc, run_dir=str(run_dir), backend=backend,
+                          master_addr=master_addr, master_port=master_port,
+                          heartbeat=heartbeat, hang_timeout=hang_timeout, pg_timeout=pg_timeout,
+                          restart_delay=restart_delay, max_restarts=max_restarts,
+                          checkpoint_every=checkpoint_every, resume=resume,
+                          library=str(library) if library else None,
+                          faults=[parse_fault(f) for f in faults])
+    args = args[1:] if args[:1] == ("--",) else args
+
+    def show(event: dict) -> None:
+        if not as_json and event["kind"] != "end":
+            click.echo(f"[{event['t']:8.3f}s] {event['message']}")
+
+    result = run_launch(target, config, args, on_event=show)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    click.echo(result_summary(result))
+
+
+def result_summary(result) -> str:
+    lines = [f"{result.message}"]
+    losses = [l for l in result.losses if l is not None]
+    if losses:
+        lines.append(f"  loss            {losses[0]:.6g} (first) -> {losses[-1]:.6g} (last)")
+    ends = [e for e in result.iteration_end if e is not None]
+    if len(ends) > 1:
+        lines.append(f"  iterations      {result.iterations}, median step "
+                     f"{1e3 * _median_step(ends):.2f} ms")
+    for rec in result.recoveries:
+        replanned = rec.get("replanned_after")
+        lines.append(f"  recovery        worker {rec['worker']} died at {rec['t_death']:.3f} s; "
+                     + (f"new plan {replanned:.3f} s later, " if replanned is not None else "")
+                     + f"iteration {rec['first_iteration']} completed {rec['seconds']:.3f} s "
+                       f"later")
+    if result.checkpoint:
+        lines.append(f"  checkpoint      {result.checkpoint}")
+    lines.append(f"  run folder      {result.run_dir} (result.json, logs/)")
+    return "\n".join(lines)
+
+
+def _median_step(ends: list[float]) -> float:
+    steps = sorted(b - a for a, b in zip(ends, ends[1:]))
+    return steps[len(steps) // 2]
+
+
+@click.command()
+@click.argument("target", metavar="JOB")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[-- JOB ARGS]...")
+@click.option("--pipelines", "-d", type=click.IntRange(1), required=True,
+              help="Data-parallel degree D of the job.")
+@click.option("--microbatches", "-m", type=click.IntRange(1), required=True,
+              help="Micro-batches M per pipeline per iteration.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Job spec (TOML) to write.")
+@click.option("--name", default=None, help="Name written into the spec.")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@click.option("--repeats", type=click.IntRange(1), default=10, show_default=True,
+              help="Timed runs per measurement (the median is kept).")
+@click.option("--warmup", type=click.IntRange(0), default=2, show_default=True)
+@click.option("--memory-budget", default=None, metavar="BYTES", help=BYTES_HELP + " per "
+              "worker (default: the GPU's memory, or this machine's shared by D x S workers).")
+@click.option("--p2p", type=click.FloatRange(min=0), default=None, metavar="MS",
+              help="Point-to-point latency instead of measuring it.")
+@click.option("--allreduce", type=click.FloatRange(min=0), default=None, metavar="MS",
+              help="Gradient all-reduce time instead of measuring it.")
+def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: int,
+            output: Path, name: str | None, device: str, repeats: int, warmup: int,
+            memory_budget: str | None, p2p: float | None, allreduce: float | None) -> None:
+    """Measure JOB's stages on this machine and write a job spec for the planner.
+
+    Per stage: forward, input-gradient and weight-gradient time, optimizer step, activation
+    and static memory; on CPU also point-to-point and all-reduce times between local gloo
+    processes. Then: recycle-planner plan-all SPEC -f F -o plans/.
+
+    \b
+      recycle-planner profile examples/tiny_mlp.py:make_job -d 2 -m 4 -o tiny.toml
+    """
+    from recycle_planner.executor.job import load_job
+    from recycle_planner.profiler import profile_job, write_spec
+    from recycle_planner.spec import JobSpec
+
+    budget = None
+    if memory_budget is not None:
+        probe = JobSpec.from_dict({"stages": 1, "pipelines": 1, "microbatches": 1,
+                                   "time": {"forward": 1, "backward_input": 1,
+                                            "backward_weight": 0, "p2p": 0, "allreduce": 0,
+                                            "optimizer": 0},
+                                   "memory": {"activation": 1, "budget": memory_budget}},
+                                  "--memory-budget")
+        budget = probe.memory.budget
+    args = args[1:] if args[:1] == ("--",) else args
+    job = load_job(target, args)
+    spec, stages = profile_job(job, pipelines, microbatches, name=name, device=device,
+                               repeats=repeats, warmup=warmup, memory_budget=budget, p2p=p2p,
+                               allreduce=allreduce)
+    header = (f"Profiled by recycle-planner profile {target} on {device}\n"
+              f"({sys.platform}, {repeats} repeats); times in ms, memory in bytes")
+    write_spec(spec, output, header)
+    click.echo(f"{'stage':>5} {'F ms':>9} {'I ms':>9} {'W ms':>9} {'opt ms':>9} "
+               f"{'p2p ms':>8} {'ar ms':>8} {'activation':>11}")
+    for s, st in enumerate(stages):
+        click.echo(f"{s:>5} {st.forward:9.4f} {st.backward_input:9.4f} "
+                   f"{st.backward_weight:9.4f} {st.optimizer:9.4f} {spec.p2p[s]:8.4f} "
+                   f"{spec.allreduce[s]:8.4f} {st.activation:>11}")
+    click.echo(f"wrote {output}")

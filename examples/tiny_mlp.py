@@ -1,0 +1,138 @@
+"""A tiny MLP cut into pipeline stages: the model of the executor's tests, demo and benchmarks.
+
+Use it as a job factory: `recycle-planner launch -n 4 examples/tiny_mlp.py:make_job -- --library
+plans/` (the words after `--` are this factory's options, see `options()`), or
+`recycle-planner profile examples/tiny_mlp.py:make_job --pipelines 2 --microbatches 4`; or as a
+training script, started the way torchrun starts one: `recycle-planner launch -n 4
+examples/tiny_mlp.py --library plans/`.
+
+Every stage is a few Linear+Tanh blocks (the last one ends in a Linear head), seeded per stage
+so that a single-process reference builds the same weights. Data is a deterministic function
+of (iteration, logical pipeline, micro-batch): a seeded generator draws the inputs, the
+targets are a fixed smooth function of them, so any worker can (re)load any micro-batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from recycle_planner.executor import Job, run
+
+
+def options(argv=()) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tiny_mlp", description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--blocks", type=int, default=2, help="Linear+Tanh blocks per stage")
+    parser.add_argument("--microbatch-size", type=int, default=4)
+    parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float64")
+    parser.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--library", default=None, help="plan library folder")
+    parser.add_argument("--data-delay", type=float, default=0.0,
+                        help="seconds to sleep per micro-batch loaded (a slow data loader)")
+    parser.add_argument("--device-ms", default=None, metavar="F,I,W",
+                        help="emulate an accelerator: every stage also spends F ms in each "
+                             "forward, I ms in each input-gradient and W ms in each "
+                             "weight-gradient pass sleeping, with the CPU free (as while a "
+                             "GPU kernel runs), so that step times show the schedule rather "
+                             "than CPU contention")
+    parser.add_argument("--slow-backward", default=None, metavar="STAGE:SECONDS",
+                        help="make one stage's backward pass take this much longer per "
+                             "micro-batch (tests use it to order events across stages)")
+    return parser.parse_args(list(argv))
+
+
+class _SleepInBackward(torch.autograd.Function):
+    """Identity; sleeps when its gradient is computed."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class Slow(torch.nn.Module):
+    """Makes the backward pass through it slower by `seconds` (it sleeps)."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        return _SleepInBackward.apply(x, self.seconds)
+
+
+class DeviceTime(torch.nn.Module):
+    """Spends fixed times per pass with the CPU free: `forward_s` in the forward, `input_s`
+    in the input-gradient pass (on the input's path) and `weight_s` in the weight-gradient
+    pass (on the path of a one-element parameter whose gradient is always zero, so that
+    training is unchanged)."""
+
+    def __init__(self, forward_s: float, input_s: float, weight_s: float, dtype):
+        super().__init__()
+        self.times = (forward_s, input_s, weight_s)
+        self.anchor = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+
+    def forward(self, x):
+        time.sleep(self.times[0])
+        weight_path = _SleepInBackward.apply(self.anchor, self.times[2]) * 0.0
+        return _SleepInBackward.apply(x, self.times[1]) + weight_path
+
+
+def stage_factory(s: int, opts: argparse.Namespace):
+    def build() -> torch.nn.Module:
+        torch.manual_seed(1000 + s)
+        layers: list[torch.nn.Module] = []
+        if opts.device_ms:
+            f, i, w = (float(v) / 1e3 for v in opts.device_ms.split(","))
+            layers.append(DeviceTime(f, i, w, getattr(torch, opts.dtype)))
+        for _ in range(opts.blocks):
+            layers += [torch.nn.Linear(opts.width, opts.width), torch.nn.Tanh()]
+        if s == opts.stages - 1:
+            layers.append(torch.nn.Linear(opts.width, 1))
+        if opts.slow_backward and int(opts.slow_backward.split(":")[0]) == s:
+            layers.append(Slow(float(opts.slow_backward.split(":")[1])))  # after a Linear:
+            # its input needs a gradient even on stage 0
+        return torch.nn.Sequential(*layers).to(getattr(torch, opts.dtype))
+    return build
+
+
+def data_source(opts: argparse.Namespace):
+    dtype = getattr(torch, opts.dtype)
+
+    def data(iteration: int, pipeline: int, microbatch: int):
+        if opts.data_delay:
+            time.sleep(opts.data_delay)
+        g = torch.Generator().manual_seed(((iteration * 1009) + pipeline) * 9173 + microbatch)
+        x = torch.randn(opts.microbatch_size, opts.width, generator=g, dtype=dtype)
+        y = torch.sin(x[:, :1] * 2.0) + 0.5 * x[:, 1:2] * x[:, 2:3]
+        return x, y
+    return data
+
+
+def make_job(argv=()) -> Job:
+    opts = options(argv)
+    if opts.optimizer == "adam":
+        def optimizer(params):
+            return torch.optim.Adam(params, lr=opts.lr)
+    else:
+        def optimizer(params):
+            return torch.optim.SGD(params, lr=opts.lr, momentum=0.9)
+    return Job(stages=[stage_factory(s, opts) for s in range(opts.stages)],
+               loss_fn=torch.nn.functional.mse_loss, optimizer=optimizer,
+               data=data_source(opts), iterations=opts.iterations, library=opts.library)
+
+
+if __name__ == "__main__":
+    run(make_job(sys.argv[1:]))

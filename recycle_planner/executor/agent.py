@@ -1,0 +1,660 @@
+"""The launcher: start the workers, watch them, decide membership, collect results.
+
+`launch()` (and `recycle-planner launch`) runs in a process that never trains, so it survives
+every worker failure; it hosts the TCP store all workers meet in. It starts one process per
+worker with torchrun's environment variables, then loops:
+
+- a worker process that exits is dead (the launcher is its parent, so it knows within
+  milliseconds); a worker whose heartbeats stop for `hang_timeout` seconds is hung and gets
+  SIGKILL, which makes it dead;
+- on a death (or a communication error a worker reports) it posts the generation's abort
+  notice, gathers the survivors' step counts, and posts the next generation's decision
+  (`protocol.decide`): the plan for the new dead set, or a clean stop with a checkpoint when
+  the library has no plan for it. A worker that does not report within the group timeout plus
+  `hang_timeout` of the abort is stuck and gets killed; a failure during recovery is just one
+  more death;
+- with `restart_delay` set, a dead worker is started again after that many seconds; when it
+  says hello the live workers stop at an iteration boundary, it copies its stage's state from
+  a peer, and the plan switches back;
+- when every member has finished, it marks the final checkpoint complete, lets the workers
+  exit, and returns the losses, the events and the timings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
+
+from recycle_planner.errors import RecycleError
+from recycle_planner.executor import protocol as P
+from recycle_planner.executor.faults import Fault
+from recycle_planner.executor.state import latest_checkpoint, write_manifest
+from recycle_planner.executor.config import CONFIG_ENV, CONFIG_ERROR, WorkerConfig
+from recycle_planner.failures import format_workers
+from recycle_planner.library import PlanLibrary
+from recycle_planner.planfile import write_json
+
+log = logging.getLogger(__name__)
+
+class TrainingStopped(RecycleError):
+    """Training ended before its last iteration: failures beyond the library's threshold, a
+    stage with no live worker, or a worker that cannot run the job."""
+
+    def __init__(self, message: str, result: "LaunchResult"):
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class LaunchConfig:
+    """How to run the workers. Times in seconds."""
+
+    nproc: int
+    run_dir: str = "recycle-run"
+    backend: str = "gloo"
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0                  # 0: any free port
+    heartbeat: float = 0.2
+    hang_timeout: float = 10.0            # no heartbeat for this long: the worker is hung
+    pg_timeout: float = 60.0              # process-group timeout of every generation
+    startup_timeout: float = 300.0
+    restart_delay: float | None = None    # restart a dead worker after this long (re-join)
+    max_restarts: int = 3                 # restarts per rank
+    checkpoint_every: int = 0             # iterations between checkpoints (0: final only)
+    resume: bool = False                  # start from the run folder's latest checkpoint
+    library: str | None = None            # overrides the job's plan library
+    faults: Sequence[Fault] = ()
+    prefetch: int = 4
+    threads: int = 1
+    poll: float = 0.002                   # between checks while something is happening
+    idle_poll: float = 0.02               # while training runs (a death wakes the launcher)
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise RecycleError(f"need at least one worker, got {self.nproc}")
+        for f in self.faults:
+            if not 0 <= f.rank < self.nproc:
+                raise RecycleError(f"fault {f}: rank {f.rank} is outside 0..{self.nproc - 1}")
+
+    def worker_config(self) -> WorkerConfig:
+        return WorkerConfig(run_dir=str(Path(self.run_dir).resolve()), backend=self.backend,
+                            heartbeat=self.heartbeat, pg_timeout=self.pg_timeout,
+                            poll=self.poll, checkpoint_every=self.checkpoint_every,
+                            resume=self.resume, library=self.library, prefetch=self.prefetch,
+                            threads=self.threads, faults=[f.to_dict() for f in self.faults])
+
+
+@dataclass
+class LaunchResult:
+    """What a run did. `losses[i]`: mean loss of iteration i over all D*M micro-batches;
+    `iteration_end[i]`: seconds from launch to the end of iteration i everywhere;
+    `recoveries`: per death, the seconds until the next generation was formed
+    (`replanned_after`) and until the first iteration it completed (`seconds`);
+    `events`: what happened, in order."""
+
+    status: str                          # completed | stopped | failed
+    message: str
+    iterations: int
+    losses: list[float | None]
+    iteration_end: list[float | None]
+    events: list[dict]
+    recoveries: list[dict]
+    checkpoint: str | None
+    run_dir: str
+    microbatch_losses: dict[str, float] = field(default_factory=dict)
+    spec: dict | None = None             # the plan library's job spec
+    op_times: dict[str, dict] = field(default_factory=dict)
+    """Per worker that finished ("pipeline:stage"), per op kind: [count, seconds]."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def worker_command(target: str, args: Sequence[str] = ()) -> list[str]:
+    """The command every worker runs: a training script (like torchrun's), or a job factory
+    `FILE.py:FUNCTION` / `MODULE:FUNCTION` run by the executor's own entry point."""
+    if target.endswith(".py") and ":" not in target:
+        return [sys.executable, target, *args]
+    return [sys.executable, "-m", "recycle_planner.executor", target, *args]
+
+
+def check_target(target: str) -> None:
+    """Fail before starting any process if a job file or script does not exist."""
+    path = target.rpartition(":")[0] if ":" in target else target
+    if (path.endswith(".py") or "/" in path) and not Path(path).is_file():
+        raise RecycleError(f"job file {path} does not exist")
+
+
+def launch(target: str | Sequence[str], config: LaunchConfig, args: Sequence[str] = (),
+           on_event: Callable[[dict], None] | None = None) -> LaunchResult:
+    """Run a job on `config.nproc` local worker processes and return what happened.
+
+    `target` is a training script, a job factory (`FILE.py:FUNCTION`), or a full command list.
+    Raises `TrainingStopped` if training could not finish (the result is attached)."""
+    if isinstance(target, str):
+        check_target(target)
+        command = worker_command(target, args)
+    else:
+        command = list(target)
+    if config.library is not None:
+        spec = PlanLibrary.open(config.library).spec
+        if spec.workers != config.nproc:
+            raise RecycleError(f"the plan library {config.library} is for {spec.pipelines} "
+                               f"pipelines x {spec.stages} stages = {spec.workers} workers, "
+                               f"not {config.nproc}")
+    result = Agent(command, config, on_event).run()
+    if result.status != "completed":
+        raise TrainingStopped(result.message, result)
+    return result
+
+
+@dataclass
+class _Proc:
+    rank: int
+    incarnation: int
+    popen: subprocess.Popen
+    log_path: Path
+    started: float
+    hello: dict | None = None
+    last_beat: float = 0.0
+
+
+class Agent:
+    def __init__(self, command: list[str], config: LaunchConfig,
+                 on_event: Callable[[dict], None] | None = None):
+        self.command = command
+        self.config = config
+        self.on_event = on_event
+        self.run_dir = Path(config.run_dir)
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.previous_losses: list = []
+        if config.resume and (self.run_dir / "result.json").is_file():
+            try:  # losses of the iterations before the checkpoint come from the earlier run
+                self.previous_losses = json.loads(
+                    (self.run_dir / "result.json").read_text()).get("losses", [])
+            except (OSError, ValueError):
+                pass
+        self.store = dist.TCPStore(config.master_addr, config.master_port, is_master=True,
+                                   wait_for_workers=False,
+                                   timeout=timedelta(seconds=config.startup_timeout))
+        self.port = self.store.port
+        self.t0 = time.time()
+        self.procs: dict[int, _Proc] = {}          # live processes by rank
+        self.restarts: dict[int, int] = {}
+        self.restart_at: dict[int, float] = {}
+        self.events: list[dict] = []
+        self.deaths: list[dict] = []
+        self.lib: PlanLibrary | None = None
+        self.stages = 0
+        self.phase = "starting"
+        self.gen = -1
+        self.decision: P.Decision | None = None
+        self.member_inc: dict[int, int] = {}
+        self.aborted_at: float | None = None
+        self.join_posted = False
+        self.ready: dict[int, int | None] = {}
+        self.next_beat_check = 0.0
+        self.next_checkpoint = config.checkpoint_every
+        self.idle_reconfigurations = 0
+        self.final_iterations = 0
+        self.exit_started = 0.0
+        self.first_death_log: Path | None = None
+        self.outcome: tuple[str, str] | None = None
+
+    # -- main loop ---------------------------------------------------------------------------
+
+    def run(self) -> LaunchResult:
+        # A child's death wakes the loop at once, so that the launcher can poll slowly while
+        # training runs and leave the CPU to the workers. The wake-up goes through a socket
+        # that the interpreter writes to on SIGCHLD (no lock may be taken in a handler).
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        previous = old_fd = None
+        if threading.current_thread() is threading.main_thread():
+            old_fd = signal.set_wakeup_fd(wake_w.fileno())
+            previous = signal.signal(signal.SIGCHLD, lambda *_: None)
+        try:
+            for rank in range(self.config.nproc):
+                self._spawn(rank, 0)
+            self._event("start", f"{self.config.nproc} workers started, store on port "
+                                 f"{self.port}, logs in {self.run_dir / 'logs'}")
+            while self.outcome is None:
+                now = time.time()
+                self._reap()
+                self._heartbeats(now)
+                self._restart_due(now)
+                self._hellos()
+                self._checkpoints()
+                getattr(self, f"_phase_{self.phase}")(now)
+                select.select([wake_r], [], [], self.config.idle_poll if self.phase ==
+                              "running" and previous is not None else self.config.poll)
+                try:
+                    while wake_r.recv(512):
+                        pass
+                except BlockingIOError:
+                    pass
+            return self._result()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGCHLD, previous)
+                signal.set_wakeup_fd(old_fd)
+            wake_r.close()
+            wake_w.close()
+            self._kill_all()
+
+    def _spawn(self, rank: int, incarnation: int) -> None:
+        c = self.config
+        env = dict(os.environ)
+        env.update({
+            "RANK": str(rank), "WORLD_SIZE": str(c.nproc), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(c.nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(c.nproc), "MASTER_ADDR": c.master_addr,
+            "MASTER_PORT": str(self.port), "TORCHELASTIC_RESTART_COUNT": str(incarnation),
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "recycle",
+            "OMP_NUM_THREADS": str(c.threads), CONFIG_ENV: c.worker_config().to_json(),
+        })
+        path = self.run_dir / "logs" / f"rank{rank}.{incarnation}.log"
+        with open(path, "wb") as out:
+            popen = subprocess.Popen(self.command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.procs[rank] = _Proc(rank, incarnation, popen, path, time.time())
+
+    # -- watching processes --------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        for rank, proc in list(self.procs.items()):
+            code = proc.popen.poll()
+            if code is None:
+                continue
+            del self.procs[rank]
+            if self.phase in ("exiting", "stopping"):
+                continue  # training is over: every exit is expected
+            if code == CONFIG_ERROR:
+                self._finish_with("failed", f"worker {self._name(rank)} cannot run the job: "
+                                            f"{_last_line(proc.log_path)}")
+                return
+            self._death(proc, "exited with status 0 before the end" if code == 0 else
+                        f"killed by {_signal_name(-code)}" if code < 0 else
+                        f"exited with status {code}")
+
+    def _heartbeats(self, now: float) -> None:
+        if now < self.next_beat_check or self.phase in ("exiting", "stopping"):
+            return
+        self.next_beat_check = now + self.config.heartbeat
+        for rank, proc in list(self.procs.items()):
+            key = P.heartbeat_key(rank, proc.incarnation)
+            if self.store.check([key]):
+                proc.last_beat = float(self.store.get(key))
+            if proc.last_beat and now - proc.last_beat > self.config.hang_timeout:
+                self._event("hang", f"worker {self._name(rank)} sent no heartbeat for "
+                                    f"{now - proc.last_beat:.1f} s: killing it", rank=rank)
+                _kill(proc)
+
+    def _death(self, proc: _Proc, how: str) -> None:
+        rank = proc.rank
+        if self.first_death_log is None:
+            self.first_death_log = proc.log_path
+        info: dict[str, Any] = {"rank": rank, "worker": self._name(rank), "how": how,
+                                "t": time.time() - self.t0, "gen": self.gen}
+        key = P.fault_key(rank, proc.incarnation)
+        if self.store.check([key]):
+            fault = json.loads(self.store.get(key))
+            info.update(t=fault["t"] - self.t0, fault=fault["fault"])
+        self.deaths.append(info)
+        self._event("death", f"worker {self._name(rank)} {how}"
+                             + (f" (injected fault {info['fault']})" if "fault" in info else ""),
+                    **{k: v for k, v in info.items() if k not in ("worker",)})
+        if self.config.restart_delay is not None and \
+                self.restarts.get(rank, 0) < self.config.max_restarts:
+            self.restart_at[rank] = time.time() + self.config.restart_delay
+        member = self.member_inc.get(rank) == proc.incarnation
+        if self.phase in ("running", "gathering") and member:
+            self._abort(f"worker {self._name(rank)} {how}")
+
+    def _restart_due(self, now: float) -> None:
+        if self.phase not in ("starting", "running", "gathering"):
+            return
+        for rank, when in list(self.restart_at.items()):
+            if now >= when:
+                del self.restart_at[rank]
+                self.restarts[rank] = self.restarts.get(rank, 0) + 1
+                self._spawn(rank, self.restarts[rank])
+                self._event("restart", f"worker {self._name(rank)} restarted (incarnation "
+                                       f"{self.restarts[rank]})", rank=rank)
+
+    def _hellos(self) -> None:
+        for rank, proc in self.procs.items():
+            if proc.hello is None:
+                key = P.hello_key(rank, proc.incarnation)
+                if self.store.check([key]):
+                    proc.hello = json.loads(self.store.get(key))
+                    proc.last_beat = time.time()
+                    if self.lib is None:
+                        self._open_library(proc.hello["library"])
+
+    def _open_library(self, path: str) -> None:
+        self.lib = PlanLibrary.open(path)
+        self.stages = self.lib.spec.stages
+
+    # -- phases ------------------------------------------------------------------------------
+
+    def _phase_starting(self, now: float) -> None:
+        if now - self.t0 > self.config.startup_timeout:
+            waiting = sorted(r for r, p in self.procs.items() if p.hello is None)
+            self._finish_with("failed", f"workers {waiting} did not start within "
+                                        f"{self.config.startup_timeout:.0f} s (see their logs)")
+            return
+        if any(p.hello is None for p in self.procs.values()) or self.lib is None:
+            if not self.procs and self.lib is None and not self.restart_at:
+                last = _last_line(self.first_death_log) if self.first_death_log else ""
+                self._finish_with("failed", f"every worker died before starting: {last} (see "
+                                            f"the logs in {self.run_dir / 'logs'})")
+            return
+        if self.restart_at:
+            return
+        steps = {r: p.hello["steps"] for r, p in self.procs.items()}
+        self._decide(steps, initial=not self.config.resume)
+
+    def _phase_running(self, now: float) -> None:
+        gen = self.gen
+        if self.store.add(P.gen_key(gen, "errors"), 0) > 0:
+            self._abort("a worker reported a communication error")
+            return
+        if self._joiners() and not self.join_posted:
+            self.store.set(P.gen_key(gen, "join"), "1")
+            self.join_posted = True
+            self.phase = "gathering"
+            self._event("join", "restarted workers " + ", ".join(
+                self._name(r) for r in self._joiners()) + " asked to join: switching at an "
+                "iteration boundary")
+            return
+        self._check_done()
+
+    def _phase_gathering(self, now: float) -> None:
+        gen = self.gen
+        if self.aborted_at is None:
+            if self.store.add(P.gen_key(gen, "errors"), 0) > 0:
+                self._abort("a worker reported a communication error")
+                return
+            if self._check_done():
+                return
+        members = self._live_members()
+        for rank in members:
+            if rank not in self.ready:
+                key = P.gen_key(gen, f"ready/{rank}")
+                if self.store.check([key]):
+                    self.ready[rank] = json.loads(self.store.get(key))["steps"]
+        missing = [r for r in members if r not in self.ready]
+        if missing:
+            # A live worker blocked on a stuck peer notices within the group timeout; one that
+            # has not reported by then (plus the hang timeout) is itself stuck.
+            limit = self.config.pg_timeout + self.config.hang_timeout
+            if self.aborted_at is not None and now - self.aborted_at > limit:
+                for rank in missing:
+                    self._event("hang", f"worker {self._name(rank)} did not leave generation "
+                                        f"{gen} within {limit:.1f} s: killing it", rank=rank)
+                    _kill(self.procs[rank])
+                self.aborted_at = now
+            return
+        steps = {r: self.ready[r] for r in members}
+        for rank in self._joiners():
+            steps[rank] = None
+        dead_before = set(self.decision.dead)
+        self._decide(steps)
+        if self.decision is not None and set(self.decision.dead) == dead_before \
+                and not any(v is None for v in steps.values()):
+            self.idle_reconfigurations += 1
+            if self.idle_reconfigurations > 3:
+                self._finish_with("failed", "workers keep reporting communication errors "
+                                            "although none died (see the logs)")
+        else:
+            self.idle_reconfigurations = 0
+
+    def _phase_exiting(self, now: float) -> None:
+        if not self.procs or now - self.exit_started > 60:
+            self.outcome = ("completed", f"trained {self.final_iterations} iterations")
+
+    def _phase_stopping(self, now: float) -> None:
+        members = self._live_members()
+        waiting = [r for r in members
+                   if not self.store.check([P.gen_key(self.gen, f"stopped/{r}")])]
+        if waiting and now - self.exit_started < 60:
+            return
+        restart = self.decision.restart
+        folder = write_manifest(self.run_dir, restart, self.stages,
+                                {"reason": self.decision.reason})
+        if folder is not None:
+            where = f"checkpoint of iteration {restart} (every stage) in {folder}"
+        else:
+            found = latest_checkpoint(self.run_dir)
+            where = (f"latest complete checkpoint: iteration {found[0]} in {found[1]}"
+                     if found else "no complete checkpoint (a stage's parameters died with "
+                                   "its last worker; set checkpoint_every to keep some)")
+        self.final_iterations = restart
+        self.outcome = ("stopped", f"training stopped at iteration {restart}: "
+                                   f"{self.decision.reason}; {where}")
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def _decide(self, steps: dict[int, int | None], initial: bool = False) -> None:
+        assert self.lib is not None
+        lib = self.lib
+
+        def lookup(dead):
+            hit = lib.lookup(dead)
+            return hit.file.name, float(hit.entry["metrics"].get("degradation", 0.0))
+
+        gen = self.gen + 1
+        decision = P.decide(gen, lib.spec.pipelines, lib.spec.stages, steps, lookup, initial)
+        self.store.set(P.gen_key(gen, "decision"), decision.to_json())
+        self.gen, self.decision = gen, decision
+        if self.config.checkpoint_every:  # the next one the workers will write
+            every = self.config.checkpoint_every
+            self.next_checkpoint = (decision.restart // every + 1) * every
+        self.member_inc = {r: self.procs[r].incarnation for r in decision.members}
+        self.ready, self.aborted_at, self.join_posted = {}, None, False
+        for rank in steps:
+            proc = self.procs.get(rank)
+            if proc is not None and not self.store.check(
+                    [P.welcome_key(rank, proc.incarnation)]):
+                welcome = gen if decision.action == "run" or steps[rank] is not None else -1
+                self.store.set(P.welcome_key(rank, proc.incarnation), str(welcome))
+        if decision.action == "stop":
+            self._event("stop", f"generation {gen}: {decision.reason}", gen=gen,
+                        restart=decision.restart)
+            self.phase, self.exit_started = "stopping", time.time()
+            self._dismiss_newcomers()
+            return
+        joined = [r for r, k in steps.items() if k is None]
+        self._event("generation", f"generation {gen}: {len(decision.members)} live workers, "
+                                  f"dead {format_workers(decision.dead)}, plan {decision.plan} "
+                                  f"(predicted degradation "
+                                  f"{round(decision.degradation, 4) + 0.0:+.1%}), from "
+                                  f"iteration {decision.restart}"
+                    + (f"; {', '.join(self._name(r) for r in joined)} joined" if joined and
+                       not initial else ""),
+                    gen=gen, dead=[list(w) for w in decision.dead], plan=decision.plan,
+                    degradation=decision.degradation, restart=decision.restart,
+                    joined=joined if not initial else [],
+                    steps={str(r): k for r, k in sorted(steps.items())})
+        self.phase = "running"
+
+    def _abort(self, reason: str) -> None:
+        if self.phase == "gathering" and self.aborted_at is not None:
+            return
+        self.store.set(P.gen_key(self.gen, "abort"), reason)
+        self.aborted_at = time.time()
+        self.phase = "gathering"
+        self._event("abort", f"generation {self.gen} abandoned: {reason}", gen=self.gen)
+
+    def _live_members(self) -> list[int]:
+        """Members of the current generation whose process (that incarnation) still runs."""
+        return [r for r in self.decision.members
+                if r in self.procs and self.procs[r].incarnation == self.member_inc.get(r)]
+
+    def _joiners(self) -> list[int]:
+        """Processes that said hello but are not (this incarnation) members: restarted
+        workers waiting to join."""
+        return sorted(r for r, p in self.procs.items()
+                      if p.hello is not None and self.member_inc.get(r) != p.incarnation)
+
+    def _check_done(self) -> bool:
+        members = self._live_members()
+        done = [self.store.check([P.gen_key(self.gen, f"done/{r}")]) for r in members]
+        if not members or not all(done):
+            return False
+        steps = json.loads(self.store.get(P.gen_key(self.gen, f"done/{members[0]}")))["steps"]
+        self.final_iterations = int(steps)
+        write_manifest(self.run_dir, self.final_iterations, self.stages)
+        self.store.set(P.gen_key(self.gen, "finish"), "1")
+        self.phase, self.exit_started = "exiting", time.time()
+        self._dismiss_newcomers()
+        return True
+
+    def _dismiss_newcomers(self) -> None:
+        """Training is over: restarted workers that have not joined have nothing to do."""
+        self.restart_at.clear()
+        members = set(self._live_members())
+        for rank, proc in self.procs.items():
+            if rank not in members:
+                self._event("dismiss", f"restarted worker {self._name(rank)} arrived after the "
+                                       f"end: stopping it", rank=rank)
+                _kill(proc)
+
+    def _checkpoints(self) -> None:
+        every = self.config.checkpoint_every
+        if not every or self.stages == 0:
+            return
+        k = self.next_checkpoint
+        if all(self.store.check([P.checkpoint_key(k, s)]) for s in range(self.stages)):
+            if write_manifest(self.run_dir, k, self.stages) is not None:
+                self._event("checkpoint", f"checkpoint of iteration {k} complete", iteration=k)
+            self.next_checkpoint += every
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def _finish_with(self, status: str, message: str) -> None:
+        self.outcome = (status, message)
+
+    def _result(self) -> LaunchResult:
+        status, message = self.outcome
+        n = self.final_iterations
+        world = self.config.nproc
+        losses: list[float | None] = []
+        ends: list[float | None] = []
+        per_mb: dict[str, float] = {}
+        spec = self.lib.spec if self.lib else None
+        gens: list[int] = []
+        for i in range(n):
+            values: dict[tuple[int, int], tuple[int, float]] = {}
+            end = None
+            gen = -1
+            for rank in range(world):
+                key = P.iteration_key(i, rank)
+                if self.store.check([key]):
+                    rec = json.loads(self.store.get(key))
+                    end = max(end or 0.0, rec["t"] - self.t0)
+                    gen = max(gen, rec["gen"])
+                key = P.loss_key(i, rank)
+                if self.store.check([key]):
+                    rec = json.loads(self.store.get(key))
+                    for p, m, v in rec["losses"]:
+                        if (p, m) not in values or values[(p, m)][0] <= rec["gen"]:
+                            values[(p, m)] = (rec["gen"], v)
+            ends.append(end)
+            gens.append(gen)
+            complete = spec is not None and len(values) == spec.pipelines * spec.microbatches
+            losses.append(sum(v for _, v in values.values()) / len(values) if complete else
+                          self.previous_losses[i] if i < len(self.previous_losses) else None)
+            per_mb.update({f"{i}/{p}/{m}": v for (p, m), (_, v) in values.items()})
+        recoveries = []
+        for death in self.deaths:
+            after = [(i, e) for i, (e, g) in enumerate(zip(ends, gens))
+                     if e is not None and g > death["gen"]]
+            if after:
+                i, e = after[0]
+                formed = [ev["t"] for ev in self.events
+                          if ev["kind"] == "generation" and ev["gen"] > death["gen"]]
+                recoveries.append({"worker": death["worker"], "t_death": death["t"],
+                                   "first_iteration": i, "seconds": e - death["t"],
+                                   "replanned_after": formed[0] - death["t"] if formed else None})
+        for fault in self.config.faults:
+            if fault.point != "hold" and not self.store.check([P.fault_key(fault.rank, 0)]):
+                self._event("warning", f"fault {fault} never fired (no such point in the "
+                                       f"plan, or training ended first)")
+        op_times = {}
+        for rank in range(world):
+            if self.store.check([P.op_times_key(rank)]):
+                op_times[self._name(rank)] = json.loads(self.store.get(P.op_times_key(rank)))
+        self._event("end", message, status=status)
+        found = latest_checkpoint(self.run_dir) if self.stages else None
+        result = LaunchResult(status, message, n, losses, ends, self.events, recoveries,
+                              str(found[1]) if found else None, str(self.run_dir), per_mb,
+                              spec.to_dict() if spec is not None else None, op_times)
+        write_json(self.run_dir / "result.json", result.to_dict())
+        return result
+
+    def _kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.popen.poll() is None:
+                _kill(proc)
+        for proc in self.procs.values():
+            try:
+                proc.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _name(self, rank: int) -> str:
+        if not self.stages:
+            return f"rank {rank}"
+        d, s = P.worker_of(rank, self.stages)
+        return f"{d}:{s}"
+
+    def _event(self, kind: str, message: str, **data: Any) -> None:
+        event = {"t": round(time.time() - self.t0, 4), "kind": kind, "message": message, **data}
+        self.events.append(event)
+        log.info("%s", message)
+        if self.on_event is not None:
+            self.on_event(event)
+
+
+def _kill(proc: _Proc) -> None:
+    try:
+        os.kill(proc.popen.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [l.strip() for l in path.read_text(errors="replace").splitlines() if l.strip()]
+    except OSError:
+        return "(no log)"
+    for line in reversed(lines):
+        if "ERROR" in line or "Error" in line:
+            return line.split(": ", 1)[-1] if "ERROR" in line else line
+    return lines[-1] if lines else "(empty log)"

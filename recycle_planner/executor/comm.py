@@ -1,0 +1,168 @@
+"""Process groups of one generation, point-to-point messages with tags, and failure detection.
+
+Each generation builds its own groups from a fresh store namespace: one group of all members
+(activations and gradients, state copies, the global barrier) and one per stage (the gradient
+all-reduce among that stage's live workers). Groups are built directly (`ProcessGroupGloo`,
+or `ProcessGroupNCCL` on GPUs by configuration) rather than through torch's global default
+group, so that a broken generation can be dropped without touching torch's global state.
+
+Failure detection rides on the transport: gloo reports a dead peer within milliseconds
+("Connection closed by peer"). A worker blocked on a *live* peer that is itself stuck behind the
+dead one learns of the failure because that peer, once it sees the error, closes its whole
+group (`close`), which breaks its connections to everyone: the error cascades through the
+wait-for chain in milliseconds. A hung peer keeps its connections open; the launcher's
+heartbeat timeout kills it, which turns the hang into a death. The group timeout (never torch's
+30-minute default) bounds anything else.
+
+Tags identify a message completely: iteration parity, direction, stage, pipeline and
+micro-batch, so that re-routed micro-batches of several pipelines can flow between the same two
+workers in any order.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from recycle_planner.errors import RecycleError
+
+log = logging.getLogger(__name__)
+
+FORWARD, BACKWARD = 0, 1
+STATE_TAG = 1 << 30
+"""Tags at or above this carry stage state to a newcomer, never activations."""
+
+
+class PeerFailure(RuntimeError):
+    """A collective or point-to-point operation failed: a peer died or the generation was
+    abandoned. The worker leaves the generation and waits for the launcher's decision."""
+
+
+def message_tag(direction: int, stage: int, pipeline: int, microbatch: int, iteration: int,
+                stages: int, pipelines: int, microbatches: int) -> int:
+    """The tag of the activation (FORWARD, sent by `stage`) or gradient (BACKWARD, sent by
+    `stage`) of micro-batch `microbatch` of logical pipeline `pipeline`. Iteration parity keeps
+    two iterations' messages apart under the staggered optimizer."""
+    tag = (iteration % 2) * 2 + direction
+    tag = tag * stages + stage
+    tag = tag * pipelines + pipeline
+    return tag * microbatches + microbatch
+
+
+def new_group(backend: str, store: Any, rank: int, size: int, timeout: timedelta):
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise RecycleError("backend 'nccl' needs a CUDA build of torch")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    raise RecycleError(f"unknown backend {backend!r} (expected gloo or nccl)")
+
+
+class Comm:
+    """The groups of one generation as seen by one worker.
+
+    `rank` is the worker's index in the generation (its position in `members`); `stage_group`
+    is None when the worker is its stage's only live member. Sends are asynchronous and kept
+    until complete (gloo transmits from the caller's tensor); `wait` turns a transport error
+    into `PeerFailure`.
+    """
+
+    def __init__(self, backend: str, store: Any, gen: int, members: list[int], me: int,
+                 stage_members: list[int], stage: int, timeout: timedelta):
+        self.backend = backend
+        self.members = members
+        self.rank = members.index(me)
+        self.size = len(members)
+        self.sends: list[tuple[Any, torch.Tensor]] = []
+        try:
+            self.group = new_group(backend, dist.PrefixStore(f"gen{gen}/all", store),
+                                   self.rank, self.size, timeout)
+            self.stage_group = None
+            if len(stage_members) > 1:
+                self.stage_group = new_group(
+                    backend, dist.PrefixStore(f"gen{gen}/stage{stage}", store),
+                    stage_members.index(me), len(stage_members), timeout)
+        except RecycleError:
+            raise
+        except RuntimeError as exc:
+            raise PeerFailure(f"cannot form the process group of generation {gen}: "
+                              f"{_short(exc)}") from None
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        try:
+            work = self.group.send([tensor], dst, tag)
+        except RuntimeError as exc:
+            raise PeerFailure(f"send to {dst} failed: {_short(exc)}") from None
+        self.sends.append((work, tensor))
+        if len(self.sends) > 64:
+            self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+
+    def irecv(self, buf: torch.Tensor, src: int, tag: int):
+        try:
+            return self.group.recv([buf], src, tag)
+        except RuntimeError as exc:
+            raise PeerFailure(f"receive from {src} failed: {_short(exc)}") from None
+
+    @staticmethod
+    def wait(work, what: str = "operation") -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise PeerFailure(f"{what} failed: {_short(exc)}") from None
+
+    def flush_sends(self) -> None:
+        """Wait until every send has been received (before the generation ends cleanly)."""
+        for work, _ in self.sends:
+            self.wait(work, "send")
+        self.sends.clear()
+
+    def allreduce_sum(self, flat: torch.Tensor) -> None:
+        if self.stage_group is None:
+            return
+        try:
+            work = self.stage_group.allreduce([flat], dist.AllreduceOptions())
+        except RuntimeError as exc:
+            raise PeerFailure(f"gradient all-reduce failed: {_short(exc)}") from None
+        self.wait(work, "gradient all-reduce")
+
+    def barrier(self) -> None:
+        try:
+            work = self.group.barrier(dist.BarrierOptions())
+        except RuntimeError as exc:
+            raise PeerFailure(f"barrier failed: {_short(exc)}") from None
+        self.wait(work, "barrier")
+
+    def send_bytes(self, payload: bytes, dst: int, device: torch.device) -> None:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        self.isend(size, dst, STATE_TAG)
+        self.isend(data, dst, STATE_TAG + 1)
+        self.flush_sends()
+
+    def recv_bytes(self, src: int, device: torch.device) -> bytes:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+        self.wait(self.irecv(size, src, STATE_TAG), "state size")
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        self.wait(self.irecv(data, src, STATE_TAG + 1), "state")
+        return data.cpu().numpy().tobytes()
+
+    def close(self) -> None:
+        """Drop the groups. Closing the sockets is what tells every peer blocked on this
+        worker that the generation is over, so nothing may keep a reference alive."""
+        self.sends.clear()
+        self.group = None
+        self.stage_group = None
+        gc.collect()
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text[:200]

@@ -1,0 +1,114 @@
+"""Fault injection: make a worker really die (SIGKILL) or hang (SIGSTOP) at a chosen point.
+
+For tests, the demo and chaos drills, never for production training. A fault is written
+`RANK:ITERATION:POINT[:ACTION]`:
+
+- POINT `F2` (or I, W, B with an index): just before the worker's third forward (0-based
+  index 2) of that iteration, so its peers are mid-forward (or mid-backward) waiting for it;
+  `step`: right after its stage's optimizer step of that iteration, before the iteration has
+  ended everywhere; `start`: at the start of that iteration; `recovery`: when it enters
+  recovery from another failure at that iteration or later (a failure during recovery);
+  `hold`: at the start of that iteration, if some worker is dead, pause until a restarted
+  worker asks to join (makes a re-join happen at a known point; no ACTION).
+- ACTION `kill` (default): SIGKILL, the process vanishes; `hang`: SIGSTOP, the whole process
+  stops answering (caught by the launcher's heartbeat timeout); `stall`: only the training
+  thread stops (as in a deadlock in user code) while heartbeats go on (caught by the peers'
+  process-group timeout, after which the launcher kills the worker that does not report).
+
+Only incarnation 0 of a rank is hit: a worker restarted after its fault does not die again.
+Before dying, the worker writes the time into the store, so that the launcher can report the
+exact time from a kill to recovery.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from recycle_planner.errors import RecycleError
+
+log = logging.getLogger(__name__)
+
+ACTIONS = ("kill", "hang", "stall")
+_POINT = re.compile(r"(?:(?P<kind>[FIWB])(?P<index>\d+)|(?P<name>step|start|recovery|hold))")
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    iteration: int
+    point: str
+    action: str = "kill"
+
+    def __str__(self) -> str:
+        tail = "" if self.point == "hold" else f":{self.action}"
+        return f"{self.rank}:{self.iteration}:{self.point}{tail}"
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "iteration": self.iteration, "point": self.point,
+                "action": self.action}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Fault":
+        return cls(int(data["rank"]), int(data["iteration"]), str(data["point"]),
+                   str(data.get("action", "kill")))
+
+
+def parse_fault(text: str) -> Fault:
+    parts = text.strip().split(":")
+    if len(parts) not in (3, 4) or not parts[0].isdigit() or not parts[1].isdigit():
+        raise RecycleError(f"fault {text!r} is not RANK:ITERATION:POINT[:ACTION] (for example "
+                           f"1:2:F0 or 3:4:step:hang)")
+    point = parts[2]
+    if not _POINT.fullmatch(point):
+        raise RecycleError(f"fault {text!r}: point {point!r} is not F<n>, I<n>, W<n>, B<n>, "
+                           f"step, start, recovery or hold")
+    action = parts[3] if len(parts) == 4 else "kill"
+    if action not in ACTIONS:
+        raise RecycleError(f"fault {text!r}: action {action!r} is not kill, hang or stall")
+    return Fault(int(parts[0]), int(parts[1]), point, action)
+
+
+class FaultInjector:
+    """The faults of one worker process. `due(iteration, point)` is called at each point; it is
+    a set lookup, so a worker without faults pays nothing measurable."""
+
+    def __init__(self, faults: Iterable[Fault], rank: int, incarnation: int,
+                 announce: Callable[[Fault], None]):
+        mine = [f for f in faults if f.rank == rank] if incarnation == 0 else []
+        self._at = {(f.iteration, f.point): f for f in mine if f.point != "recovery"}
+        self._recovery = sorted((f for f in mine if f.point == "recovery"),
+                                key=lambda f: f.iteration)
+        self._announce = announce
+        self.active = bool(mine)
+
+    def at(self, iteration: int, point: str) -> Fault | None:
+        return self._at.get((iteration, point))
+
+    def trigger(self, iteration: int, point: str) -> None:
+        fault = self._at.get((iteration, point))
+        if fault is not None and fault.point != "hold":
+            self.fire(fault)
+
+    def on_recovery(self, iteration: int) -> None:
+        for fault in self._recovery:
+            if iteration >= fault.iteration:
+                self.fire(fault)
+
+    def fire(self, fault: Fault) -> None:
+        log.warning("injected fault %s: %s now", fault, fault.action)
+        try:
+            self._announce(fault)
+        finally:
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            if fault.action != "stall":
+                os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else
+                        signal.SIGSTOP)
+            while True:  # hang or stall: the launcher kills this process
+                time.sleep(3600)

@@ -1,0 +1,122 @@
+"""What a user hands the executor: stage modules, a loss, an optimizer factory, data, a library.
+
+A `Job` is built in every worker process (the launcher starts one process per worker and each
+calls the user's job factory), so it holds *factories* where building is expensive: a worker
+builds only its own stage. The same job reference (`file.py:function` or `module:function`)
+serves `recycle-planner profile` and `recycle-planner launch`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+from recycle_planner.errors import RecycleError
+
+if TYPE_CHECKING:  # torch is an optional dependency of the package
+    import torch
+
+DataFn = Callable[[int, int, int], tuple[Any, Any]]
+
+
+@dataclass
+class Job:
+    """One hybrid-parallel training job.
+
+    - `stages[s]`: stage s as an `nn.Module`, or a function that builds it. Every worker of
+      stage s must start from the same parameters; the executor copies the lowest-ranked
+      worker's parameters to its peers at start, so a factory need not be seeded.
+    - `loss_fn(output, target)`: the loss of one micro-batch (a mean over its samples). The
+      executor scales every micro-batch loss by 1/(D*M) and sums gradients over the stage's
+      live workers, so the step is the same whoever runs which micro-batch.
+    - `optimizer(params)`: builds a stage's optimizer.
+    - `data(iteration, pipeline, microbatch) -> (input, target)`: deterministic. `pipeline` is
+      the *logical* pipeline of the plan, so the global batch of an iteration is the same
+      whatever the failures; a redone iteration reads the same data again.
+    - `iterations`: how many optimizer steps to train.
+    - `library`: the plan library folder (`recycle-planner plan-all`); the launcher's
+      `--library` overrides it.
+    """
+
+    stages: Sequence[Any]
+    loss_fn: Callable[[Any, Any], Any]
+    optimizer: Callable[[Iterable[Any]], Any]
+    data: DataFn
+    iterations: int
+    library: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise RecycleError("a job needs at least one stage")
+        if isinstance(self.iterations, bool) or not isinstance(self.iterations, int) \
+                or self.iterations < 1:
+            raise RecycleError(f"a job needs a positive whole number of iterations, got "
+                               f"{self.iterations!r}")
+
+    def build_stage(self, stage: int) -> "torch.nn.Module":
+        import torch
+
+        item = self.stages[stage]
+        module = item if isinstance(item, torch.nn.Module) else item()
+        if not isinstance(module, torch.nn.Module):
+            raise RecycleError(f"stage {stage} of the job is not a torch.nn.Module (its factory "
+                               f"returned {type(module).__name__})")
+        return module
+
+
+def load_job(target: str, argv: Sequence[str] = ()) -> Job:
+    """Import `path/to/file.py:function` or `package.module:function` and call the function
+    (with the list `argv` as its one argument if it takes a positional argument) to get the
+    `Job`."""
+    if ":" not in target:
+        raise RecycleError(f"job {target!r} must be FILE.py:FUNCTION or MODULE:FUNCTION")
+    where, _, name = target.rpartition(":")
+    module = _import(where)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise RecycleError(f"{where} has no function {name!r}")
+    try:
+        job = factory(list(argv)) if _takes_argument(factory) else factory()
+    except TypeError as exc:
+        raise RecycleError(f"{target}: {exc}") from None
+    if not isinstance(job, Job):
+        raise RecycleError(f"{target} returned {type(job).__name__}, not a "
+                           f"recycle_planner.executor.Job")
+    return job
+
+
+def _import(where: str):
+    if where.endswith(".py") or "/" in where:
+        path = Path(where)
+        if not path.is_file():
+            raise RecycleError(f"job file {path} does not exist")
+        name = f"_recycle_job_{abs(hash(str(path.resolve())))}"
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        # The script's folder is importable, as it is when the script runs as a program.
+        sys.path.insert(0, str(path.resolve().parent))
+        spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(where)
+    except ImportError as exc:
+        raise RecycleError(f"cannot import {where}: {exc}") from None
+
+
+def _takes_argument(func: Callable) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+               for p in params)

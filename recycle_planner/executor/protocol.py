@@ -1,0 +1,175 @@
+"""How the launcher and the workers agree on who is alive: store keys and the membership decision.
+
+Training runs in *generations*. A generation is a set of live workers with their own process
+groups (created under a fresh store namespace `gen{n}/`, so that gloo never reads a dead
+worker's stale address) and one plan from the library. Every change of membership (a worker
+dies or hangs, a restarted worker joins) ends the generation:
+
+1. The launcher posts `gen{n}/abort` (failure) or `gen{n}/join` (a worker asks to join; the
+   workers then stop at an agreed iteration boundary).
+2. Every live worker abandons what it was doing and reports `gen{n}/ready/{rank}` with the
+   number of optimizer steps its stage has taken (`steps`).
+3. The launcher decides (`decide`) and posts `gen{n+1}/decision`: the members, the dead
+   workers, the iteration to (re)start from, which worker sends its stage's state to which
+   newcomer, or `stop` when the failures are beyond the library's threshold or a stage has no
+   live worker left.
+
+The store lives in the launcher process, which never takes part in training, so it survives
+every worker failure.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from recycle_planner.errors import RecycleError
+from recycle_planner.failures import format_workers
+from recycle_planner.ops import Worker
+
+
+def hello_key(rank: int, incarnation: int) -> str:
+    return f"hello/{rank}/{incarnation}"
+
+
+def welcome_key(rank: int, incarnation: int) -> str:
+    return f"welcome/{rank}/{incarnation}"
+
+
+def heartbeat_key(rank: int, incarnation: int) -> str:
+    return f"hb/{rank}/{incarnation}"
+
+
+def fault_key(rank: int, incarnation: int) -> str:
+    return f"fault/{rank}/{incarnation}"
+
+
+def iteration_key(iteration: int, rank: int) -> str:
+    """When `rank` finished `iteration` (its latest attempt), and in which generation."""
+    return f"it/{iteration}/{rank}"
+
+
+def loss_key(iteration: int, rank: int) -> str:
+    """The losses of the micro-batches `rank` ran in `iteration` (last-stage workers)."""
+    return f"loss/{iteration}/{rank}"
+
+
+def op_times_key(rank: int) -> str:
+    """Per op kind, [count, seconds] a worker spent (its whole life), written at the end."""
+    return f"optimes/{rank}"
+
+
+def shape_key(stage: int) -> str:
+    return f"shape/{stage}"
+
+
+def checkpoint_key(iteration: int, stage: int) -> str:
+    return f"ckpt/{iteration}/{stage}"
+
+
+def gen_key(gen: int, name: str) -> str:
+    """`decision`, `abort`, `join`, `switch_at`, `errors`, `joined`, `finish`, `ready/{rank}`,
+    `done/{rank}`, `stopped/{rank}` of generation `gen`."""
+    return f"gen{gen}/{name}"
+
+
+def worker_of(rank: int, stages: int) -> Worker:
+    """Physical (pipeline, stage) of a global rank: ranks are pipeline-major, like
+    `Schedule.workers()`."""
+    return rank // stages, rank % stages
+
+
+def rank_of(worker: Worker, stages: int) -> int:
+    return worker[0] * stages + worker[1]
+
+
+def dumps(data: Any) -> str:
+    return json.dumps(data, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What generation `gen` is: `members` (sorted global ranks; a member's rank in the
+    generation's process group is its index here), the `dead` physical workers, the iteration
+    every member starts at (`restart`), `sources[rank] = rank` that sends its stage's
+    parameters and optimizer state to a worker that has none (a restarted worker, or every
+    non-first worker of a stage at the very start), and the plan file chosen for the dead set.
+    `action` is `run` or `stop` (then `reason` says why, and the members only write a
+    checkpoint of iteration `restart`)."""
+
+    gen: int
+    action: str
+    members: tuple[int, ...]
+    dead: tuple[Worker, ...]
+    restart: int
+    sources: Mapping[int, int] = field(default_factory=dict)
+    plan: str | None = None
+    degradation: float | None = None
+    reason: str = ""
+
+    def to_json(self) -> str:
+        return dumps({"gen": self.gen, "action": self.action, "members": list(self.members),
+                      "dead": [list(w) for w in self.dead], "restart": self.restart,
+                      "sources": {str(k): v for k, v in self.sources.items()},
+                      "plan": self.plan, "degradation": self.degradation,
+                      "reason": self.reason})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Decision":
+        d = json.loads(text)
+        return cls(gen=int(d["gen"]), action=d["action"], members=tuple(d["members"]),
+                   dead=tuple(tuple(w) for w in d["dead"]), restart=int(d["restart"]),
+                   sources={int(k): int(v) for k, v in d["sources"].items()},
+                   plan=d.get("plan"), degradation=d.get("degradation"),
+                   reason=d.get("reason", ""))
+
+    def group_rank(self, rank: int) -> int:
+        return self.members.index(rank)
+
+
+def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None],
+           lookup: Callable[[list[Worker]], tuple[str, float]], initial: bool = False) -> Decision:
+    """The membership decision for generation `gen`, from the workers that reported.
+
+    `steps[rank]` is the number of optimizer steps a reporting worker's stage has taken, or
+    None for a worker that holds no state (a restarted one). Every other rank is dead.
+    `lookup(dead)` returns the plan file and its predicted degradation for the dead physical
+    workers, or raises a `RecycleError` (beyond the threshold, a stage with no live worker).
+    With `initial`, everyone holds a fresh model and the first worker of each stage sends its
+    parameters to its peers, so that all replicas start equal.
+
+    The restart iteration is the least step count: a stage that already stepped in the
+    abandoned iteration undoes that step (steps differ by at most one, because no stage can
+    step iteration i+1 before every stage has stepped iteration i)."""
+    members = tuple(sorted(steps))
+    dead = tuple((r // stages, r % stages) for r in range(pipelines * stages)
+                 if r not in steps)
+    stateful = {r: k for r, k in steps.items() if k is not None}
+    by_stage: dict[int, list[int]] = {}
+    for r in sorted(stateful):
+        by_stage.setdefault(r % stages, []).append(r)
+    restart = min(stateful.values()) if stateful else 0
+    if stateful and max(stateful.values()) - restart > 1:
+        raise RecycleError(f"workers report step counts {sorted(set(stateful.values()))}: "
+                           f"stages may differ by at most one step")
+
+    def stop(reason: str) -> Decision:
+        return Decision(gen, "stop", tuple(sorted(stateful)), dead, restart, reason=reason)
+
+    holders = [s for s in range(stages) if s not in by_stage]
+    if holders:
+        s = holders[0]
+        return stop(f"no live worker holds the parameters of stage {s} (dead: "
+                    f"{format_workers(dead)})")
+    try:
+        plan, degradation = lookup(list(dead))
+    except RecycleError as exc:
+        return stop(str(exc))
+    sources: dict[int, int] = {}
+    for r in members:
+        s = r % stages
+        first = by_stage[s][0]
+        if steps[r] is None or (initial and r != first):
+            sources[r] = first
+    return Decision(gen, "run", members, dead, restart, sources, plan, degradation)

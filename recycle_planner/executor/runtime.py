@@ -1,0 +1,293 @@
+"""One worker's ops of a plan, compiled once per generation, run through a dispatch table.
+
+`compile_program` turns the plan's op list of the worker's *logical* slot into instructions
+that already name the peers (as ranks of the generation's group) and the tags of every message:
+the forward of micro-batch m of logical pipeline p receives from whichever worker runs
+F(p, s-1, m) in this plan and sends to whichever runs F(p, s+1, m), whether or not that is the
+worker's own pipeline (a re-routed micro-batch). `StageRuntime.run_iteration` then executes
+them: every op kind has one handler (`HANDLERS`), receives are posted a few ops ahead so that
+data lands while the worker computes, and sends never block.
+
+Backward passes reuse torch's pipelining helpers: `stage_backward_input` (I: the gradient of
+the stage input, sent upstream at once, keeping what W needs), `stage_backward_weight` (W: the
+weight gradient, later), `stage_backward` (B: both). Stage 0 has no input gradient, so its I
+only keeps the incoming gradient and its W runs the whole backward, as torch's runtime does.
+Every micro-batch loss is scaled by 1/(D*M) and the stage's gradients are all-reduced with SUM
+among its live workers: the step is the same however the micro-batches are spread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch.distributed.pipelining._backward import (stage_backward, stage_backward_input,
+                                                     stage_backward_weight)
+
+from recycle_planner.errors import RecycleError
+from recycle_planner.executor.comm import BACKWARD, FORWARD, Comm, PeerFailure, message_tag
+from recycle_planner.executor.faults import FaultInjector
+from recycle_planner.executor.protocol import rank_of
+from recycle_planner.executor.state import StageState
+from recycle_planner.normalize import Mapping
+from recycle_planner.plan import Plan
+
+log = logging.getLogger(__name__)
+
+KINDS = ("F", "I", "W", "B", "ALLREDUCE", "OPTIMIZER")
+
+
+class Instr(NamedTuple):
+    kind: str
+    pipeline: int
+    microbatch: int | None
+    src: int | None            # group rank to receive from
+    recv_tags: tuple[int, int]  # by iteration parity
+    dst: int | None            # group rank to send to
+    send_tags: tuple[int, int]
+    point: str                 # fault-injection point name, e.g. "F2"
+
+
+@dataclass(frozen=True)
+class Program:
+    instrs: tuple[Instr, ...]
+    recvs: tuple[int, ...]      # indices of instructions that receive
+    logical: int                # the logical pipeline this worker plays
+    stagger: bool
+
+
+def runners(plan: Plan, stage: int) -> dict[tuple[int, int], int]:
+    """(pipeline, micro-batch) -> logical pipeline of the worker that runs its ops at `stage`."""
+    out: dict[tuple[int, int], int] = {}
+    for q in range(plan.spec.pipelines):
+        for op in plan.schedule.ops((q, stage)):
+            if op.kind == "F":
+                out[(op.pipeline, op.microbatch)] = q
+    return out
+
+
+def compile_program(plan: Plan, mapping: Mapping, worker: tuple[int, int],
+                    members: list[int]) -> Program:
+    """The instructions of physical `worker` = (pipeline, stage) in `plan`; `members` are the
+    generation's global ranks (a rank's index there is its group rank)."""
+    spec = plan.spec
+    S, D, M = spec.stages, spec.pipelines, spec.microbatches
+    s = worker[1]
+    logical = mapping.logical_of_physical[s][worker[0]]
+    group_rank = {r: i for i, r in enumerate(members)}
+    before = runners(plan, s - 1) if s > 0 else {}
+    after = runners(plan, s + 1) if s < S - 1 else {}
+
+    def peer(table: dict, stage: int, p: int, m: int) -> int:
+        q = table[(p, m)]
+        rank = rank_of((mapping.physical_of_logical[stage][q], stage), S)
+        if rank not in group_rank:
+            raise RecycleError(f"the plan sends micro-batch {m} of pipeline {p} to logical "
+                               f"worker {q}:{stage}, whose physical worker is not alive")
+        return group_rank[rank]
+
+    def tags(direction: int, stage: int, p: int, m: int) -> tuple[int, int]:
+        return tuple(message_tag(direction, stage, p, m, it, S, D, M) for it in (0, 1))
+
+    none = (0, 0)
+    instrs: list[Instr] = []
+    counts: dict[str, int] = {}
+    for op in plan.schedule.ops((logical, s)):
+        p, m = op.pipeline, op.microbatch
+        src = dst = None
+        rtags = stags = none
+        if op.kind == "F":
+            if s > 0:
+                src, rtags = peer(before, s - 1, p, m), tags(FORWARD, s - 1, p, m)
+            if s < S - 1:
+                dst, stags = peer(after, s + 1, p, m), tags(FORWARD, s, p, m)
+        elif op.kind in ("I", "B"):
+            if s < S - 1:
+                src, rtags = peer(after, s + 1, p, m), tags(BACKWARD, s + 1, p, m)
+            if s > 0:
+                dst, stags = peer(before, s - 1, p, m), tags(BACKWARD, s, p, m)
+        index = counts.get(op.kind, 0)
+        counts[op.kind] = index + 1
+        instrs.append(Instr(op.kind, p, m, src, rtags, dst, stags, f"{op.kind}{index}"))
+    recvs = tuple(i for i, ins in enumerate(instrs) if ins.src is not None)
+    return Program(tuple(instrs), recvs, logical, plan.policy.stagger)
+
+
+def pair_orders(programs: dict[int, Program]) -> list[str]:
+    """Pairs of workers whose messages are sent in another order than they are received.
+
+    gloo matches messages by tag, so any order works; NCCL ignores tags and matches by order,
+    so a plan with such a pair cannot run on NCCL. `programs` maps a group rank to its
+    program; returns one line per mismatching pair."""
+    sent: dict[tuple[int, int], list[int]] = {}
+    received: dict[tuple[int, int], list[int]] = {}
+    for rank, program in programs.items():
+        for ins in program.instrs:
+            if ins.dst is not None:
+                sent.setdefault((rank, ins.dst), []).append(ins.send_tags[0])
+            if ins.src is not None:
+                received.setdefault((ins.src, rank), []).append(ins.recv_tags[0])
+    return [f"{a} -> {b}" for (a, b), tags in sorted(sent.items())
+            if received.get((a, b)) != tags]
+
+
+class StageRuntime:
+    """One worker's stage: its module and state, the per-iteration caches, the op handlers."""
+
+    def __init__(self, state: StageState, loss_fn: Callable, data: Callable, stage: int,
+                 stages: int, pipelines: int, microbatches: int, device: torch.device,
+                 in_meta: tuple[tuple[int, ...], torch.dtype] | None,
+                 out_meta: tuple[tuple[int, ...], torch.dtype] | None, prefetch: int = 4):
+        self.state = state
+        self.module = state.module
+        self.loss_fn = loss_fn
+        self.data = data
+        self.stage = stage
+        self.first = stage == 0
+        self.last = stage == stages - 1
+        self.scale = 1.0 / (pipelines * microbatches)
+        self.device = device
+        self.in_meta = in_meta
+        self.out_meta = out_meta
+        self.prefetch = max(1, prefetch)
+        self.comm: Comm | None = None
+        self.on_step: Callable[[int, dict[tuple[int, int], float]], None] | None = None
+        self.losses: dict[tuple[int, int], float] = {}
+        self.reset()
+        self.op_times: dict[str, list[float]] = {kind: [0, 0.0] for kind in KINDS}
+        """Per op kind: how many ran and the seconds they took (waits for data included)."""
+        self.handlers: dict[str, Callable[[int, Instr, int], None]] = {
+            "F": self.forward, "I": self.backward_input, "W": self.backward_weight,
+            "B": self.backward, "ALLREDUCE": self.allreduce, "OPTIMIZER": self.optimizer_step,
+        }
+
+    def reset(self) -> None:
+        """Forget everything of an abandoned iteration (activations, saved graphs, gradients)."""
+        self.cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.saved: dict[tuple[int, int], Any] = {}
+        self.posted: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.losses = {}
+        self.state.clear_grads()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run_iteration(self, program: Program, iteration: int, abort: threading.Event,
+                      faults: FaultInjector) -> None:
+        instrs, recvs = program.instrs, program.recvs
+        parity = iteration % 2
+        handlers = self.handlers
+        times = self.op_times
+        clock = time.perf_counter
+        self.posted = {}
+        self.losses = {}
+        posted = consumed = 0
+        for k, ins in enumerate(instrs):
+            if abort.is_set():
+                raise PeerFailure("the launcher abandoned this generation")
+            if ins.src is not None:
+                consumed += 1
+            while posted < len(recvs) and posted < consumed + self.prefetch:
+                self._post(instrs[recvs[posted]], recvs[posted], parity)
+                posted += 1
+            if faults.active:
+                faults.trigger(iteration, ins.point)
+            t0 = clock()
+            handlers[ins.kind](k, ins, iteration)
+            spent = times[ins.kind]
+            spent[0] += 1
+            spent[1] += clock() - t0
+        if faults.active:
+            faults.trigger(iteration, "step")
+
+    def _post(self, ins: Instr, k: int, parity: int) -> None:
+        shape, dtype = self.in_meta if ins.kind == "F" else self.out_meta
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        self.posted[k] = (self.comm.irecv(buf, ins.src, ins.recv_tags[parity]), buf)
+
+    def _received(self, k: int, what: str) -> torch.Tensor:
+        work, buf = self.posted.pop(k)
+        self.comm.wait(work, what)
+        return buf
+
+    def _send(self, tensor: torch.Tensor | None, ins: Instr, iteration: int) -> None:
+        if tensor is None:  # the stage output did not depend on this input
+            shape, dtype = self.in_meta
+            tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.comm.isend(tensor.detach().contiguous(), ins.dst, ins.send_tags[iteration % 2])
+
+    # -- handlers ----------------------------------------------------------------------------
+
+    def forward(self, k: int, ins: Instr, iteration: int) -> None:
+        key = (ins.pipeline, ins.microbatch)
+        sample = None
+        if self.first:
+            sample = self.data(iteration, *key)
+            x = _to(sample[0], self.device)
+        else:
+            x = self._received(k, "receiving an activation").requires_grad_(True)
+        out = self.module(x)
+        if self.last:
+            target = (sample if sample is not None else self.data(iteration, *key))[1]
+            loss = self.loss_fn(out, _to(target, self.device))
+            self.losses[key] = float(loss.detach())
+            out = loss * self.scale
+        else:
+            if out._is_view():  # torch's I detaches the output in place, which views forbid
+                out = out.clone()
+            self._send(out, ins, iteration)
+        self.cache[key] = (x, out)
+
+    def backward_input(self, k: int, ins: Instr, iteration: int) -> None:
+        key = (ins.pipeline, ins.microbatch)
+        x, out = self.cache[key]
+        grad = None if self.last else self._received(k, "receiving a gradient")
+        if self.first:
+            self.saved[key] = grad  # no input gradient to compute: W does the whole backward
+            return
+        dinputs, groups = stage_backward_input([out], None if grad is None else [grad], [x],
+                                               self.module.parameters())
+        self.saved[key] = groups
+        self._send(dinputs[0], ins, iteration)
+
+    def backward_weight(self, k: int, ins: Instr, iteration: int) -> None:
+        key = (ins.pipeline, ins.microbatch)
+        x, out = self.cache.pop(key)
+        saved = self.saved.pop(key)
+        if self.first:
+            stage_backward(out, saved, [x])
+        else:
+            stage_backward_weight(self.module.parameters(), saved)
+
+    def backward(self, k: int, ins: Instr, iteration: int) -> None:
+        key = (ins.pipeline, ins.microbatch)
+        x, out = self.cache.pop(key)
+        grad = None if self.last else self._received(k, "receiving a gradient")
+        grads = stage_backward(out, grad, [x])
+        if not self.first:
+            self._send(grads[0], ins, iteration)
+
+    def allreduce(self, k: int, ins: Instr, iteration: int) -> None:
+        if self.comm.stage_group is None:
+            return
+        params = self.state.params
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.comm.allreduce_sum(flat)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p)
+            offset += n
+
+    def optimizer_step(self, k: int, ins: Instr, iteration: int) -> None:
+        if self.on_step is not None:  # the losses are final once the stage steps
+            self.on_step(iteration, self.losses)
+        self.state.step()
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,170 @@
+"""A stage's training state: parameters, optimizer state, step count; undo, copies, checkpoints.
+
+With the staggered optimizer a stage steps as soon as its own gradients are reduced, while
+other stages are still working on the same iteration. If a worker dies then, the iteration
+is redone, so a stage that already stepped must undo that step. `StageState` keeps the state
+from before its latest step: no stage can step iteration i+1 before every stage has stepped
+iteration i, so when a stage takes its next step the previous iteration is complete
+everywhere and one saved copy is always enough.
+
+Checkpoints: `RUN/checkpoints/iter-NNNNNN/stage{s}.pt` (one file per stage, written by the
+stage's first live worker), `manifest.json` in the same folder once every stage's file is
+there (written by the launcher), and `RUN/checkpoints/latest.json` naming the newest complete
+one. A checkpoint of iteration k holds every stage's state after k optimizer steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recycle_planner.errors import RecycleError
+from recycle_planner.planfile import atomic_write, write_json
+
+
+class StageState:
+    def __init__(self, module: torch.nn.Module, optimizer: Any, steps: int = 0):
+        self.module = module
+        self.optimizer = optimizer
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.steps = steps
+        self._saved_params: list[torch.Tensor] | None = None
+        self._saved_optimizer: dict | None = None
+        self._has_saved = False
+
+    def step(self) -> None:
+        """Save what an undo needs, then step and clear the gradients."""
+        with torch.no_grad():
+            if self._saved_params is None:
+                self._saved_params = [p.detach().clone() for p in self.params]
+            else:
+                for buf, p in zip(self._saved_params, self.params):
+                    buf.copy_(p)
+        self._save_optimizer()
+        self._has_saved = True
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+
+    def _save_optimizer(self) -> None:
+        """Copy the optimizer state into the buffers of the previous copy when its structure
+        is unchanged (every step but the first), else deep-copy it."""
+        current = self.optimizer.state_dict()
+        saved = self._saved_optimizer
+        if saved is None or saved["state"].keys() != current["state"].keys() or any(
+                saved["state"][i].keys() != st.keys() for i, st in current["state"].items()):
+            self._saved_optimizer = copy.deepcopy(current)
+            return
+        with torch.no_grad():
+            for i, st in current["state"].items():
+                into = saved["state"][i]
+                for key, value in st.items():
+                    old = into[key]
+                    if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) \
+                            and old.shape == value.shape and old.dtype == value.dtype:
+                        old.copy_(value)
+                    else:
+                        into[key] = copy.deepcopy(value)
+        saved["param_groups"] = copy.deepcopy(current["param_groups"])
+
+    def rollback_to(self, steps: int) -> None:
+        """Undo the latest step if the stage is one step past `steps`."""
+        if self.steps == steps:
+            return
+        if self.steps != steps + 1 or not self._has_saved:
+            raise RecycleError(f"cannot undo from step {self.steps} to step {steps}: only the "
+                               f"latest step can be undone")
+        with torch.no_grad():
+            for p, buf in zip(self.params, self._saved_params or []):
+                p.copy_(buf)
+        self.optimizer.load_state_dict(self._saved_optimizer)
+        self._saved_optimizer = None  # the optimizer may now share its tensors
+        self._has_saved = False
+        self.steps = steps
+
+    def clear_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "steps": self.steps}, buf)
+        return buf.getvalue()
+
+    def load_bytes(self, payload: bytes) -> None:
+        data = torch.load(io.BytesIO(payload), map_location=_device_of(self.module),
+                          weights_only=True)
+        self.module.load_state_dict(data["model"])
+        self.optimizer.load_state_dict(data["optimizer"])
+        self.steps = int(data["steps"])
+        self._saved_optimizer = None
+        self._has_saved = False
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def checkpoint_folder(run_dir: str | Path, iteration: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"iter-{iteration:06d}"
+
+
+def write_stage_checkpoint(run_dir: str | Path, iteration: int, stage: int,
+                           state: StageState) -> Path:
+    folder = checkpoint_folder(run_dir, iteration)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"stage{stage}.pt"
+    payload = state.to_bytes()
+    atomic_write(path, lambda fh: fh.write(payload), binary=True)
+    return path
+
+
+def write_manifest(run_dir: str | Path, iteration: int, stages: int,
+                   extra: dict[str, Any] | None = None) -> Path | None:
+    """Mark the checkpoint of `iteration` complete if every stage's file is there, and point
+    `latest.json` at it. Returns the folder, or None if a stage is missing."""
+    folder = checkpoint_folder(run_dir, iteration)
+    files = [folder / f"stage{s}.pt" for s in range(stages)]
+    if not all(f.is_file() for f in files):
+        return None
+    manifest = {"format": "recycle-checkpoint", "version": 1, "iteration": iteration,
+                "stages": stages, "files": [f.name for f in files], **(extra or {})}
+    write_json(folder / "manifest.json", manifest)
+    latest = Path(run_dir) / "checkpoints" / "latest.json"
+    current = latest_checkpoint(run_dir)
+    if current is None or current[0] <= iteration:
+        write_json(latest, {"iteration": iteration, "folder": folder.name})
+    return folder
+
+
+def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
+    """(iteration, folder) of the newest complete checkpoint, or None."""
+    latest = Path(run_dir) / "checkpoints" / "latest.json"
+    if not latest.is_file():
+        return None
+    try:
+        data = json.loads(latest.read_text())
+        folder = latest.parent / data["folder"]
+        iteration = int(data["iteration"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RecycleError(f"{latest}: unreadable checkpoint pointer ({exc})") from None
+    if not (folder / "manifest.json").is_file():
+        raise RecycleError(f"{latest} names {folder}, which has no manifest.json")
+    return iteration, folder
+
+
+def load_stage_checkpoint(folder: str | Path, stage: int) -> dict[str, Any]:
+    """The saved dict of one stage: `model` and `optimizer` state dicts and `steps`."""
+    path = Path(folder) / f"stage{stage}.pt"
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise RecycleError(f"{path}: cannot read checkpoint ({exc})") from None

@@ -1,0 +1,168 @@
+"""The executor on real worker processes (gloo on CPU) with real process deaths.
+
+Every run trains the tiny MLP of examples/tiny_mlp.py in float64 and must end with the same
+parameters and losses as a single-process reference (and, fault-free, as torch's own
+Schedule1F1B), whatever dies when. Each test is one or two launches (about 10 s each, mostly
+process start-up), so scenarios are combined: several failures per run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from recycle_planner.policy import Policy
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.torch
+torch = pytest.importorskip("torch")
+
+from recycle_planner.executor import (LaunchConfig, TrainingStopped, launch,  # noqa: E402
+                                      parse_fault)
+from helpers.executor_checks import (EXAMPLES, TINY, assert_losses_equal,  # noqa: E402
+                                     assert_params_equal, checkpoint_params, library, reference)
+
+
+def _events(result, kind):
+    return [e for e in result.events if e["kind"] == kind]
+
+
+def test_fault_free_run_matches_torch_schedule_1f1b_and_one_process(tmp_path):
+    """2 stages x 2 pipelines, split backward and staggered optimizer: the same parameters
+    and losses as torch's Schedule1F1B (with a data-parallel all-reduce) and as one process.
+    The job runs as a training script that calls `run` (started like torchrun starts one)."""
+    sys.path.insert(0, str(EXAMPLES))
+    import torch_1f1b
+
+    lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=1)
+    args = ["--library", str(lib), "--iterations", "5"]
+    result = launch(str(EXAMPLES / "tiny_mlp.py"), LaunchConfig(nproc=4,
+                                                              run_dir=str(tmp_path / "run")), args)
+    ref = reference(args, 2, 4)
+    assert result.status == "completed" and result.iterations == 5
+    assert [e["dead"] for e in _events(result, "generation")] == [[]]
+    iteration, params = checkpoint_params(tmp_path / "run", 2)
+    assert iteration == 5
+    assert_params_equal(params, ref.params)
+    assert_losses_equal(result.losses, ref.losses)
+
+    baseline = torch_1f1b.train(TINY, args, pipelines=2, microbatches=4, stages=2,
+                                out=tmp_path / "torch")
+    assert_losses_equal(baseline["losses"], ref.losses)
+    assert_params_equal([torch.load(tmp_path / "torch" / f"stage{s}.pt") for s in range(2)],
+                        params)
+
+
+def test_cli_two_kills_and_a_rejoin_on_2x2(tmp_path):
+    """Through `recycle-planner launch`: worker 1:0 dies mid-forward, then 0:1 mid-backward
+    (one dead per stage: the library's threshold); both restart and re-join at iteration
+    boundaries (worker 0:0 waits at iterations 6 and 9 until a restarted worker asks, so
+    that the re-joins surely happen before the end), the plan switches back to the
+    fault-free one, and the result equals the fault-free reference."""
+    lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=2)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "recycle_planner.cli", "launch", "-n", "4", "--run-dir",
+           str(run), "--restart-delay", "0", "--hang-timeout", "5",
+           "--inject-fault", "2:2:F1", "--inject-fault", "1:4:I0", "--inject-fault", "0:6:hold",
+           "--inject-fault", "0:9:hold", TINY, "--", "--library", str(lib), "--iterations", "12"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "worker 1:0 killed by SIGKILL (injected fault 2:2:F1:kill)" in out
+    assert "worker 0:1 killed by SIGKILL (injected fault 1:4:I0:kill)" in out
+    assert "trained 12 iterations" in out and "recovery" in out
+    result = json.loads((run / "result.json").read_text())
+    gens = [e for e in result["events"] if e["kind"] == "generation"]
+    assert [g["dead"] for g in gens[:3]] == [[], [[1, 0]], [[0, 1], [1, 0]]]
+    assert gens[2]["plan"] == "k1-1.json.gz"
+    assert sorted(r for g in gens for r in g["joined"]) == [1, 2]
+    assert gens[-1]["dead"] == [] and gens[-1]["plan"] == "k0-0.json.gz"
+    assert len(result["recoveries"]) == 2
+    assert all(0 < r["seconds"] < 5 for r in result["recoveries"])
+    ref = reference(["--iterations", "12"], 2, 4)
+    _, params = checkpoint_params(run, 2)
+    assert_params_equal(params, ref.params)
+    assert_losses_equal(result["losses"], ref.losses)
+
+
+def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path):
+    """3 stages x 2 pipelines. Worker 1:0 dies in its last weight gradient of iteration 3,
+    after stages 1 and 2 stepped (stage 0's backward is slowed so that they surely did): they
+    undo that step. Worker 1:1 dies while recovering from it. Later worker 0:2 hangs and is
+    killed after the heartbeat timeout. Three dead workers, each stage keeps one."""
+    lib = library(tmp_path / "lib", stages=3, pipelines=2, microbatches=4, max_failures=3)
+    args = ["--stages", "3", "--library", str(lib), "--iterations", "8",
+            "--slow-backward", "0:0.01"]
+    faults = [parse_fault(f) for f in ("3:3:W3", "4:3:recovery", "2:6:I0:hang")]
+    config = LaunchConfig(nproc=6, run_dir=str(tmp_path / "run"), faults=faults,
+                          hang_timeout=2.0, heartbeat=0.1)
+    result = launch(TINY, config, args)
+    gens = _events(result, "generation")
+    assert [g["dead"] for g in gens] == [[], [[1, 0], [1, 1]], [[0, 2], [1, 0], [1, 1]]]
+    first = gens[1]
+    assert first["restart"] == 3 and first["steps"]["2"] == 4  # stage 2 undid its step
+    assert len(_events(result, "hang")) == 1
+    assert [d["worker"] for d in result.recoveries] == ["1:0", "1:1", "0:2"]
+    ref = reference(["--stages", "3", "--iterations", "8", "--slow-backward", "0:0.01"], 2, 4)
+    _, params = checkpoint_params(tmp_path / "run", 3)
+    assert_params_equal(params, ref.params)
+    assert_losses_equal(result.losses, ref.losses)
+
+
+def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_path):
+    """Plain re-routing (fused backward, global barrier), a library for one failure. Worker
+    1:0 dies mid-backward; then worker 0:1's training thread stalls while its heartbeats go
+    on: its peers time out (process-group timeout), the launcher kills the worker that does
+    not report, and this second failure stops training cleanly with a consistent checkpoint
+    of every stage, from which a new launch resumes and ends where uninterrupted training
+    ends."""
+    policy = Policy(decouple=False, stagger=False)
+    lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=1,
+                  policy=policy)
+    args = ["--library", str(lib), "--iterations", "8", "--optimizer", "sgd"]
+    run = tmp_path / "run"
+    faults = [parse_fault(f) for f in ("2:2:B1", "1:4:F0:stall")]
+    config = LaunchConfig(nproc=4, run_dir=str(run), faults=faults, pg_timeout=2.0,
+                          hang_timeout=1.0)
+    with pytest.raises(TrainingStopped, match="beyond this library's threshold of 1") as info:
+        launch(TINY, config, args)
+    stopped = info.value.result
+    assert stopped.status == "stopped"
+    assert [e["kind"] for e in stopped.events if e["kind"] in ("abort", "hang")] == \
+        ["abort", "abort", "hang"]
+    assert "communication error" in _events(stopped, "abort")[1]["message"]
+    stop = _events(stopped, "stop")[0]
+    iteration, _ = checkpoint_params(run, 2)
+    assert iteration == stop["restart"] == stopped.iterations and 2 <= iteration <= 4
+    assert f"checkpoint of iteration {iteration}" in stopped.message
+
+    resumed = launch(TINY, LaunchConfig(nproc=4, run_dir=str(run), resume=True), args)
+    assert _events(resumed, "generation")[0]["restart"] == iteration
+    ref = reference(args[2:], 2, 4)
+    _, params = checkpoint_params(run, 2)
+    assert_params_equal(params, ref.params)
+    assert_losses_equal(resumed.losses, ref.losses)  # earlier iterations from the first run
+
+
+def test_a_stage_without_live_workers_stops_and_resumes_from_the_periodic_checkpoint(tmp_path):
+    """Both workers of stage 1 die (0:1 in iteration 4, 1:1 in iteration 5): its parameters
+    are gone, so training stops and points at the latest complete periodic checkpoint
+    (every 3 iterations), from which a new launch resumes and ends exactly."""
+    lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=2)
+    args = ["--library", str(lib), "--iterations", "8"]
+    run = tmp_path / "run"
+    faults = [parse_fault(f) for f in ("1:4:F0", "3:5:I0")]
+    config = LaunchConfig(nproc=4, run_dir=str(run), faults=faults, checkpoint_every=3)
+    with pytest.raises(TrainingStopped, match="no live worker holds the parameters of stage 1"):
+        launch(TINY, config, args)
+    iteration, _ = checkpoint_params(run, 2)
+    assert iteration == 3
+    resumed = launch(TINY, LaunchConfig(nproc=4, run_dir=str(run), resume=True,
+                                        checkpoint_every=3), args)
+    assert _events(resumed, "generation")[0]["restart"] == 3
+    assert [e["iteration"] for e in _events(resumed, "checkpoint")] == [6]
+    ref = reference(args[2:], 2, 4)
+    _, params = checkpoint_params(run, 2)
+    assert_params_equal(params, ref.params)
+    assert_losses_equal(resumed.losses, ref.losses)

@@ -1,0 +1,201 @@
+"""The executor's pieces that need no second process: faults, tags, membership decisions,
+routing of a re-routed plan, undo of an optimizer step, checkpoints, job loading."""
+
+from itertools import product
+
+import pytest
+
+from recycle_planner.errors import FailureSetError, RecycleError
+from recycle_planner.library import PlanLibrary, Settings, build_library
+from recycle_planner.policy import Policy
+
+from conftest import EXAMPLES, make_spec
+
+torch = pytest.importorskip("torch")
+
+from recycle_planner.executor import protocol as P  # noqa: E402
+from recycle_planner.executor.comm import BACKWARD, FORWARD, message_tag  # noqa: E402
+from recycle_planner.executor.faults import Fault, FaultInjector, parse_fault  # noqa: E402
+from recycle_planner.executor.job import Job, load_job  # noqa: E402
+from recycle_planner.executor.runtime import Program, compile_program, pair_orders  # noqa: E402
+from recycle_planner.executor.state import (StageState, latest_checkpoint,  # noqa: E402
+                                            load_stage_checkpoint, write_manifest,
+                                            write_stage_checkpoint)
+
+
+def test_faults_parse_and_fire_once_per_point():
+    assert parse_fault("3:2:F1") == Fault(3, 2, "F1", "kill")
+    assert parse_fault("0:4:step:hang") == Fault(0, 4, "step", "hang")
+    assert str(parse_fault("1:0:hold")) == "1:0:hold"
+    for bad in ("1:2", "a:2:F1", "1:2:X1", "1:2:F", "1:2:F1:explode", "1:2:F1:kill:x"):
+        with pytest.raises(RecycleError, match="fault"):
+            parse_fault(bad)
+    fired = []
+    inj = FaultInjector([Fault(1, 2, "I0"), Fault(0, 2, "F0")], rank=1, incarnation=0,
+                        announce=fired.append)
+    inj.fire = fired.append  # do not kill the test process
+    inj.trigger(2, "F0")
+    inj.trigger(1, "I0")
+    assert fired == []
+    inj.trigger(2, "I0")
+    assert fired == [Fault(1, 2, "I0")]
+    restarted = FaultInjector([Fault(1, 2, "I0")], rank=1, incarnation=1, announce=fired.append)
+    assert not restarted.active
+
+
+def test_message_tags_are_unique():
+    S, D, M = 3, 4, 5
+    tags = {message_tag(direction, s, p, m, it, S, D, M)
+            for direction, s, p, m, it in product((FORWARD, BACKWARD), range(S), range(D),
+                                                  range(M), range(2))}
+    assert len(tags) == 2 * S * D * M * 2
+    assert message_tag(FORWARD, 0, 0, 0, 2, S, D, M) == message_tag(FORWARD, 0, 0, 0, 0, S, D, M)
+
+
+def _lookup_ok(dead):
+    return "plan.json.gz", 0.1
+
+
+def test_decision_at_start_copies_from_the_first_worker_of_each_stage():
+    steps = {r: 0 for r in range(6)}
+    d = P.decide(0, pipelines=3, stages=2, steps=steps, lookup=_lookup_ok, initial=True)
+    assert d.action == "run" and d.members == tuple(range(6)) and d.dead == ()
+    assert d.sources == {2: 0, 4: 0, 3: 1, 5: 1}
+    assert P.Decision.from_json(d.to_json()) == d
+
+
+def test_decision_after_failure_restarts_at_the_least_step_and_copies_to_newcomers():
+    # 2 stages x 3 pipelines; 1:0 (rank 2) died, stage 1 already stepped, rank 4 restarted.
+    steps = {0: 3, 1: 4, 3: 4, 5: 4, 4: None}
+    d = P.decide(5, pipelines=3, stages=2, steps=steps, lookup=_lookup_ok)
+    assert d.action == "run" and d.restart == 3 and d.dead == ((1, 0),)
+    assert d.sources == {4: 0}
+    assert d.group_rank(4) == 3
+
+
+def test_decision_stops_when_a_stage_is_empty_or_beyond_the_threshold():
+    d = P.decide(2, pipelines=2, stages=2, steps={0: 5, 2: 5}, lookup=_lookup_ok)
+    assert d.action == "stop" and "stage 1" in d.reason and d.restart == 5
+
+    def beyond(dead):
+        raise FailureSetError("3 dead workers is beyond this library's threshold of 2")
+
+    d = P.decide(2, pipelines=3, stages=2, steps={0: 5, 1: 4, 5: 5, 4: None}, lookup=beyond)
+    assert d.action == "stop" and "threshold" in d.reason and d.restart == 4
+    assert d.members == (0, 1, 5)  # the newcomer holds no state to save
+    with pytest.raises(RecycleError, match="at most one step"):
+        P.decide(2, pipelines=2, stages=2, steps={0: 5, 1: 3}, lookup=_lookup_ok)
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lib")
+    spec = make_spec(stages=3, pipelines=3, microbatches=4)
+    build_library(spec, Policy(), 2, folder, Settings(solver="heuristic"), jobs=1)
+    return PlanLibrary.open(folder)
+
+
+@pytest.mark.parametrize("dead", [[], [(1, 1)], [(2, 0), (0, 2)], [(1, 1), (2, 1)]])
+def test_every_message_of_a_rerouted_plan_has_exactly_one_receiver(library, dead):
+    """Compile every live worker's program: each send (to a group rank, with a tag) matches
+    exactly one receive (from the sender, same tag), also for micro-batches that cross
+    pipelines, and the stage-order of the work covers every micro-batch once."""
+    hit = library.lookup(dead)
+    plan = hit.plan()
+    S, D, M = 3, 3, 4
+    members = [r for r in range(D * S) if P.worker_of(r, S) not in set(dead)]
+    programs: dict[int, Program] = {
+        i: compile_program(plan, hit.mapping, P.worker_of(r, S), members)
+        for i, r in enumerate(members)}
+    sends, recvs = [], []
+    for i, prog in programs.items():
+        for ins in prog.instrs:
+            if ins.dst is not None:
+                sends.append((i, ins.dst, ins.send_tags[0]))
+            if ins.src is not None:
+                recvs.append((ins.src, i, ins.recv_tags[0]))
+    assert sorted(sends) == sorted(recvs)
+    assert len(set(sends)) == len(sends)
+    assert len(sends) == 2 * D * M * (S - 1)  # one activation and one gradient per boundary
+    for s in range(S):
+        forwards = sorted((ins.pipeline, ins.microbatch) for i, prog in programs.items()
+                          if P.worker_of(members[i], S)[1] == s
+                          for ins in prog.instrs if ins.kind == "F")
+        assert forwards == [(p, m) for p in range(D) for m in range(M)]
+    if dead:
+        assert any(ins.pipeline != prog.logical for prog in programs.values()
+                   for ins in prog.instrs if ins.microbatch is not None)
+
+
+def test_pair_orders_find_messages_received_out_of_order(library):
+    hit = library.lookup([])
+    plan = hit.plan()
+    members = list(range(9))
+    programs = {r: compile_program(plan, hit.mapping, P.worker_of(r, 3), members)
+                for r in members}
+    assert pair_orders(programs) == []
+    prog = programs[1]
+    swapped = list(prog.instrs)
+    first = [k for k, ins in enumerate(swapped) if ins.kind == "F"][:2]
+    swapped[first[0]], swapped[first[1]] = swapped[first[1]], swapped[first[0]]
+    programs[1] = Program(tuple(swapped), prog.recvs, prog.logical, prog.stagger)
+    assert pair_orders(programs)
+
+
+def _state(seed=0):
+    torch.manual_seed(seed)
+    module = torch.nn.Linear(3, 2).double()
+    return StageState(module, torch.optim.Adam(module.parameters(), lr=0.1))
+
+
+def test_an_optimizer_step_can_be_undone_exactly():
+    st = _state()
+    for _ in range(2):
+        st.module(torch.ones(4, 3, dtype=torch.float64)).sum().backward()
+        st.step()
+    before = [p.detach().clone() for p in st.params]
+    opt_before = {k: v.clone() for k, v in st.optimizer.state_dict()["state"][0].items()}
+    st.module(torch.ones(4, 3, dtype=torch.float64)).pow(2).sum().backward()
+    st.step()
+    assert st.steps == 3 and not torch.equal(st.params[0], before[0])
+    st.rollback_to(2)
+    assert st.steps == 2
+    assert all(torch.equal(a, b) for a, b in zip(st.params, before))
+    for k, v in st.optimizer.state_dict()["state"][0].items():
+        assert torch.equal(v, opt_before[k])
+    st.rollback_to(2)  # already there: nothing to do
+    with pytest.raises(RecycleError, match="undo"):
+        st.rollback_to(1)
+
+
+def test_state_copies_and_checkpoints_round_trip(tmp_path):
+    src, dst = _state(0), _state(1)
+    src.module(torch.ones(2, 3, dtype=torch.float64)).sum().backward()
+    src.step()
+    dst.load_bytes(src.to_bytes())
+    assert dst.steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(src.params, dst.params))
+    assert dst.optimizer.state_dict()["state"][0]["exp_avg"].equal(
+        src.optimizer.state_dict()["state"][0]["exp_avg"])
+    write_stage_checkpoint(tmp_path, 1, 0, src)
+    assert write_manifest(tmp_path, 1, stages=2) is None  # stage 1 missing: not complete
+    assert latest_checkpoint(tmp_path) is None
+    write_stage_checkpoint(tmp_path, 1, 1, dst)
+    folder = write_manifest(tmp_path, 1, stages=2)
+    assert latest_checkpoint(tmp_path) == (1, folder)
+    assert load_stage_checkpoint(folder, 1)["steps"] == 1
+
+
+def test_jobs_load_from_a_file_with_arguments():
+    job = load_job(f"{EXAMPLES / 'tiny_mlp.py'}:make_job", ["--stages", "3", "--iterations", "2"])
+    assert isinstance(job, Job) and len(job.stages) == 3 and job.iterations == 2
+    assert isinstance(job.build_stage(2), torch.nn.Module)
+    for target, message in (("nofile.py:make_job", "does not exist"),
+                            (f"{EXAMPLES / 'tiny_mlp.py'}:nothing", "no function"),
+                            ("tiny_mlp", "FILE.py:FUNCTION"),
+                            ("no_such_module_xyz:make", "cannot import")):
+        with pytest.raises(RecycleError, match=message):
+            load_job(target)
+    with pytest.raises(RecycleError, match="iterations"):
+        Job(stages=[torch.nn.Linear(1, 1)], loss_fn=None, optimizer=None, data=None,
+            iterations=0)

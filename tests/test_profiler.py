@@ -1,0 +1,77 @@
+"""`recycle-planner profile` and the launcher's command line: specs from measurements, and
+one-line errors for bad input."""
+
+import pytest
+from click.testing import CliRunner
+
+from recycle_planner.cli.main import main
+from recycle_planner.planner import plan_situation
+from recycle_planner.policy import Policy
+from recycle_planner.spec import load_spec
+
+from conftest import EXAMPLES
+
+pytest.importorskip("torch")
+
+TINY = f"{EXAMPLES / 'tiny_mlp.py'}:make_job"
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_profile_measures_every_stage_and_writes_a_spec_the_planner_reads(tmp_path):
+    out = tmp_path / "tiny.toml"
+    r = run("profile", TINY, "-d", "2", "-m", "4", "-o", out, "--repeats", "5", "--name", "tiny",
+            "--", "--blocks", "3", "--microbatch-size", "8")
+    assert r.exit_code == 0, r.output
+    assert "wrote" in r.output and "activation" in r.output
+    spec = load_spec(out)
+    assert (spec.name, spec.stages, spec.pipelines, spec.microbatches) == ("tiny", 2, 2, 4)
+    assert spec.microbatch_size == 8
+    for values in (spec.forward, spec.backward_input, spec.backward_weight, spec.optimizer,
+                   spec.p2p, spec.allreduce):  # communication measured between processes
+        assert all(v > 0 for v in values)
+    # Stage 0 keeps its input and each block's Tanh output: 4 float64 tensors of 8 x 16.
+    assert spec.memory.activation[0] == 4 * 8 * 16 * 8
+    assert spec.memory.activation[1] > spec.memory.activation[0]
+    assert spec.memory.static[0] > 3 * (3 * (16 * 16 + 16)) * 8  # params, grads, undo copy
+    # Stage 0 has no input gradient: its I is bookkeeping, its W the whole backward.
+    assert spec.backward_input[0] < spec.backward_weight[0]
+    plan = plan_situation(spec, Policy(), [(1, 0)])
+    assert plan.metrics["period"] > 0
+
+
+def test_profile_with_given_communication_costs(tmp_path):
+    out = tmp_path / "spec.toml"
+    r = run("profile", TINY, "-d", "3", "-m", "2", "-o", out, "--p2p", "0.05",
+            "--allreduce", "0.25", "--memory-budget", "1GiB", "--repeats", "2", "--warmup", "0")
+    assert r.exit_code == 0, r.output
+    spec = load_spec(out)
+    assert spec.p2p == (0.05, 0.05) and spec.allreduce == (0.25, 0.25)
+    assert spec.memory.budget == 2**30 and spec.pipelines == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["profile", "nothere.py:make_job", "-d", "2", "-m", "2", "-o", "x.toml"], "does not exist"),
+    (["profile", TINY, "-d", "2", "-m", "2", "-o", "x.toml", "--memory-budget", "lots"],
+     "memory-budget"),
+    (["launch", "-n", "4", "nothere.py:make_job"], "does not exist"),
+    (["launch", "-n", "4", "--inject-fault", "1:x:F0", TINY], "RANK:ITERATION:POINT"),
+    (["launch", "-n", "4", "--inject-fault", "7:1:F0", TINY], "outside 0..3"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    r = run(*args)
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
+
+
+def test_launch_checks_the_library_against_the_worker_count(tmp_path):
+    lib = tmp_path / "lib"
+    r = run("plan-all", EXAMPLES / "small.toml", "-f", "1", "-o", lib, "-j", "1")
+    assert r.exit_code == 0, r.output
+    r = run("launch", "-n", "4", "--library", lib, "--run-dir", tmp_path / "run", TINY)
+    assert r.exit_code == 2
+    assert "2 pipelines x 4 stages = 8 workers, not 4" in r.output
