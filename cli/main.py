@@ -70,7 +70,11 @@ def policy_options(func):
     return func
 
 
-def solver_options(func):
+def solver_options(default: str):
+    return lambda func: _solver_options(func, default)
+
+
+def _solver_options(func, default: str):
     func = click.option("--backend", type=click.Choice(["highs", "pulp-cbc", "pulp-highs"]),
                         default="highs", show_default=True,
                         help="MILP backend: highspy directly, or PuLP with CBC or HiGHS.")(func)
@@ -80,7 +84,7 @@ def solver_options(func):
     func = click.option("--time-limit", type=click.FloatRange(min=0.1), default=10.0,
                         show_default=True, metavar="SECONDS",
                         help="Budget of the MILP (and of 'auto') per situation.")(func)
-    func = click.option("--solver", type=click.Choice(SOLVERS), default="heuristic",
+    func = click.option("--solver", type=click.Choice(SOLVERS), default=default,
                         show_default=True,
                         help="heuristic: list scheduling (fast, any size); dp: dynamic programs "
                              "that pack re-routed work into idle time; milp: exact model with a "
@@ -99,7 +103,7 @@ def make_policy(schedule: str, decouple: bool, stagger: bool):
 @click.option("--fail", "fail", multiple=True, metavar="PIPELINE:STAGE",
               help="A dead worker; repeat for several.")
 @policy_options
-@solver_options
+@solver_options(default="heuristic")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the plan here (JSON; .json.gz is compressed).")
 def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagger: bool,
@@ -218,7 +222,7 @@ def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Library folder (created; index.json plus one plan per situation).")
 @policy_options
-@solver_options
+@solver_options(default="auto")
 @click.option("--jobs", "-j", type=click.IntRange(1), default=None,
               help="Processes (default: every core).")
 @click.option("--max-placements", type=click.IntRange(1), default=4, show_default=True,

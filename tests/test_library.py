@@ -198,7 +198,7 @@ def test_cli_plan_all_lookup_report(tmp_path):
 
     runner = CliRunner()
     r = runner.invoke(main, ["plan-all", str(EXAMPLES / "small.toml"), "-f", "1", "-o",
-                             str(tmp_path / "lib"), "--jobs", "1"])
+                             str(tmp_path / "lib"), "--jobs", "1", "--solver", "heuristic"])
     assert r.exit_code == 0, r.output
     assert "fault-free period" in r.output
     r = runner.invoke(main, ["lookup", str(tmp_path / "lib"), "--failed", "1:2", "--json"])
