@@ -76,9 +76,9 @@ def plan_situation(spec: JobSpec, policy: Policy, failed: Iterable[Iterable[int]
         bounds.append(Bound(solution.bound, "the MILP's best bound"))
     if not failed:
         reference = solution.simulation.period
-    elif reference is None or reference_bound is None:
+    elif reference is None:
         ff = solve(spec, policy, (), solver, time_limit, backend, node_limit)
-        reference = ff.simulation.period if reference is None else reference
+        reference = ff.simulation.period
         if reference_bound is None:
             reference_bound = max(lower_bound(spec, policy, ()).value, ff.bound or 0.0)
     if failed and reference_bound is not None:
