@@ -7,11 +7,14 @@ it), a forward only if the worker's memory cap allows one more in-flight micro-b
 to the input-gradient backward, then the forward, then the weight gradient, then the worker's
 own pipeline, then the lower pipeline: every worker derives the same plan from the same inputs.
 
-With the I/W split the heuristic also tries deferring every W until nothing else is ready (W
-fills idle time, or runs because memory is full), and the fused plan with each B cut into I and
-W; it keeps the candidate with the shortest period. The last candidate is never slower than
-plain re-routing: the split only lets upstream stages start earlier, and dropping the barrier
-only lets stages start earlier.
+With the I/W split the heuristic also tries: deferring every W until nothing else is ready (W
+fills idle time, or runs because memory is full); the same "patiently" (a worker waits for an
+op of higher priority that arrives before the one it could start would finish, which keeps the
+template's order where data comes in time); ZB-H1's order as the template, patiently (it fits
+the same memory as 1F1B's peak); and the fused plan with each B cut into I and W. It keeps the
+candidate with the shortest period. The last candidate is never slower than plain re-routing:
+the split only lets upstream stages start earlier, and dropping the barrier only lets stages
+start earlier.
 """
 
 from __future__ import annotations
@@ -77,13 +80,16 @@ def template_keys(spec: JobSpec, policy: Policy) -> np.ndarray:
 def list_schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                   assignment: np.ndarray | None = None, caps: tuple[int, ...] | None = None,
                   keys: np.ndarray | None = None, defer_w: bool = False,
-                  op_keys: dict[tuple[int, int, int, int], float] | None = None) -> Schedule:
+                  op_keys: dict[tuple[int, int, int, int], float] | None = None,
+                  patient: bool = False) -> Schedule:
     """One list schedule (see the module docstring).
 
     `assignment[d, s, m]`: the pipeline whose stage-s worker runs micro-batch m of pipeline d;
     `caps[s]`: in-flight micro-batch limit of a stage-s worker (default: the memory budget);
     `keys`: priorities from `template_keys`; `defer_w`: W only when nothing else is ready;
-    `op_keys[(kind, d, s, m)]`: a priority for one op that overrides `keys`."""
+    `op_keys[(kind, d, s, m)]`: a priority for one op that overrides `keys`; `patient`: rather
+    than start an op, wait for one of higher priority that arrives before it would finish (the
+    fault-free schedule's order is then kept wherever the data comes in time)."""
     D, S, M = spec.pipelines, spec.stages, spec.microbatches
     if assignment is None:
         assignment = default_assignment(spec, failed)
@@ -164,14 +170,28 @@ def list_schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
         qf = ready_f[w] if inflight[w] < cap[w] else None
         qo = ready_o[w]
         if qf and (not qo or qf[0] < qo[0]):
-            op = heappop(qf)[2]
+            q = qf
         elif qo:
-            op = heappop(qo)[2]
+            q = qo
         else:
             if fut:
                 wake[w] = fut[0][0]
                 heappush(events, (wake[w], w))
             continue
+        if patient and fut:
+            best = q[0]
+            kind0, u0 = divmod(best[2], DSM)
+            s0 = (u0 // M) % S
+            finish = t + (fwd_cost[s0] if kind0 == F else w_cost[s0] if kind0 == W
+                          else bwd_cost[s0])
+            # The earliest-arriving op that outranks the candidate and comes before it is done.
+            soon = [item for item in fut if item[0] < finish and item[1:3] < best[:2]
+                    and (item[3] >= DSM or inflight[w] < cap[w])]
+            if soon:
+                wake[w] = min(item[0] for item in soon)
+                heappush(events, (wake[w], w))
+                continue
+        op = heappop(q)[2]
         kind, u = divmod(op, DSM)
         s = (u // M) % S
         if kind == F:
@@ -258,15 +278,25 @@ def heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
         assignment = default_assignment(spec, failed)
     caps = budget_caps(spec, policy)
     keys = template_keys(spec, policy)
+    # With the I/W split, ZB-H1's order fits the same memory (every worker holds at most S
+    # micro-batches, 1F1B's peak) and removes most of 1F1B's bubble.
+    zb = Policy("zb-h1", True, policy.stagger)
+    other = policy.decouple and policy.schedule != "zb-h1"
     candidates = []
     if not failed:
         candidates.append((f"{policy.schedule} generator", lambda: fault_free(spec, policy)))
+        if other:
+            candidates.append(("zb-h1 generator", lambda: fault_free(spec, zb)))
     candidates.append(("template order", lambda: list_schedule(
         spec, policy, failed, assignment, caps, keys)))
     if policy.decouple:
         candidates.append(("W deferred", lambda: list_schedule(
             spec, policy, failed, assignment, caps, keys, defer_w=True)))
-        if policy.schedule != "zb-h1":
+        candidates.append(("W deferred, patient", lambda: list_schedule(
+            spec, policy, failed, assignment, caps, keys, defer_w=True, patient=True)))
+        candidates.append(("zb-h1 order, patient", lambda: list_schedule(
+            spec, policy, failed, assignment, caps, template_keys(spec, zb), patient=True)))
+        if other:
             fused = Policy(policy.schedule, decouple=False, stagger=policy.stagger)
             candidates.append(("fused order, split", lambda: split_backwards(list_schedule(
                 spec, fused, failed, assignment, caps, template_keys(spec, fused)), policy)))
