@@ -27,9 +27,11 @@ def test_uniform_costs_p4_m8(policy, expected):
 @pytest.mark.parametrize("p, m", [(4, 8), (3, 6), (6, 12), (2, 5)])
 def test_general_closed_forms(f, i, w, p, m):
     spec = make_spec(stages=p, microbatches=m, forward=f, backward_input=i, backward_weight=w)
-    assert simulate(fault_free(spec, ONE_F_ONE_B)).iteration_time == pytest.approx((m + p - 1) * (f + i + w))
-    assert simulate(fault_free(spec, GPIPE)).iteration_time == pytest.approx((m + p - 1) * (f + i + w))
-    assert simulate(fault_free(spec, ZB_H1)).iteration_time == pytest.approx(m * (f + i + w) + (p - 1) * (f + i - w))
+    one_f_one_b = gpipe = (m + p - 1) * (f + i + w)
+    zb_h1 = m * (f + i + w) + (p - 1) * (f + i - w)
+    assert simulate(fault_free(spec, ONE_F_ONE_B)).iteration_time == pytest.approx(one_f_one_b)
+    assert simulate(fault_free(spec, GPIPE)).iteration_time == pytest.approx(gpipe)
+    assert simulate(fault_free(spec, ZB_H1)).iteration_time == pytest.approx(zb_h1)
 
 
 @pytest.mark.parametrize("policy", [ONE_F_ONE_B, ZB_H1], ids=["1f1b", "zb-h1"])
