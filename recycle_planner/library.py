@@ -273,7 +273,10 @@ class PlanLibrary:
         self.folder = folder
         self.index = index
         self.spec = JobSpec.from_dict(index["spec"], f"{folder / INDEX}: spec")
-        self.policy = Policy.from_dict(index["policy"])
+        try:
+            self.policy = Policy.from_dict(index["policy"])
+        except RecycleError as exc:
+            raise PlanFileError(f"{folder / INDEX}: {exc}") from None
         self.max_failures = int(index["max_failures"])
         self._by_counts = {tuple(e["failed_per_stage"]): e for e in index["entries"]}
 

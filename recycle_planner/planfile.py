@@ -190,9 +190,10 @@ def plan_from_dict(data: Any, where: str = "plan") -> Plan:
 
 
 def _policy(data: Any, where: str) -> Policy:
-    if not isinstance(data, dict) or not {"schedule", "decouple", "stagger"} <= set(data):
-        raise PlanFileError(f"{where}: 'policy' needs schedule, decouple and stagger")
-    return Policy.from_dict(data)
+    try:
+        return Policy.from_dict(data)
+    except RecycleError as exc:
+        raise PlanFileError(f"{where}: {exc}") from None
 
 
 def _index(entry: dict, key: str, limit: int, at: str) -> int:

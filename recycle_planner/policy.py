@@ -38,8 +38,15 @@ class Policy:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Policy":
-        return cls(schedule=data["schedule"], decouple=bool(data["decouple"]),
-                   stagger=bool(data["stagger"]))
+        """The policy a plan or library file records; its fields must have their types (the
+        string "false" is not a boolean)."""
+        if not isinstance(data, dict):
+            raise SpecError("'policy' must be an object with schedule, decouple and stagger")
+        for key, kind in (("schedule", str), ("decouple", bool), ("stagger", bool)):
+            if not isinstance(data.get(key), kind):
+                raise SpecError(f"'policy.{key}' must be a {'string' if kind is str else 'boolean'}"
+                                f", got {data.get(key)!r}")
+        return cls(schedule=data["schedule"], decouple=data["decouple"], stagger=data["stagger"])
 
     @property
     def label(self) -> str:

@@ -77,6 +77,9 @@ def test_truncated_file(plan, tmp_path):
     (lambda d: d["spec"]["time"].update(forward=-1), "'time.forward' must be positive"),
     (lambda d: d["metrics"].update(period=None), "metrics.period must be a number"),
     (lambda d: d["workers"].append(d["workers"][0]), "appears twice"),
+    (lambda d: d["policy"].update(decouple="false"), "'policy.decouple' must be a boolean"),
+    (lambda d: d["policy"].update(schedule="zb-h2"), "unknown schedule 'zb-h2'"),
+    (lambda d: d.update(policy=[]), "'policy' must be an object"),
 ])
 def test_foreign_or_inconsistent_file(plan, tmp_path, mutate, message):
     data = plan_to_dict(plan)
