@@ -38,7 +38,8 @@ echo
 echo "== the executor: measure the tiny MLP of examples/tiny_mlp.py on this machine"
 TINY=examples/tiny_mlp.py:make_job
 "$RP" profile "$TINY" --pipelines 2 --microbatches 4 --name tiny-mlp -o "$OUT/tiny.toml"
-"$RP" plan-all "$OUT/tiny.toml" --max-failures 2 -o "$OUT/tiny-plans" | tail -n 4
+# the profile differs from run to run, so its library is rebuilt (--force) rather than resumed
+"$RP" plan-all "$OUT/tiny.toml" --max-failures 2 --force -o "$OUT/tiny-plans" | tail -n 4
 echo
 echo "== train it on 4 CPU processes (2 stages x 2 pipelines), nothing fails"
 "$RP" launch -n 4 --run-dir "$OUT/tiny-fault-free" "$TINY" -- --library "$OUT/tiny-plans" \
