@@ -11,7 +11,7 @@ With the I/W split the heuristic also tries: deferring every W until nothing els
 fills idle time, or runs because memory is full); the same "patiently" (a worker waits for an
 op of higher priority that arrives before the one it could start would finish, which keeps the
 template's order where data comes in time); ZB-H1's order as the template, patiently (it fits
-the same memory as 1F1B's peak); and the fused plan with each B cut into I and W. It keeps the
+the same memory as 1F1B's peak; not for GPipe jobs, which keep their forward-first shape); and the fused plan with each B cut into I and W. It keeps the
 candidate with the shortest period. The last candidate is never slower than plain re-routing:
 the split only lets upstream stages start earlier, and dropping the barrier only lets stages
 start earlier.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -278,15 +278,18 @@ def heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
         assignment = default_assignment(spec, failed)
     caps = budget_caps(spec, policy)
     keys = template_keys(spec, policy)
-    # With the I/W split, ZB-H1's order fits the same memory (every worker holds at most S
-    # micro-batches, 1F1B's peak) and removes most of 1F1B's bubble.
+    # With the I/W split, ZB-H1's order is 1F1B's with W deferred into the bubbles: it fits
+    # the same memory (every worker holds at most S micro-batches, 1F1B's peak), so a 1F1B job
+    # may run it. A GPipe job keeps its forward-first shape (its template orders only).
     zb = Policy("zb-h1", True, policy.stagger)
-    other = policy.decouple and policy.schedule != "zb-h1"
+    zb_orders = policy.decouple and policy.schedule != "gpipe"
     candidates = []
     if not failed:
         candidates.append((f"{policy.schedule} generator", lambda: fault_free(spec, policy)))
-        if other:
-            candidates.append(("zb-h1 generator", lambda: fault_free(spec, zb)))
+        if zb_orders and policy.schedule != "zb-h1":
+            # the plan keeps the job's policy: only its order is ZB-H1's
+            candidates.append(("zb-h1 generator", lambda: replace(fault_free(spec, zb),
+                                                                  policy=policy)))
     candidates.append(("template order", lambda: list_schedule(
         spec, policy, failed, assignment, caps, keys)))
     if policy.decouple:
@@ -294,9 +297,10 @@ def heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
             spec, policy, failed, assignment, caps, keys, defer_w=True)))
         candidates.append(("W deferred, patient", lambda: list_schedule(
             spec, policy, failed, assignment, caps, keys, defer_w=True, patient=True)))
-        candidates.append(("zb-h1 order, patient", lambda: list_schedule(
-            spec, policy, failed, assignment, caps, template_keys(spec, zb), patient=True)))
-        if other:
+        if zb_orders:
+            candidates.append(("zb-h1 order, patient", lambda: list_schedule(
+                spec, policy, failed, assignment, caps, template_keys(spec, zb), patient=True)))
+        if policy.schedule != "zb-h1":
             fused = Policy(policy.schedule, decouple=False, stagger=policy.stagger)
             candidates.append(("fused order, split", lambda: split_backwards(list_schedule(
                 spec, fused, failed, assignment, caps, template_keys(spec, fused)), policy)))
