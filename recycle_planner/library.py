@@ -7,10 +7,11 @@ A folder with one plan file per situation and `index.json`:
      "entries": [{"failed_per_stage": [0, 1, 0, 0], "file": "k0-1-0-0.json.gz",
                   "placement": [[1]], "failed": [[0, 1]], "failure_sets": 4,
                   "metrics": {...}, "solver": {...}, "gap": 0.0, "spec_hash": "...",
-                  "settings_hash": "..."}, ...]}
+                  "settings_hash": "...", "sha256": "..."}, ...]}
 
-Building is parallel over processes, resumable (an entry whose file exists and whose spec and
-settings hashes match is kept) and deterministic: each situation's plan depends only on the
+Every entry records its plan file's SHA-256, so a missing, truncated or swapped plan file is
+found before a launcher runs it. Building is parallel over processes, resumable (an entry whose
+file is intact and whose spec and settings hashes match is kept) and deterministic: each situation's plan depends only on the
 spec, the policy and the settings, the MILP's budget is a node limit (one thread, fixed seed)
 and its time limit only a safety net that a normal run does not reach. A launcher looks up the
 physical dead workers and gets the
@@ -114,6 +115,7 @@ def _build_one(args: tuple) -> dict[str, Any]:
                 mapping={"placement": [list(g) for g in placement]})
     name = situation_file(counts)
     write_plan(plan, Path(folder) / name)
+    digest = file_sha256(Path(folder) / name)
     m = plan.metrics
     return {"failed_per_stage": list(counts), "file": name,
             "placement": [list(g) for g in placement],
@@ -123,7 +125,19 @@ def _build_one(args: tuple) -> dict[str, Any]:
                                           "degradation", "lower_bound", "gap", "optimal")
                         if k in m},
             "solver": plan.solver, "gap": m["gap"], "spec_hash": shash,
-            "settings_hash": settings.hash}
+            "settings_hash": settings.hash, "sha256": digest}
+
+
+def file_sha256(path: Path) -> str | None:
+    """The file's SHA-256, or None if it cannot be read."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    except OSError:
+        return None
+    return h.hexdigest()
 
 
 def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str | Path,
@@ -142,8 +156,9 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
     for entry in old_entries:
         counts = tuple(entry.get("failed_per_stage", ()))
         if (entry.get("spec_hash") == shash and entry.get("settings_hash") == settings.hash
-                and (folder / str(entry.get("file", ""))).is_file()):
-            keep[counts] = entry
+                and entry.get("sha256") is not None
+                and file_sha256(folder / str(entry.get("file", ""))) == entry["sha256"]):
+            keep[counts] = entry  # a missing, damaged or replaced plan file is planned again
     todo = [k for k in wanted if k not in keep]
     log.info("library %s: %d situations, %d up to date, %d to plan", folder, len(wanted),
              len(wanted) - len(todo), len(todo))
@@ -248,6 +263,30 @@ def _check_index(data: Any, path: Path) -> dict:
     return data
 
 
+def _check_entry(spec: JobSpec, entry: dict[str, Any], where: str) -> None:
+    """An entry's situation and placement must fit the spec (an edited index is not trusted)."""
+    counts = entry["failed_per_stage"]
+    if len(counts) != spec.stages or not all(
+            isinstance(k, int) and not isinstance(k, bool) and 0 <= k < spec.pipelines
+            for k in counts):
+        raise PlanFileError(f"{where}.failed_per_stage must be {spec.stages} counts below "
+                            f"{spec.pipelines}, got {counts!r}")
+    groups = entry["placement"]
+    if len(groups) > spec.pipelines or not all(
+            isinstance(g, list) and len(set(g)) == len(g) and all(
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s < spec.stages
+                for s in g) for g in groups):
+        raise PlanFileError(f"{where}.placement must be at most {spec.pipelines} lists of "
+                            f"distinct stages below {spec.stages}, got {groups!r}")
+    placed = [0] * spec.stages
+    for g in groups:
+        for s in g:
+            placed[s] += 1
+    if placed != counts:
+        raise PlanFileError(f"{where}.placement {groups!r} does not hold the situation's "
+                            f"holes {counts!r}")
+
+
 @dataclass(frozen=True)
 class Lookup:
     """What a launcher needs for a set of dead physical workers."""
@@ -256,9 +295,19 @@ class Lookup:
     failed_per_stage: tuple[int, ...]
     mapping: Mapping
     entry: dict[str, Any]
+    spec: JobSpec
 
     def plan(self) -> Plan:
-        return read_plan(self.file)
+        """The plan file, checked against the index: the library's job, this failure set."""
+        plan = read_plan(self.file)
+        if plan.schedule.spec != self.spec:
+            raise PlanFileError(f"{self.file}: the plan is for another job than its library")
+        failed = [list(w) for w in plan.failed]
+        if failed != [list(w) for w in self.entry.get("failed", failed)] or tuple(
+                dead_per_stage(self.spec, plan.failed)) != self.failed_per_stage:
+            raise PlanFileError(f"{self.file}: the plan's dead workers {failed} are not the "
+                                f"library entry's ({list(self.failed_per_stage)} per stage)")
+        return plan
 
     def to_dict(self) -> dict[str, Any]:
         return {"file": str(self.file), "failed_per_stage": list(self.failed_per_stage),
@@ -277,7 +326,13 @@ class PlanLibrary:
             self.policy = Policy.from_dict(index["policy"])
         except RecycleError as exc:
             raise PlanFileError(f"{folder / INDEX}: {exc}") from None
+        if spec_hash(self.spec, self.policy) != index["spec_hash"]:
+            raise PlanFileError(f"{folder / INDEX}: its spec and policy do not match its "
+                                f"spec_hash (was the index edited?); rebuild it with "
+                                f"'recycle-planner plan-all --force'")
         self.max_failures = int(index["max_failures"])
+        for i, entry in enumerate(index["entries"]):
+            _check_entry(self.spec, entry, f"{folder / INDEX}: entries[{i}]")
         self._by_counts = {tuple(e["failed_per_stage"]): e for e in index["entries"]}
 
     @classmethod
@@ -319,4 +374,12 @@ class PlanLibrary:
                                 f"{list(counts)} (incomplete library: run plan-all again)")
         placement = canonical(entry["placement"])
         mapping = map_failure(self.spec, dead, placement)
-        return Lookup(self.folder / entry["file"], counts, mapping, entry)
+        path = self.folder / entry["file"]
+        digest = file_sha256(path)
+        if digest is None:
+            raise PlanFileError(f"{path}: the library's plan file for {list(counts)} is missing "
+                                f"(run plan-all again to restore it)")
+        if entry.get("sha256") is not None and digest != entry["sha256"]:
+            raise PlanFileError(f"{path}: the plan file has changed since the library was built "
+                                f"(its SHA-256 differs from the index); run plan-all again")
+        return Lookup(path, counts, mapping, entry, self.spec)

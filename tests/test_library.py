@@ -184,6 +184,50 @@ def test_corrupted_index(tmp_path):
         PlanLibrary.open(tmp_path / "nowhere")
 
 
+def test_damaged_plan_files_and_edited_indexes_are_caught(tmp_path):
+    """A launcher must never run a missing, damaged or swapped plan; plan-all redoes them."""
+    spec = make_spec(stages=3, pipelines=2, microbatches=4)
+    build_library(spec, Policy(), 1, tmp_path, SETTINGS)
+    files = {s: tmp_path / f"k{'-'.join('1' if t == s else '0' for t in range(3))}.json.gz"
+             for s in range(3)}
+    lib = PlanLibrary.open(tmp_path)
+    assert lib.lookup([(1, 0)]).plan().failed == ((0, 0),)
+    original = files[0].read_bytes()
+    files[0].write_bytes(files[1].read_bytes())  # another situation's plan under this name
+    with pytest.raises(PlanFileError, match="has changed since the library was built"):
+        lib.lookup([(1, 0)])
+    files[0].write_bytes(original[:100])  # truncated
+    with pytest.raises(PlanFileError, match="has changed since the library was built"):
+        lib.lookup([(0, 0)])
+    files[2].unlink()
+    with pytest.raises(PlanFileError, match=r"plan file for \[0, 0, 1\] is missing"):
+        lib.lookup([(0, 2)])
+    calls = []
+    build_library(spec, Policy(), 1, tmp_path, SETTINGS, progress=lambda d, t: calls.append(d))
+    assert calls[0] == 2  # the fault-free plan and stage 1's are intact; two are redone
+    lib = PlanLibrary.open(tmp_path)
+    assert lib.lookup([(1, 0)]).plan().failed == ((0, 0),)
+    assert lib.lookup([(0, 2)]).plan().failed == ((0, 2),)
+    # A file replaced after the lookup is still caught when it is read.
+    hit = lib.lookup([(1, 0)])
+    files[0].write_bytes(files[1].read_bytes())
+    with pytest.raises(PlanFileError, match="not the library entry's"):
+        hit.plan()
+
+    index = json.loads((tmp_path / "index.json").read_text())
+    edited = json.loads(json.dumps(index))
+    edited["spec"]["microbatches"] = 16
+    (tmp_path / "index.json").write_text(json.dumps(edited))
+    with pytest.raises(PlanFileError, match="do not match its spec_hash"):
+        PlanLibrary.open(tmp_path)
+    for bad, message in (([[7]], "distinct stages below 3"), ([[1]], "does not hold")):
+        edited = json.loads(json.dumps(index))
+        edited["entries"][1]["placement"] = bad
+        (tmp_path / "index.json").write_text(json.dumps(edited))
+        with pytest.raises(PlanFileError, match=message):
+            PlanLibrary.open(tmp_path)
+
+
 def test_report_and_plot(library, tmp_path):
     _, folder = library
     lib = PlanLibrary.open(folder)
