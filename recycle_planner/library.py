@@ -11,11 +11,11 @@ A folder with one plan file per situation and `index.json`:
 
 Every entry records its plan file's SHA-256, so a missing, truncated or swapped plan file is
 found before a launcher runs it. Building is parallel over processes, resumable (an entry whose
-file is intact and whose spec and settings hashes match is kept) and deterministic: each situation's plan depends only on the
-spec, the policy and the settings, the MILP's budget is a node limit (one thread, fixed seed)
-and its time limit only a safety net that a normal run does not reach. A launcher looks up the
-physical dead workers and gets the
-plan file plus the physical -> logical mapping.
+file is intact and whose spec and settings hashes match is kept) and deterministic: each
+situation's plan depends only on the spec, the policy and the settings, the MILP's budget is a
+node limit (one thread, fixed seed) and its time limit only a safety net that a normal run does
+not reach. A launcher looks up the physical dead workers and gets the plan file plus the
+physical -> logical mapping.
 """
 
 from __future__ import annotations

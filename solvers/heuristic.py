@@ -8,13 +8,13 @@ to the input-gradient backward, then the forward, then the weight gradient, then
 own pipeline, then the lower pipeline: every worker derives the same plan from the same inputs.
 
 With the I/W split the heuristic also tries: deferring every W until nothing else is ready (W
-fills idle time, or runs because memory is full); the same "patiently" (a worker waits for an
-op of higher priority that arrives before the one it could start would finish, which keeps the
+fills idle time, or runs because memory is full); the same "patiently" (a worker waits for an op
+of higher priority that arrives before the one it could start would finish, which keeps the
 template's order where data comes in time); ZB-H1's order as the template, patiently (it fits
-the same memory as 1F1B's peak; not for GPipe jobs, which keep their forward-first shape); and the fused plan with each B cut into I and W. It keeps the
-candidate with the shortest period. The last candidate is never slower than plain re-routing:
-the split only lets upstream stages start earlier, and dropping the barrier only lets stages
-start earlier.
+the same memory as 1F1B's peak; not for GPipe jobs, which keep their forward-first shape); and
+the fused plan with each B cut into I and W. It keeps the candidate with the shortest period.
+The last candidate is never slower than plain re-routing: the split only lets upstream stages
+start earlier, and dropping the barrier only lets stages start earlier.
 """
 
 from __future__ import annotations
