@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -256,10 +257,15 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
         bar.n = done
         bar.refresh()
 
+    def stop(signum: int, frame: object) -> None:  # SIGTERM (a supervisor) is like Ctrl-C:
+        raise KeyboardInterrupt  # the worker processes are stopped, the index stays whole
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         build_library(job, policy, max_failures, output, settings, jobs=jobs, force=force,
                       progress=progress)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         bar.close()
     click.echo(library_text(PlanLibrary.open(output)))
 

@@ -20,15 +20,18 @@ physical -> logical mapping.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
+import signal
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from recycle_planner import __version__
 from recycle_planner.errors import FailureSetError, PlanFileError, RecycleError
@@ -183,21 +186,8 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
                        else os.cpu_count() or 1)
     tasks = [(spec, policy, k, settings, reference, reference_bound, str(folder), shash)
              for k in todo]
-    if jobs > 1 and len(tasks) > 1:
-        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-        ctx = multiprocessing.get_context(method)
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            results: Iterable = pool.map(_build_one, tasks, chunksize=1)
-            for entry in results:
-                entries[tuple(entry["failed_per_stage"])] = entry
-                done += 1
-                _write_index(folder, spec, policy, max_failures, settings, shash, reference,
-                             entries, wanted)
-                if progress:
-                    progress(done, len(wanted))
-    else:
-        for task in tasks:
-            entry = _build_one(task)
+    with _planning_pool(jobs if len(tasks) > 1 else 1) as run:
+        for entry in run(_build_one, tasks):
             entries[tuple(entry["failed_per_stage"])] = entry
             done += 1
             _write_index(folder, spec, policy, max_failures, settings, shash, reference, entries,
@@ -206,6 +196,46 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
                 progress(done, len(wanted))
     return _write_index(folder, spec, policy, max_failures, settings, shash, reference, entries,
                         wanted)
+
+
+@contextmanager
+def _planning_pool(jobs: int) -> Iterator[Callable[[Callable, list], Iterable]]:
+    """`run(fn, tasks)` yields results in task order, over `jobs` processes. However the
+    build ends (an error, Ctrl-C, SIGTERM to the parent), no worker outlives it: the pool is
+    terminated on the way out, and on Linux a worker also gets SIGTERM when its parent dies."""
+    if jobs <= 1:
+        yield lambda fn, tasks: map(fn, tasks)
+        return
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    pool = multiprocessing.get_context(method).Pool(jobs, initializer=_worker_setup,
+                                                   initargs=(os.getpid(),))
+    try:
+        yield lambda fn, tasks: pool.imap(fn, tasks, chunksize=1)
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
+
+
+def _worker_setup(parent: int) -> None:
+    """In a planning worker: die with the parent, and let SIGTERM unwind (so that a plan file
+    being written is removed, not left half-written)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != parent:  # the parent died before the line above
+            raise SystemExit(1)
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _reusable_entries(folder: Path, spec: JobSpec, shash: str, force: bool) -> list[dict]:

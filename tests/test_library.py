@@ -272,3 +272,57 @@ def test_fault_free_bound_certifies_failure_plans():
     assert plan.metrics["lower_bound_reason"] == "the fault-free optimum's bound"
     plain = plan_situation(spec, Policy(), [(1, 1)])
     assert plain.metrics["lower_bound"] <= plain.metrics["period"]
+
+
+def _boom(x: int) -> int:
+    if x == 3:
+        raise ValueError("situation 3 failed")
+    return x
+
+
+def test_planning_pool_stops_its_workers_on_an_error():
+    import multiprocessing
+
+    from recycle_planner.library import _planning_pool
+    with pytest.raises(ValueError, match="situation 3 failed"):
+        with _planning_pool(2) as run:
+            assert list(run(_boom, [0, 1, 2, 3, 4])) == [0, 1, 2]
+    assert multiprocessing.active_children() == []
+    with _planning_pool(1) as run:
+        assert list(run(_boom, [0, 1])) == [0, 1]
+
+
+def test_sigterm_to_plan_all_leaves_no_worker_and_no_partial_file(tmp_path):
+    """A supervisor stopping `plan-all` must not leave planning processes writing on."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    spec = tmp_path / "job.toml"
+    spec.write_text("stages = 8\npipelines = 8\nmicrobatches = 16\n[time]\nforward = 1\n"
+                    "backward_input = 1\nbackward_weight = 1\np2p = 0.1\nallreduce = 1\noptimizer = 0.5\n")
+    out = tmp_path / "lib"
+    proc = subprocess.Popen([sys.executable, "-c", "from recycle_planner.cli.main import main; "
+                             "main()", "plan-all", str(spec), "-f", "3", "-o", str(out), "-j", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (out / "index.json").exists() and proc.poll() is None:
+        assert time.monotonic() < deadline, "plan-all never wrote its index"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode in (0, 1), err  # 0 if it happened to finish first
+    time.sleep(0.5)
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if str(out).encode() in cmd:
+            alive.append(pid)
+    assert alive == []
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    PlanLibrary.open(out)  # the index is whole
