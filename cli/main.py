@@ -30,6 +30,43 @@ Typical session:
 """
 
 
+def examples(*lines: str, note: str = "") -> str:
+    """A command's epilog: examples kept verbatim by click (the \\b line), then a note."""
+    text = "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+    return text + (f"\n\n{note}" if note else "")
+
+
+PLAN_EPILOG = examples(
+    "recycle-planner plan examples/gpt.toml -o ff.json",
+    "recycle-planner plan examples/gpt.toml --fail 1:3 -o fail.json",
+    "recycle-planner plan examples/gpt.toml --fail 1:3 --no-decouple --no-stagger",
+    "recycle-planner plan examples/small.toml --fail 0:1 --fail 1:2 --solver milp",
+    note="A worker is PIPELINE:STAGE, both counted from 0. Times are in milliseconds. "
+         "--no-decouple --no-stagger is plain re-routing, the baseline.")
+SHOW_EPILOG = examples("recycle-planner show fail.json",
+                       "recycle-planner show big.json --width 160 --no-critical-path")
+GANTT_EPILOG = examples(
+    "recycle-planner gantt fail.json -o fail.png",
+    "recycle-planner gantt fail.json --compare ff.json -o fail-vs-ff.svg",
+    note="Re-routed ops are hatched and labelled with their own pipeline; a dead worker's row "
+         "is grey, crossed and labelled dead. Both plans of --compare share one time axis "
+         "(ms).")
+VALIDATE_EPILOG = examples("recycle-planner validate fail.json && echo ok")
+EXPORT_EPILOG = examples(
+    "recycle-planner plan examples/small.toml -o ff.json",
+    "recycle-planner export-torch ff.json -o schedule.csv",
+    note="Only fault-free plans: torch's runtime has no notion of re-routed micro-batches.")
+PLAN_ALL_EPILOG = examples(
+    "recycle-planner plan-all examples/gpt.toml --max-failures 2 -o plans/",
+    "recycle-planner plan-all examples/gpt.toml -f 3 -o plans/ -j 8   # resumes plans/",
+    "recycle-planner plan-all big.toml -f 2 --solver heuristic -o big-plans/")
+LOOKUP_EPILOG = examples(
+    "recycle-planner lookup plans/ --failed 2:5 --failed 0:1",
+    "recycle-planner lookup plans/ --failed 2:5 --json | jq .file",
+    note="In Python: PlanLibrary.open('plans/').lookup([(2, 5), (0, 1)]).")
+REPORT_EPILOG = examples("recycle-planner report plans/ -o degradation.png")
+
+
 class Cli(click.Group):
     """Bad input (a wrong spec, an impossible failure set, a corrupted plan) is one line on
     stderr and exit status 2, like click's own usage errors; a bug still shows its traceback."""
@@ -93,13 +130,27 @@ def _solver_options(func, default: str):
     return func
 
 
+def check_output(path: Path | None, picture: bool = False) -> None:
+    """Fail before any work on an output that cannot be written (no such folder, or a
+    picture name without .png/.svg/.pdf)."""
+    if path is None:
+        return
+    if picture:
+        from recycle_planner.figures import picture_format
+
+        picture_format(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise RecycleError(f"{path}: folder {folder} does not exist")
+
+
 def make_policy(schedule: str, decouple: bool, stagger: bool):
     from recycle_planner.policy import Policy
 
     return Policy(schedule=schedule, decouple=decouple, stagger=stagger)
 
 
-@main.command()
+@main.command(epilog=PLAN_EPILOG)
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--fail", "fail", multiple=True, metavar="PIPELINE:STAGE",
               help="A dead worker; repeat for several.")
@@ -122,6 +173,7 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     from recycle_planner.spec import load_spec
     from recycle_planner.summary import plan_summary
 
+    check_output(output)
     job = load_spec(spec)
     policy = make_policy(schedule, decouple, stagger)
     failed = [parse_worker(f) for f in fail]
@@ -133,7 +185,7 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
         click.echo(f"wrote {output}")
 
 
-@main.command()
+@main.command(epilog=SHOW_EPILOG)
 @click.argument("plan_file", metavar="PLAN.json", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--width", default=96, show_default=True, type=click.IntRange(20, 1000),
               help="Characters of timeline per worker.")
@@ -155,13 +207,20 @@ def show(plan_file: Path, width: int, max_workers: int, critical_path: bool) -> 
     if critical_path and p.schedule.n_ops <= 20_000:
         from recycle_planner.dag import critical_path as chain_of
         from recycle_planner.dag import describe_critical_path, plan_graph
+        from recycle_planner.validate import validate
 
         click.echo()
+        problems = validate(p)
+        if problems:  # an op listed twice or out of order has no well-defined critical path
+            click.echo(f"error: {plan_file}: no critical path, the plan breaks "
+                       f"{len(problems)} rule(s), first {problems[0]} (see 'recycle-planner "
+                       f"validate')", err=True)
+            sys.exit(1)
         click.echo("critical path (first iteration, from an idle start):")
         click.echo(describe_critical_path(chain_of(plan_graph(p.schedule))))
 
 
-@main.command()
+@main.command(epilog=GANTT_EPILOG)
 @click.argument("plan_file", metavar="PLAN.json", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Picture to write: .png, .svg or .pdf.")
@@ -175,14 +234,18 @@ def gantt(plan_file: Path, output: Path, compare: Path | None, max_workers: int)
     from recycle_planner.gantt import draw_gantt
     from recycle_planner.planfile import read_plan
 
+    check_output(output, picture=True)
     plans = [read_plan(plan_file)]
     if compare is not None:
         plans.append(read_plan(compare))
+        if plans[1].schedule.spec != plans[0].schedule.spec:
+            log.warning("%s and %s are plans of different jobs: the comparison is of shapes "
+                        "only", plan_file, compare)
     draw_gantt(plans, output, max_workers=max_workers)
     click.echo(f"wrote {output}")
 
 
-@main.command()
+@main.command(epilog=VALIDATE_EPILOG)
 @click.argument("plan_file", metavar="PLAN.json", type=click.Path(dir_okay=False, path_type=Path))
 def validate(plan_file: Path) -> None:
     """Check every rule a plan must keep: each op once on a live worker of its stage,
@@ -200,7 +263,7 @@ def validate(plan_file: Path) -> None:
     sys.exit(1)
 
 
-@main.command("export-torch")
+@main.command("export-torch", epilog=EXPORT_EPILOG)
 @click.argument("plan_file", metavar="PLAN.json", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="CSV file to write.")
@@ -212,11 +275,12 @@ def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
     from recycle_planner.export_torch import export_torch_csv
     from recycle_planner.planfile import read_plan
 
+    check_output(output)
     export_torch_csv(read_plan(plan_file), output, pipeline)
     click.echo(f"wrote {output}")
 
 
-@main.command("plan-all")
+@main.command("plan-all", epilog=PLAN_ALL_EPILOG)
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--max-failures", "-f", required=True, type=int, metavar="F",
               help="Plan every situation with up to F dead workers.")
@@ -270,7 +334,7 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
     click.echo(library_text(PlanLibrary.open(output)))
 
 
-@main.command()
+@main.command(epilog=LOOKUP_EPILOG)
 @click.argument("library", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--failed", "failed", multiple=True, metavar="PIPELINE:STAGE",
               help="A dead physical worker; repeat for several.")
@@ -300,7 +364,7 @@ def lookup(library: Path, failed: tuple[str, ...], as_json: bool) -> None:
         click.echo(f"  stage {s}: {' '.join(str(x) for x in row)}")
 
 
-@main.command()
+@main.command(epilog=REPORT_EPILOG)
 @click.argument("library", type=click.Path(file_okay=False, path_type=Path))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Also plot degradation against the number of failures (.png/.svg/.pdf).")
@@ -310,6 +374,7 @@ def report(library: Path, output: Path | None) -> None:
     from recycle_planner.library import PlanLibrary
     from recycle_planner.report import library_text, plot_library
 
+    check_output(output, picture=True)
     lib = PlanLibrary.open(library)
     click.echo(library_text(lib))
     if output is not None:

@@ -92,7 +92,7 @@ def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str
 
     if (trace_file is None) == (mtbf is None):
         raise RecycleError("give either --trace TRACE.csv or --mtbf DURATIONS (to sample "
-                           "traces), not both")
+                           "traces), " + ("not both" if mtbf is not None else "one of them"))
     job = load_spec(spec)
     lib = PlanLibrary.open(library, spec=job)
     if not lib.index.get("complete", True):

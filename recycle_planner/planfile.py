@@ -129,7 +129,8 @@ def read_plan(path: str | Path) -> Plan:
     except PlanFileError:
         raise
     except RecycleError as exc:
-        raise PlanFileError(f"{path}: {exc}") from None
+        text = str(exc)
+        raise PlanFileError(text if text.startswith(f"{path}:") else f"{path}: {text}") from None
 
 
 def plan_from_dict(data: Any, where: str = "plan") -> Plan:

@@ -57,6 +57,26 @@ class StageProfile:
     grad_bytes: int         # the stage's gradients (what the all-reduce moves)
 
 
+def usable_device(device: str):
+    """`torch.device(device)`, or a one-line error if this torch cannot use it."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise RecycleError(f"unknown device {device!r} (expected cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RecycleError(f"device {device!r}: this torch has no usable CUDA device "
+                               f"(torch {torch.__version__}); profile on cpu or on a GPU machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise RecycleError(f"device {device!r}: only {torch.cuda.device_count()} CUDA "
+                               f"device(s) here")
+    elif dev.type != "cpu":
+        raise RecycleError(f"device {device!r}: the profiler measures cpu or cuda devices")
+    return dev
+
+
 def profile_stages(job, device: str = "cpu", repeats: int = 10,
                    warmup: int = 2) -> list[StageProfile]:
     """Profile every stage of `job` on one micro-batch (iteration 0, pipeline 0, micro-batch
@@ -67,7 +87,7 @@ def profile_stages(job, device: str = "cpu", repeats: int = 10,
 
     from recycle_planner.executor.state import StageState
 
-    dev = torch.device(device)
+    dev = usable_device(device)
     x, target = job.data(0, 0, 0)
     x = x.to(dev)
     target = target.to(dev) if isinstance(target, torch.Tensor) else target

@@ -19,6 +19,10 @@ from recycle_planner.errors import SpecError
 TIME_KEYS = ("forward", "backward_input", "backward_weight", "p2p", "allreduce", "optimizer")
 TOP_KEYS = ("name", "stages", "pipelines", "microbatches", "microbatch_size", "time", "memory")
 MEMORY_KEYS = ("activation", "budget", "static", "max_inflight")
+# Limits that keep the arithmetic exact and the arrays in memory: an op of at most 10^9 ms
+# (11 days) and at most 4M (stage, pipeline, micro-batch) cells, 12M ops, per iteration.
+MAX_MS = 1e9
+MAX_CELLS = 4_000_000
 
 _UNITS = {
     "": 1, "B": 1,
@@ -46,7 +50,8 @@ class MemorySpec:
             cap = self.max_inflight
             if self.budget is not None and self.activation is not None:
                 static = self.static[s] if self.static else 0.0
-                by_bytes = int(math.floor((self.budget - static) / self.activation[s] + 1e-9))
+                room = (self.budget - static) / self.activation[s]
+                by_bytes = int(math.floor(min(room, 2.0**62) + 1e-9))  # room may overflow
                 cap = by_bytes if cap is None else min(cap, by_bytes)
             out.append(cap)
         return tuple(out)
@@ -151,6 +156,11 @@ def _parse(data: Mapping[str, Any], where: str) -> JobSpec:
     pipelines = _count(data, "pipelines", where)
     microbatches = _count(data, "microbatches", where)
     mbs = _count(data, "microbatch_size", where) if "microbatch_size" in data else None
+    cells = stages * pipelines * microbatches
+    if cells > MAX_CELLS:
+        raise SpecError(f"{where}: stages x pipelines x microbatches = {cells:,} is more than "
+                        f"the planner handles ({MAX_CELLS:,}, about {3 * MAX_CELLS // 10**6}M "
+                        f"ops per iteration)")
     name = data.get("name")
     if name is not None and not isinstance(name, str):
         raise SpecError(f"{where}: 'name' must be a string")
@@ -166,7 +176,8 @@ def _parse(data: Mapping[str, Any], where: str) -> JobSpec:
         if key not in time:
             raise SpecError(f"{where}: missing key 'time.{key}'")
         positive = key in ("forward", "backward_input")
-        costs[key] = _per_stage(time[key], stages, where, f"time.{key}", positive=positive)
+        costs[key] = _per_stage(time[key], stages, where, f"time.{key}", positive=positive,
+                                maximum=MAX_MS)
 
     memory = None
     if "memory" in data:
@@ -245,12 +256,15 @@ def _bytes(value: Any, where: str, key: str) -> float:
         if not match:
             raise SpecError(f"{where}: '{key}' must be a number of bytes or a size like "
                             f"'12GiB', got {value!r}")
-        return float(match.group(1)) * _UNITS[(match.group(2) or "").upper()]
+        value = float(match.group(1)) * _UNITS[(match.group(2) or "").upper()]
+        if not math.isfinite(value):
+            raise SpecError(f"{where}: '{key}' must be finite, got {match.group(0).strip()!r}")
+        return value
     return _number(value, where, key)
 
 
 def _per_stage(value: Any, stages: int, where: str, key: str, positive: bool = False,
-               units: bool = False) -> tuple[float, ...]:
+               units: bool = False, maximum: float = math.inf) -> tuple[float, ...]:
     if isinstance(value, list):
         if len(value) != stages:
             raise SpecError(f"{where}: '{key}' lists {len(value)} values but there are "
@@ -263,4 +277,7 @@ def _per_stage(value: Any, stages: int, where: str, key: str, positive: bool = F
             bound = "positive" if positive else "zero or more"
             at = f"{key}[{i}]" if isinstance(value, list) else key
             raise SpecError(f"{where}: '{at}' must be {bound}, got {_plain(v)}")
+        if v > maximum:
+            at = f"{key}[{i}]" if isinstance(value, list) else key
+            raise SpecError(f"{where}: '{at}' must be at most {_plain(maximum)}, got {_plain(v)}")
     return values

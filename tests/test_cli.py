@@ -102,6 +102,40 @@ def test_bad_output_folder_leaves_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
 
 
+def test_outputs_are_checked_before_the_work(tmp_path):
+    lib = tmp_path / "lib"
+    assert run("plan-all", SMALL, "-f", "1", "-o", lib, "-j", "1").exit_code == 0
+    r = run("report", lib, "-o", tmp_path / "deg.txt")
+    assert r.exit_code == 2 and "unknown picture format" in r.output
+    assert "situations" not in r.output  # refused before printing the report
+    r = run("plan", SMALL, "-o", tmp_path / "nowhere" / "p.json")
+    assert r.exit_code == 2 and "period" not in r.output
+
+
+def test_show_refuses_the_critical_path_of_a_broken_plan(tmp_path):
+    path = tmp_path / "p.json"
+    run("plan", SMALL, "--fail", "1:2", "-o", path)
+    data = json.loads(path.read_text())
+    data["workers"][0]["ops"].insert(1, dict(data["workers"][0]["ops"][0]))
+    path.write_text(json.dumps(data))
+    r = run("show", path)
+    assert r.exit_code == 1 and "no critical path" in r.output and "duplicate-op" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_schedule_choice_is_kept(tmp_path):
+    """--schedule gpipe exports GPipe's forward-first order; a 1F1B job's fault-free plan keeps
+    its policy label even when its order is ZB-H1's."""
+    run("plan", SMALL, "--schedule", "gpipe", "-o", tmp_path / "g.json")
+    run("export-torch", tmp_path / "g.json", "-o", tmp_path / "g.csv")
+    first = (tmp_path / "g.csv").read_text().splitlines()[0].split(",")
+    assert all(a[1] == "F" for a in first[:8]), first
+    run("plan", SMALL, "-o", tmp_path / "o.json")
+    data = json.loads((tmp_path / "o.json").read_text())
+    assert data["policy"]["schedule"] == "1f1b"
+    assert json.loads((tmp_path / "g.json").read_text())["policy"]["schedule"] == "gpipe"
+
+
 def test_console_script_error_has_no_traceback(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("stages = 4\npipelines = 2\nmicrobatches = 8\n[time]\nforward = 1\n")

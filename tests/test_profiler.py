@@ -75,3 +75,14 @@ def test_launch_checks_the_library_against_the_worker_count(tmp_path):
     r = run("launch", "-n", "4", "--library", lib, "--run-dir", tmp_path / "run", TINY)
     assert r.exit_code == 2
     assert "2 pipelines x 4 stages = 8 workers, not 4" in r.output
+
+
+@pytest.mark.parametrize("device, message", [("foo", "unknown device 'foo'"),
+                                             ("mps", "measures cpu or cuda")])
+def test_unusable_device_is_one_line(device, message):
+    from recycle_planner.errors import RecycleError
+    from recycle_planner.profiler import usable_device
+
+    with pytest.raises(RecycleError, match=message):
+        usable_device(device)
+    assert str(usable_device("cpu")) == "cpu"

@@ -61,6 +61,9 @@ def test_lists_give_one_value_per_stage(tmp_path):
     (("stages = 4", "stages = 4\nstage = 3"), "unknown key 'stage'"),
     (("[time]", "[times]"), "unknown key 'times'"),
     (("forward = 1", "forward = nan"), "'time.forward' must be finite"),
+    (("forward = 1", "forward = 1e308"), "'time.forward' must be at most 1000000000"),
+    (("microbatches = 8", "microbatches = 10000000000"), "more than the planner handles"),
+    (("stages = 4", "stages = 100000000"), "more than the planner handles"),
 ])
 def test_bad_values_name_the_key(tmp_path, change, message):
     path = write(tmp_path, MINIMAL.replace(*change))
@@ -78,6 +81,8 @@ def test_memory_model_with_units_and_caps(tmp_path):
     assert spec.caps() == (6, 7, 7, 5)
     text = MINIMAL + "[memory]\nmax_inflight = 3\n"
     assert load_spec(write(tmp_path, text)).caps() == (3,) * 4
+    text = MINIMAL + "[memory]\nactivation = 1e-300\nbudget = 1e300\n"  # room overflows
+    assert min(load_spec(write(tmp_path, text)).caps()) >= 2**62
 
 
 @pytest.mark.parametrize("memory, message", [
@@ -88,6 +93,7 @@ def test_memory_model_with_units_and_caps(tmp_path):
     ('activation = "2 parsecs"\nbudget = 1', "'memory.activation' must be a number of bytes"),
     ('static = 1', "'memory.static' needs"),
     ('ram = 1', "unknown key 'memory.ram'"),
+    ('activation = "1GiB"\nbudget = "1e400GiB"', "'memory.budget' must be finite"),
 ])
 def test_bad_memory_model(tmp_path, memory, message):
     with pytest.raises(SpecError, match=message):
