@@ -133,15 +133,14 @@ def _solver_options(func, default: str):
 def check_output(path: Path | None, picture: bool = False) -> None:
     """Fail before any work on an output that cannot be written (no such folder, or a
     picture name without .png/.svg/.pdf)."""
+    from recycle_planner.figures import picture_format
+    from recycle_planner.planfile import output_folder
+
     if path is None:
         return
     if picture:
-        from recycle_planner.figures import picture_format
-
         picture_format(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise RecycleError(f"{path}: folder {folder} does not exist")
+    output_folder(path)
 
 
 def make_policy(schedule: str, decouple: bool, stagger: bool):

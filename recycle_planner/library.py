@@ -37,8 +37,8 @@ from recycle_planner import __version__
 from recycle_planner.errors import FailureSetError, PlanFileError, RecycleError
 from recycle_planner.failures import check_failed, dead_per_stage
 from recycle_planner.normalize import (Mapping, Placement, canonical, check_threshold,
-                                       failure_sets, logical_failed, map_failure, placements,
-                                       situations)
+                                       counts_of, failure_sets, logical_failed, map_failure,
+                                       placements, situations)
 from recycle_planner.plan import Plan
 from recycle_planner.planfile import read_json, read_plan, write_json, write_plan
 from recycle_planner.planner import plan_situation
@@ -117,8 +117,7 @@ def _build_one(args: tuple) -> dict[str, Any]:
     plan = Plan(plan.schedule, plan.timing, plan.metrics, plan.solver,
                 mapping={"placement": [list(g) for g in placement]})
     name = situation_file(counts)
-    write_plan(plan, Path(folder) / name)
-    digest = file_sha256(Path(folder) / name)
+    digest = hashlib.sha256(write_plan(plan, Path(folder) / name)).hexdigest()
     m = plan.metrics
     return {"failed_per_stage": list(counts), "file": name,
             "placement": [list(g) for g in placement],
@@ -308,11 +307,7 @@ def _check_entry(spec: JobSpec, entry: dict[str, Any], where: str) -> None:
                 for s in g) for g in groups):
         raise PlanFileError(f"{where}.placement must be at most {spec.pipelines} lists of "
                             f"distinct stages below {spec.stages}, got {groups!r}")
-    placed = [0] * spec.stages
-    for g in groups:
-        for s in g:
-            placed[s] += 1
-    if placed != counts:
+    if list(counts_of(groups, spec.stages)) != counts:
         raise PlanFileError(f"{where}.placement {groups!r} does not hold the situation's "
                             f"holes {counts!r}")
 

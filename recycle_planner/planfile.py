@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from recycle_planner import __version__
-from recycle_planner.errors import PlanFileError, RecycleError
+from recycle_planner.errors import FailureSetError, PlanFileError, RecycleError, SpecError
 from recycle_planner.failures import check_failed
 from recycle_planner.ops import KIND_CODES, OpSpace
 from recycle_planner.plan import Plan, worker_stats
@@ -29,13 +29,19 @@ PLAN_FORMAT = "recycle-plan"
 PLAN_VERSION = 1
 
 
+def output_folder(path: Path) -> Path:
+    """The folder a file will be written to; a clear error if it does not exist."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise RecycleError(f"{path}: folder {folder} does not exist")
+    return folder
+
+
 def atomic_write(path: str | Path, write: Callable[[Any], None], binary: bool = False) -> None:
     """Write through a temporary file in the same folder and rename it into place, so that a
     reader never sees half a file and a failure leaves nothing behind."""
     path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise RecycleError(f"{path}: folder {folder} does not exist")
+    folder = output_folder(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
@@ -59,15 +65,17 @@ def _umask() -> int:
     return mask
 
 
-def write_json(path: str | Path, data: dict[str, Any]) -> None:
-    """Atomically write `data` as JSON, gzip-compressed when the name ends in .gz."""
+def write_json(path: str | Path, data: dict[str, Any]) -> bytes:
+    """Atomically write `data` as JSON, gzip-compressed when the name ends in .gz; returns the
+    bytes written (to checksum them without reading the file back)."""
     path = Path(path)
     text = json.dumps(data, separators=(",", ":"), allow_nan=False)
     if path.suffix == ".gz":
         blob = gzip.compress(text.encode(), compresslevel=3, mtime=0)
-        atomic_write(path, lambda fh: fh.write(blob), binary=True)
     else:
-        atomic_write(path, lambda fh: fh.write(text + "\n"))
+        blob = (text + "\n").encode()
+    atomic_write(path, lambda fh: fh.write(blob), binary=True)
+    return blob
 
 
 def read_json(path: str | Path, what: str = "plan") -> Any:
@@ -116,21 +124,14 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     return out
 
 
-def write_plan(plan: Plan, path: str | Path) -> None:
-    write_json(path, plan_to_dict(plan))
+def write_plan(plan: Plan, path: str | Path) -> bytes:
+    return write_json(path, plan_to_dict(plan))
 
 
 def read_plan(path: str | Path) -> Plan:
     """Read a plan file; anything truncated, foreign or inconsistent is a `PlanFileError` that
     names the file and the place."""
-    data = read_json(path)
-    try:
-        return plan_from_dict(data, str(path))
-    except PlanFileError:
-        raise
-    except RecycleError as exc:
-        text = str(exc)
-        raise PlanFileError(text if text.startswith(f"{path}:") else f"{path}: {text}") from None
+    return plan_from_dict(read_json(path), str(path))
 
 
 def plan_from_dict(data: Any, where: str = "plan") -> Plan:
@@ -144,11 +145,17 @@ def plan_from_dict(data: Any, where: str = "plan") -> Plan:
     for key in ("spec", "failed", "workers", "metrics"):
         if key not in data:
             raise PlanFileError(f"{where}: missing key '{key}'")
-    spec = JobSpec.from_dict(data["spec"], f"{where}: spec")
+    try:
+        spec = JobSpec.from_dict(data["spec"], f"{where}: spec")  # the message names `where`
+    except SpecError as exc:
+        raise PlanFileError(str(exc)) from None
     policy = _policy(data.get("policy", Policy().to_dict()), where)
     if not isinstance(data["failed"], list):
         raise PlanFileError(f"{where}: 'failed' must be a list of [pipeline, stage] pairs")
-    failed = check_failed(spec, data["failed"])
+    try:
+        failed = check_failed(spec, data["failed"])
+    except FailureSetError as exc:
+        raise PlanFileError(f"{where}: {exc}") from None
     space = OpSpace(spec.stages, spec.pipelines, spec.microbatches)
     S = spec.stages
     orders: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(spec.workers)]

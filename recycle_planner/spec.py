@@ -273,11 +273,10 @@ def _per_stage(value: Any, stages: int, where: str, key: str, positive: bool = F
     else:
         values = (_number(value, where, key, units),) * stages
     for i, v in enumerate(values):
+        at = f"{key}[{i}]" if isinstance(value, list) else key
         if v < 0 or (positive and v == 0):
             bound = "positive" if positive else "zero or more"
-            at = f"{key}[{i}]" if isinstance(value, list) else key
             raise SpecError(f"{where}: '{at}' must be {bound}, got {_plain(v)}")
         if v > maximum:
-            at = f"{key}[{i}]" if isinstance(value, list) else key
             raise SpecError(f"{where}: '{at}' must be at most {_plain(maximum)}, got {_plain(v)}")
     return values
