@@ -50,7 +50,6 @@ from recycle_planner.solvers.heuristic import (Candidate, fault_free_simulation,
 class Slot:
     time: float
     peer: int          # pipeline of the peer (-1: an insertion, host chosen afterwards)
-    window: int        # index of the window on that peer (-1: the extension window)
     extra: float = 0.0  # cost of using the slot beyond lateness (an insertion's push-back)
 
 
@@ -129,15 +128,15 @@ def dp_assignment(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]
         for p in peers:
             w = p * S + s
             ar = float(ff.timing.start[space.allreduce(p, s)])
-            for k, (a, b) in enumerate(idle_windows(ff, space, w, ar)):
+            for a, b in idle_windows(ff, space, w, ar):
                 n = int((b - a) // c + 1e-9)
-                slots.extend(Slot(a + i * c, p, k) for i in range(n))
+                slots.extend(Slot(a + i * c, p) for i in range(n))
             # Beyond the fault-free iteration: enough slots for an even share, and a few more.
             end = max(ar, float(ff.timing.end[ff.schedule.orders[w][-3]]))
             extra = -(-len(items) // len(peers)) + 2
-            slots.extend(Slot(end + i * c, p, -1) for i in range(extra))
+            slots.extend(Slot(end + i * c, p) for i in range(extra))
         # Insertions: at every natural time, as many as there are micro-batches.
-        slots.extend(Slot(t, -1, -1, extra=c) for t in times)
+        slots.extend(Slot(t, -1, extra=c) for t in times)
         cost, chosen = match(times, slots)
         total += cost
         inserted = [0] * D

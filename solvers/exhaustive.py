@@ -20,7 +20,7 @@ import numpy as np
 from recycle_planner.errors import RecycleError, ScheduleError
 from recycle_planner.ops import B, F, I, W, OpSpace, Worker
 from recycle_planner.policy import Policy
-from recycle_planner.schedule import Schedule
+from recycle_planner.schedule import Schedule, with_collectives
 from recycle_planner.simulate import Simulation, simulate
 from recycle_planner.spec import JobSpec
 from recycle_planner.validate import _memory
@@ -120,8 +120,7 @@ def exhaustive(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
             orders = [np.zeros(0, dtype=np.int64)] * spec.workers
             for w, order in zip(workers, picks):
                 d, s = divmod(w, S)
-                orders[w] = np.array(order + [space.allreduce(d, s), space.optimizer(d, s)],
-                                     dtype=np.int64)
+                orders[w] = with_collectives(space, d, s, order)
             sched = Schedule(spec, policy, tuple(sorted(dead)), tuple(orders))
             try:
                 sim = simulate(sched)

@@ -29,7 +29,7 @@ import numpy as np
 from recycle_planner.generators import fault_free
 from recycle_planner.ops import B, F, I, W, OpSpace, Worker
 from recycle_planner.policy import Policy, budget_caps
-from recycle_planner.schedule import Schedule
+from recycle_planner.schedule import Schedule, with_collectives
 from recycle_planner.simulate import Simulation, simulate
 from recycle_planner.spec import JobSpec
 
@@ -241,8 +241,7 @@ def list_schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
         if (d, s) in dead:
             out.append(np.zeros(0, dtype=np.int64))
         else:
-            out.append(np.array(orders[w] + [space.allreduce(d, s), space.optimizer(d, s)],
-                                dtype=np.int64))  # compute op ids equal OpSpace's
+            out.append(with_collectives(space, d, s, orders[w]))  # ids equal OpSpace's
     return Schedule(spec=spec, policy=policy, failed=tuple(failed), orders=tuple(out))
 
 
@@ -270,12 +269,10 @@ class Candidate:
     simulation: Simulation
 
 
-def heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
-              assignment: np.ndarray | None = None) -> Candidate:
+def heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Candidate:
     """The best of the list-scheduling candidates (see the module docstring); without failures
     the schedule's own generator competes too."""
-    if assignment is None:
-        assignment = default_assignment(spec, failed)
+    assignment = default_assignment(spec, failed)
     caps = budget_caps(spec, policy)
     keys = template_keys(spec, policy)
     # With the I/W split, ZB-H1's order is 1F1B's with W deferred into the bubbles: it fits
@@ -305,8 +302,14 @@ def heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
             candidates.append(("fused order, split", lambda: split_backwards(list_schedule(
                 spec, fused, failed, assignment, caps, template_keys(spec, fused)), policy)))
     best: Candidate | None = None
+    seen: set[tuple[bytes, ...]] = set()
     for name, build in candidates:
-        sim = simulate(build())
+        schedule = build()
+        orders = tuple(o.tobytes() for o in schedule.orders)
+        if orders in seen:  # candidates often agree; the same orders time the same
+            continue
+        seen.add(orders)
+        sim = simulate(schedule)
         if best is None or sim.period < best.simulation.period - 1e-9:
             best = Candidate(name, sim)
     assert best is not None

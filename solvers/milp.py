@@ -39,7 +39,7 @@ import numpy as np
 from recycle_planner.errors import RecycleError
 from recycle_planner.ops import B, F, I, W, OpSpace, Worker
 from recycle_planner.policy import Policy, budget_caps
-from recycle_planner.schedule import Schedule
+from recycle_planner.schedule import Schedule, with_collectives
 from recycle_planner.simulate import Simulation, simulate
 from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.spec import JobSpec
@@ -188,7 +188,6 @@ class ReroutingModel:
                     self.x[u, p] = mdl.binary()
                 mdl.row({self.x[u, p]: 1.0 for p in unit.candidates}, 1.0, 1.0)
         index = {(un.d, un.s, un.m): i for i, un in enumerate(self.units)}
-        self.index = index
         bwd = self.kinds[1]
         # Data dependencies.
         for u, un in enumerate(self.units):
@@ -478,8 +477,7 @@ class ReroutingModel:
                 continue
             ops = [op for *_, op in sorted(per_worker[w])]
             d, s = divmod(w, S)
-            orders.append(np.array(ops + [self.space.allreduce(d, s), self.space.optimizer(d, s)],
-                                   dtype=np.int64))
+            orders.append(with_collectives(self.space, d, s, ops))
         return Schedule(self.spec, self.policy, self.failed, tuple(orders))
 
 

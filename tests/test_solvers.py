@@ -33,8 +33,8 @@ def test_matching_dp_is_exact():
     for _ in range(300):
         J = rng.randint(1, 4)
         times = [rng.choice([0, 1, 2, 3, 5]) for _ in range(J)]
-        slots = [Slot(rng.choice([0, 1, 2, 4, 6, 9]), q, 0, rng.choice([0.0, 0.0, 1.5]))
-                 for q in range(rng.randint(0, 4))] + [Slot(9.0, 0, -1) for _ in range(J)]
+        slots = [Slot(rng.choice([0, 1, 2, 4, 6, 9]), q, rng.choice([0.0, 0.0, 1.5]))
+                 for q in range(rng.randint(0, 4))] + [Slot(9.0, 0) for _ in range(J)]
         cost, chosen = match(times, slots)
         assert len(set(chosen)) == J
         assert all(slots[q].time >= t for t, q in zip(times, chosen))
