@@ -325,12 +325,12 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        build_library(job, policy, max_failures, output, settings, jobs=jobs, force=force,
-                      progress=progress)
+        index = build_library(job, policy, max_failures, output, settings, jobs=jobs,
+                              force=force, progress=progress)
     finally:
         signal.signal(signal.SIGTERM, previous)
         bar.close()
-    click.echo(library_text(PlanLibrary.open(output)))
+    click.echo(library_text(PlanLibrary(output, index)))
 
 
 @main.command(epilog=LOOKUP_EPILOG)

@@ -169,6 +169,15 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
     done = len(wanted) - len(todo)
     if progress:
         progress(done, len(wanted))
+    index: dict[str, Any] | None = None
+
+    def save() -> dict[str, Any]:  # after every situation: an interrupted build resumes
+        written = _write_index(folder, spec, policy, max_failures, settings, shash, reference,
+                               entries, wanted)
+        if progress:
+            progress(done, len(wanted))
+        return written
+
     # The fault-free situation first: every other entry's degradation is measured against it.
     if zero not in keep:
         entries[zero] = _build_one((spec, policy, zero, settings, None, None, folder, shash))
@@ -177,10 +186,7 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
     reference = entries[zero]["metrics"]["period"]
     reference_bound = entries[zero]["metrics"]["lower_bound"]
     if zero not in keep:
-        _write_index(folder, spec, policy, max_failures, settings, shash, reference, entries,
-                     wanted)
-        if progress:
-            progress(done, len(wanted))
+        index = save()
     jobs = jobs or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                        else os.cpu_count() or 1)
     tasks = [(spec, policy, k, settings, reference, reference_bound, str(folder), shash)
@@ -189,12 +195,11 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
         for entry in run(_build_one, tasks):
             entries[tuple(entry["failed_per_stage"])] = entry
             done += 1
-            _write_index(folder, spec, policy, max_failures, settings, shash, reference, entries,
-                         wanted)
-            if progress:
-                progress(done, len(wanted))
-    return _write_index(folder, spec, policy, max_failures, settings, shash, reference, entries,
-                        wanted)
+            index = save()
+    if index is None:  # nothing was planned: the index still records this build's threshold
+        index = _write_index(folder, spec, policy, max_failures, settings, shash, reference,
+                             entries, wanted)
+    return index
 
 
 @contextmanager

@@ -234,11 +234,19 @@ class Simulation:
     period: float
     iterations_simulated: int
     converged: bool
-    steady: Timing
+    steady_start: np.ndarray | None = None  # starts of a steady-state iteration (None: the first's)
 
     @cached_property
     def schedule(self) -> Schedule:
         return self.graph.schedule
+
+    @cached_property
+    def steady(self) -> Timing:
+        """One steady-state iteration's times, built on demand (only the MILP reads them)."""
+        if self.steady_start is None:
+            return self.timing
+        n = self.graph.n
+        return self.graph.timing(self.steady_start, self.steady_start + self.graph.dur[:n])
 
 
 def simulate(schedule: Schedule, max_iterations: int = 48) -> Simulation:
@@ -252,7 +260,7 @@ def simulate(schedule: Schedule, max_iterations: int = 48) -> Simulation:
     iteration_time = float(end[:n].max() - start[:n].min()) if n else 0.0
     timing = graph.timing(start, end)
     if not schedule.policy.stagger or n == 0:
-        return Simulation(graph, timing, iteration_time, iteration_time, 1, True, timing)
+        return Simulation(graph, timing, iteration_time, iteration_time, 1, True)
 
     # Times of iteration k are a max-plus linear function of iteration k-1's, so once
     # iteration k is iteration k-c shifted by the same amount everywhere, it stays so forever.
@@ -280,10 +288,8 @@ def simulate(schedule: Schedule, max_iterations: int = 48) -> Simulation:
     if period is None:
         half = len(means) // 2
         period = (means[-1] - means[half]) / (len(means) - 1 - half)
-    last_start = recent[-1] - recent[-1].min()
-    steady = graph.timing(np.concatenate([last_start, np.zeros(graph.n_nodes - n)]),
-                          np.concatenate([last_start + graph.dur[:n], np.zeros(graph.n_nodes - n)]))
-    return Simulation(graph, timing, iteration_time, period, len(means), converged, steady)
+    return Simulation(graph, timing, iteration_time, period, len(means), converged,
+                      recent[-1] - recent[-1].min())
 
 
 def _first_duplicate(ids: np.ndarray) -> int:
