@@ -514,9 +514,9 @@ class Agent:
                       if p.hello is not None and self.member_inc.get(r) != p.incarnation)
 
     def _check_done(self) -> bool:
-        members = self._live_members()
-        done = [self.store.check([P.gen_key(self.gen, f"done/{r}")]) for r in members]
-        if not members or not all(done):
+        members = self._live_members()  # Store.check is true when every key is there
+        if not members or not self.store.check([P.gen_key(self.gen, f"done/{r}")
+                                                for r in members]):
             return False
         steps = json.loads(self.store.get(P.gen_key(self.gen, f"done/{members[0]}")))["steps"]
         self.final_iterations = int(steps)
@@ -541,7 +541,7 @@ class Agent:
         if not every or self.stages == 0:
             return
         k = self.next_checkpoint
-        if all(self.store.check([P.checkpoint_key(k, s)]) for s in range(self.stages)):
+        if self.store.check([P.checkpoint_key(k, s) for s in range(self.stages)]):
             if write_manifest(self.run_dir, k, self.stages) is not None:
                 self._event("checkpoint", f"checkpoint of iteration {k} complete", iteration=k)
             self.next_checkpoint += every

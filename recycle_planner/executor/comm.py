@@ -77,8 +77,6 @@ class Comm:
 
     def __init__(self, backend: str, store: Any, gen: int, members: list[int], me: int,
                  stage_members: list[int], stage: int, timeout: timedelta):
-        self.backend = backend
-        self.members = members
         self.rank = members.index(me)
         self.size = len(members)
         self.sends: list[tuple[Any, torch.Tensor]] = []
@@ -125,8 +123,7 @@ class Comm:
         self.sends.clear()
 
     def allreduce_sum(self, flat: torch.Tensor) -> None:
-        if self.stage_group is None:
-            return
+        """SUM over the stage's live workers (callers skip it when `stage_group` is None)."""
         try:
             work = self.stage_group.allreduce([flat], dist.AllreduceOptions())
         except RuntimeError as exc:

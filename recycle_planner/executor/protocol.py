@@ -143,8 +143,7 @@ def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None
     abandoned iteration undoes that step (steps differ by at most one, because no stage can
     step iteration i+1 before every stage has stepped iteration i)."""
     members = tuple(sorted(steps))
-    dead = tuple((r // stages, r % stages) for r in range(pipelines * stages)
-                 if r not in steps)
+    dead = tuple(worker_of(r, stages) for r in range(pipelines * stages) if r not in steps)
     stateful = {r: k for r, k in steps.items() if k is not None}
     by_stage: dict[int, list[int]] = {}
     for r in sorted(stateful):

@@ -34,8 +34,7 @@ class StageState:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.steps = steps
         self._saved_params: list[torch.Tensor] | None = None
-        self._saved_optimizer: dict | None = None
-        self._has_saved = False
+        self._saved_optimizer: dict | None = None  # set by a step, until it is undone
 
     def step(self) -> None:
         """Save what an undo needs, then step and clear the gradients."""
@@ -46,7 +45,6 @@ class StageState:
                 for buf, p in zip(self._saved_params, self.params):
                     buf.copy_(p)
         self._save_optimizer()
-        self._has_saved = True
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
@@ -76,7 +74,7 @@ class StageState:
         """Undo the latest step if the stage is one step past `steps`."""
         if self.steps == steps:
             return
-        if self.steps != steps + 1 or not self._has_saved:
+        if self.steps != steps + 1 or self._saved_optimizer is None:
             raise RecycleError(f"cannot undo from step {self.steps} to step {steps}: only the "
                                f"latest step can be undone")
         with torch.no_grad():
@@ -84,7 +82,6 @@ class StageState:
                 p.copy_(buf)
         self.optimizer.load_state_dict(self._saved_optimizer)
         self._saved_optimizer = None  # the optimizer may now share its tensors
-        self._has_saved = False
         self.steps = steps
 
     def clear_grads(self) -> None:
@@ -98,13 +95,15 @@ class StageState:
         return buf.getvalue()
 
     def load_bytes(self, payload: bytes) -> None:
-        data = torch.load(io.BytesIO(payload), map_location=_device_of(self.module),
-                          weights_only=True)
+        self.load(torch.load(io.BytesIO(payload), map_location=_device_of(self.module),
+                             weights_only=True))
+
+    def load(self, data: dict[str, Any]) -> None:
+        """Take a peer's or a checkpoint's state (`to_bytes`'s dict); nothing left to undo."""
         self.module.load_state_dict(data["model"])
         self.optimizer.load_state_dict(data["optimizer"])
         self.steps = int(data["steps"])
         self._saved_optimizer = None
-        self._has_saved = False
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:

@@ -50,6 +50,7 @@ from recycle_planner.executor.job import Job, load_job
 from recycle_planner.executor.runtime import StageRuntime, compile_program, pair_orders
 from recycle_planner.executor.state import (StageState, latest_checkpoint,
                                             load_stage_checkpoint, write_stage_checkpoint)
+from recycle_planner.failures import format_workers
 from recycle_planner.library import PlanLibrary
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class Worker:
             log.info("generation %d: %d live workers, dead %s, plan %s, logical pipeline %d, "
                      "from iteration %d (members met in %.0f ms, groups %.0f ms, state and "
                      "plan %.0f ms)", gen, len(decision.members),
-                     [f"{d}:{s}" for d, s in decision.dead] or "none", decision.plan,
+                     format_workers(decision.dead), decision.plan,
                      program.logical, iteration, 1e3 * (t1 - t0), 1e3 * (t2 - t1),
                      1e3 * (time.perf_counter() - t2))
             while iteration < self.job.iterations:
@@ -303,10 +304,7 @@ class Worker:
             raise RecycleError(f"--resume: no complete checkpoint in "
                                f"{Path(self.config.run_dir) / 'checkpoints'}")
         iteration, folder = found
-        data = load_stage_checkpoint(folder, self.s)
-        self.state.module.load_state_dict(data["model"])
-        self.state.optimizer.load_state_dict(data["optimizer"])
-        self.state.steps = int(data["steps"])
+        self.state.load(load_stage_checkpoint(folder, self.s))
         log.info("resumed stage %d from %s (iteration %d)", self.s, folder, iteration)
 
     # -- shapes, waiting, heartbeats -------------------------------------------------------------
