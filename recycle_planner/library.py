@@ -54,9 +54,13 @@ LIBRARY_VERSION = 1
 INDEX = "index.json"
 
 
+def _digest(data: Any) -> str:
+    """16 hex digits of the SHA-256 of `data` as canonical JSON."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def spec_hash(spec: JobSpec, policy: Policy) -> str:
-    blob = json.dumps({"spec": spec.to_dict(), "policy": policy.to_dict()}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return _digest({"spec": spec.to_dict(), "policy": policy.to_dict()})
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ class Settings:
 
     @property
     def hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+        return _digest(self.to_dict())
 
 
 def situation_file(counts: tuple[int, ...]) -> str:
