@@ -64,14 +64,14 @@ def test_frequencies_table_plots_and_json(gpt_library, tmp_path):
                      "trace-every-30min.csv", "trace-every-6h.csv", "whatif.json"]
     assert all((tmp_path / n).stat().st_size > 10_000 for n in names if n.endswith(".png"))
     r = run("simulate-trace", GPT, "-l", gpt_library, "--mtbf", "6h,30min", "--duration", "2d",
-            "--seed", 5, "--strategies", "reroute,checkpoint-wait", "--json")
+            "--seed", 5, "--strategies", "reroute,checkpoint-wait", "--plan-time", "1s", "--json")
     data = json.loads(r.output)
     rel = [[x["relative"] for x in run_["results"]] for run_ in data["runs"]]
     assert all(0 < v <= 1 for row in rel for v in row)
     # The sampled trace written out replays to the same numbers.
     r2 = run("simulate-trace", GPT, "-l", gpt_library, "--trace",
              tmp_path / "trace-every-6h.csv", "--duration", "2d",
-             "--strategies", "reroute,checkpoint-wait", "--json")
+             "--strategies", "reroute,checkpoint-wait", "--plan-time", "1s", "--json")
     again = json.loads(r2.output)["runs"][0]["results"]
     assert [x["samples"] for x in again] == pytest.approx(
         [x["samples"] for x in data["runs"][0]["results"]], rel=1e-9)
