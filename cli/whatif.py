@@ -72,11 +72,11 @@ Examples:
               help="Schedule policy of the fault-free baseline and of every strategy but "
                    "re-routing, e.g. 1f1b/fused/barrier (as DeepSpeed and Megatron run 1F1B) "
                    "[default: the library's].")
-@click.option("--workers-per-host", default=1, show_default=True, type=click.IntRange(1),
+@click.option("--workers-per-host", default=1, show_default=True, type=int,
               help="Workers on one host; a host fails and is repaired as one (sampled traces, "
                    "and host:H in trace files).")
-@click.option("--host-placement", type=click.Choice(PLACEMENTS), default="pipeline",
-              show_default=True,
+@click.option("--host-placement", default="pipeline", show_default=True,
+              metavar="|".join(PLACEMENTS),
               help="pipeline: a host holds consecutive ranks d*S+s (stages of one pipeline); "
                    "stage: ranks s*D+d (one stage of several pipelines).")
 @click.option("--bandwidth", default="12.5GB/s", show_default=True, metavar="BYTES/s",

@@ -40,7 +40,9 @@ class Hosts:
             raise HostError(f"unknown host placement {self.placement!r} (expected one of: "
                             f"{', '.join(PLACEMENTS)})")
         n, total = self.workers_per_host, self.stages * self.pipelines
-        if n < 1 or total % n:
+        if n < 1:
+            raise HostError(f"--workers-per-host must be 1 or more, got {n}")
+        if total % n:
             raise HostError(f"--workers-per-host {n} does not divide the job's {total} workers "
                             f"({self.pipelines} pipelines x {self.stages} stages)")
 
