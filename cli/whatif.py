@@ -18,7 +18,8 @@ Examples:
   recycle-planner plan-all examples/gpt.toml --max-failures 2 -o plans/
   recycle-planner simulate-trace examples/gpt.toml --library plans/ --mtbf 6h,2h,30min -o out/
   recycle-planner simulate-trace examples/gpt.toml --library plans/ --trace examples/trace.csv
-  recycle-planner simulate-trace examples/gpt.toml -l plans/ --mtbf 2h --baseline-policy 1f1b/fused/barrier
+  recycle-planner simulate-trace examples/gpt.toml -l plans/ --mtbf 2h \
+      --baseline-policy 1f1b/fused/barrier
   recycle-planner simulate-trace examples/gpt.toml -l plans/ --mtbf 2h --workers-per-host 4
 """
 
@@ -64,7 +65,8 @@ Examples:
 @click.option("--restart", default="10min", show_default=True, metavar="DURATION",
               help="Relaunch from a checkpoint.")
 @click.option("--spares", default=2, show_default=True, type=click.IntRange(0),
-              help="Spare workers for checkpoint-restart with spares.")
+              help="Spare hosts (of --workers-per-host workers each) for checkpoint-restart "
+                   "with spares.")
 @click.option("--plan-time", default="measured", show_default=True, metavar="measured|DURATION",
               help="What re-routing is charged the first time it plans a situation the library "
                    "lacks: the heuristic's time measured on this job, or a fixed duration.")
@@ -132,7 +134,8 @@ def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str
                   reconfigure=parse_duration(reconfigure, "--reconfigure"),
                   checkpoint_interval=parse_duration(checkpoint_interval,
                                                      "--checkpoint-interval", allow_zero=False),
-                  restart=parse_duration(restart, "--restart"), spares=spares,
+                  restart=parse_duration(restart, "--restart"),
+                  spares=spares * max(workers_per_host, 1),
                   plan=(None if plan_time.strip().lower() == "measured"
                         else parse_duration(plan_time, "--plan-time")),
                   bandwidth=parse_size(bandwidth, "--bandwidth", per_second=True),

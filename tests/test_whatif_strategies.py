@@ -92,11 +92,11 @@ def test_reroute_by_hand(libraries):
 
 
 def test_reroute_library_only_falls_back_to_a_checkpoint_restart_beyond_it(libraries):
-    """Library for 1 failure, no on-demand planning. 0:0 dies at 150 s: 599,980 as above, pause to 153 s, then
-    2400/s until 1:1 dies at 180 s (664,780). Two dead is beyond the library: roll back to the
-    checkpoint at 100 s (400,000), wait. 1:1 is repaired at 300 s: restart (10 s) from a
-    checkpoint, 310-350 s at 2400/s: 496,000. 0:0 is repaired at 350 s: switch (2 s), then
-    352-500 s at 4000/s: 1,088,000."""
+    """Library for 1 failure, no on-demand planning. 0:0 dies at 150 s: 599,980 as above,
+    pause to 153 s, then 2400/s until 1:1 dies at 180 s (664,780). Two dead is beyond the
+    library: roll back to the checkpoint at 100 s (400,000), wait. 1:1 is repaired at 300 s:
+    restart (10 s) from a checkpoint, 310-350 s at 2400/s: 496,000. 0:0 is repaired at 350 s:
+    switch (2 s), then 352-500 s at 4000/s: 1,088,000."""
     tr = trace((150, "fail", (0, 0)), (180, "fail", (1, 1)), (300, "repair", (1, 1)),
                (350, "repair", (0, 0)), duration=500)
     o = run(context(libraries, f=1), "reroute-library-only", tr)

@@ -3,8 +3,9 @@
 A strategy maps the dead workers at a moment to a *configuration* key (None: it cannot run and
 must wait for repairs, after a checkpoint restart), and a configuration to a `Speed`. It also
 says what a failure or a repair costs it, what reaching a configuration for the first time
-costs (planning it on demand), and which schedule policy it runs. The replay engine (`engine.py`) does the rest, the same
-way for every strategy: pauses, lost iterations, rollbacks to the last checkpoint, waiting.
+costs (planning it on demand), and which schedule policy it runs. The replay engine
+(`engine.py`) does the rest, the same way for every strategy: pauses, lost iterations, rollbacks
+to the last checkpoint, waiting.
 
 Configurations are computed for every key a trace needs *before* the replay (`speeds`), so the
 event loop never plans anything.
