@@ -62,7 +62,7 @@ def test_trace_file_table_and_assumptions(gpt_library, tmp_path):
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert files == ["throughput-trace.svg", "whatif.json"]
     data = json.loads((tmp_path / "out" / "whatif.json").read_text())
-    assert data["format"] == "recycle-whatif" and data["version"] == 1
+    assert data["format"] == "recycle-whatif" and data["version"] == 2
     assert data["runs"][0]["trace"]["failures"] == 7
     assert {s["name"] for s in data["strategies"]} == set(STRATEGIES)
     assert all(s["assumptions"] for s in data["strategies"])

@@ -8,7 +8,7 @@ from recycle_planner import __version__
 from recycle_planner.whatif.engine import Outcome, Run, Study
 
 WHATIF_FORMAT = "recycle-whatif"
-WHATIF_VERSION = 1
+WHATIF_VERSION = 2
 
 
 def header(study: Study) -> list[str]:
