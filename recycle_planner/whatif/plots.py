@@ -12,7 +12,8 @@ from recycle_planner.whatif.durations import format_duration
 from recycle_planner.whatif.engine import Run, Study
 from recycle_planner.whatif.trace import FAIL
 
-COLOURS = {"reroute": "#C44E52", "checkpoint-spares": "#4C72B0", "checkpoint-wait": "#8172B3",
+COLOURS = {"reroute": "#C44E52", "reroute-library-only": "#DA8BC3",
+           "checkpoint-spares": "#4C72B0", "checkpoint-wait": "#8172B3",
            "drop-pipelines": "#DD8452", "oobleck": "#55A868", "bamboo": "#937860"}
 
 
@@ -39,20 +40,22 @@ def plot_over_time(study: Study, run: Run, path: str | Path) -> None:
     edges = np.append(np.arange(0.0, T, width), T)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True,
                                       gridspec_kw={"height_ratios": [3, 2]})
+    peak = 100.0  # above 100% when re-routing's policy is faster than the baseline's
     for o in run.outcomes:
         colour = COLOURS.get(o.strategy)
         rate = o.binned_rate(edges)
+        peak = max(peak, 100 * float(rate.max()) / ff)
         top.step(edges / scale, 100 * np.append(rate, rate[-1]) / ff, where="post",
                  color=colour, linewidth=1.1, label=f"{o.title} (mean {o.relative:.1%})")
         at = np.linspace(0.0, T, 600)
         bottom.plot(at / scale, o.cumulative(at), color=colour, linewidth=1.2)
     at = np.linspace(0.0, T, 2)
     bottom.plot(at / scale, ff * at, "--", color="#555555", linewidth=1, label="fault-free")
-    fails = np.array([e.time for e in run.trace.events if e.kind == FAIL])
+    fails = np.array([s.time for s in run.trace.steps() if s.kind == FAIL])
     if fails.size:
         top.plot(fails / scale, np.full(fails.size, -4.0), "|", color="#333333", markersize=7,
                  label=f"failures ({fails.size})")
-    top.set_ylim(-8, 108)
+    top.set_ylim(-8, peak + 8)
     top.set_ylabel(f"throughput, % of fault-free\n(mean per {format_duration(width)})")
     top.grid(alpha=0.3)
     top.legend(fontsize=7.5, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=4,
@@ -92,7 +95,8 @@ def plot_frequencies(study: Study, path: str | Path) -> None:
     ax.set_xticks(range(len(runs)))
     ax.set_xticklabels([r.label for r in runs])
     ax.set_ylabel("mean throughput, % of fault-free")
-    ax.set_ylim(0, 112)
+    peak = max([100.0] + [100 * o.relative for r in runs for o in r.outcomes])
+    ax.set_ylim(0, peak + 12)
     ax.axhline(100, color="#555555", linestyle="--", linewidth=0.8)
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)

@@ -120,7 +120,10 @@ class Trace:
         most, mean = self.dead_counts()
         src = self.source
         if src.get("kind") == "sampled":
-            head = (f"sampled ({src['sampling']} level): {src['distribution']} up times"
+            level = src["sampling"]
+            if level == "worker" and self.hosts is not None and self.hosts.workers_per_host > 1:
+                level = "host"
+            head = (f"sampled ({level} level): {src['distribution']} up times"
                     + (f" (shape {src['shape']:g})" if src["distribution"] == "weibull" else "")
                     + f", a failure every {format_duration(src['mtbf'])} in the job on average, "
                       f"{src['repair_distribution']} repairs of mean "
