@@ -59,7 +59,8 @@ Examples:
               help="Re-routing plan switch; also a regrouping for dropped pipelines and "
                    "Bamboo's fail-over.")
 @click.option("--reconfigure", default="60s", show_default=True, metavar="DURATION",
-              help="Oobleck's re-instantiation of pipelines.")
+              help="Oobleck's re-instantiation of pipelines (fixed part; the layers it moves "
+                   "are added at --bandwidth).")
 @click.option("--checkpoint-interval", default="30min", show_default=True, metavar="DURATION",
               help="Wall-clock time between checkpoints.")
 @click.option("--restart", default="10min", show_default=True, metavar="DURATION",

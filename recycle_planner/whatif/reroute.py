@@ -12,6 +12,7 @@ has no live worker left (its parameters exist nowhere in memory)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Hashable
 
@@ -22,6 +23,8 @@ from recycle_planner.policy import Policy
 from recycle_planner.whatif.deadset import DeadState
 from recycle_planner.whatif.durations import format_duration
 from recycle_planner.whatif.strategy import Context, Speed, Strategy
+
+log = logging.getLogger(__name__)
 
 
 class Reroute(Strategy):
@@ -55,6 +58,7 @@ class Reroute(Strategy):
         solution = solve(self.library.spec, self.library.policy, logical_failed(packed(key)),
                          "heuristic")
         self.measured[key] = time.perf_counter() - t0
+        log.info("%s: planned %s on demand in %.2f s", self.name, list(key), self.measured[key])
         return self.ctx.speed(solution.simulation.period)
 
     def planning(self, key: Hashable) -> float | None:
