@@ -30,11 +30,11 @@ from pathlib import Path
 
 from common import machine, stopwatch
 
+from recycle_planner.job.spec import load_spec
 from recycle_planner.library import PlanLibrary, Settings, build_library
-from recycle_planner.normalize import logical_failed, packed
+from recycle_planner.job.policy import BASELINE
+from recycle_planner.job.situations import logical_failed, packed
 from recycle_planner.planner import solve
-from recycle_planner.policy import BASELINE
-from recycle_planner.spec import load_spec
 from recycle_planner.whatif.engine import STRATEGIES, simulate
 from recycle_planner.whatif.hosts import Hosts
 from recycle_planner.whatif.strategy import Context, Costs
@@ -50,7 +50,7 @@ TABLES = (("a-b", None, 1), ("c: baselines on plain 1F1B", BASELINE, 1),
 
 def library(spec_path: Path, max_failures: int, folder: Path, times: dict) -> PlanLibrary:
     spec = load_spec(spec_path)
-    from recycle_planner.policy import Policy
+    from recycle_planner.job.policy import Policy
 
     with stopwatch(times, f"build {folder.name}"):
         build_library(spec, Policy(), max_failures, folder, Settings(solver="heuristic"))

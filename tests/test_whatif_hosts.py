@@ -14,7 +14,7 @@ import pytest
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.library import PlanLibrary, Settings, build_library
-from recycle_planner.policy import BASELINE, Policy
+from recycle_planner.job.policy import BASELINE, Policy
 from recycle_planner.whatif.deadset import dead_states
 from recycle_planner.whatif.engine import STRATEGIES, replay, simulate
 from recycle_planner.whatif.hosts import Hosts

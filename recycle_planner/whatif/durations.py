@@ -12,7 +12,7 @@ import math
 import re
 
 from recycle_planner.errors import RecycleError, SpecError
-from recycle_planner.spec import _bytes
+from recycle_planner.job.spec import _bytes
 
 UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "min": 60.0, "h": 3600.0, "d": 86400.0,
          "w": 604800.0}

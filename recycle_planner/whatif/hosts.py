@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.ops import Worker
+from recycle_planner.schedules.ops import Worker, worker_at, worker_index
 
 PLACEMENTS = ("pipeline", "stage")
 
@@ -52,13 +52,15 @@ class Hosts:
 
     def worker(self, rank: int) -> Worker:
         if self.placement == "pipeline":
-            return divmod(rank, self.stages)
-        s, d = divmod(rank, self.pipelines)
+            return worker_at(self.stages, rank)
+        s, d = worker_at(self.pipelines, rank)  # stage-major: the roles of d and s swap
         return d, s
 
     def rank(self, worker: Worker) -> int:
         d, s = worker
-        return d * self.stages + s if self.placement == "pipeline" else s * self.pipelines + d
+        if self.placement == "pipeline":
+            return worker_index(self.stages, d, s)
+        return worker_index(self.pipelines, s, d)
 
     def workers(self, host: int) -> tuple[Worker, ...]:
         """The host's workers, in rank order."""

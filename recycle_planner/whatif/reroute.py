@@ -17,9 +17,9 @@ import time
 from typing import Any, Hashable
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.normalize import logical_failed, packed
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.situations import logical_failed, packed
 from recycle_planner.planner import solve
-from recycle_planner.policy import Policy
 from recycle_planner.whatif.deadset import DeadState
 from recycle_planner.whatif.durations import format_duration
 from recycle_planner.whatif.strategy import Context, Speed, Strategy
