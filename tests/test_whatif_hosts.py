@@ -22,11 +22,11 @@ from recycle_planner.whatif.output import study_dict, study_text
 from recycle_planner.whatif.strategy import Context, Costs
 from recycle_planner.whatif.trace import FAIL, read_trace, sample_trace, write_trace
 
-from conftest import make_spec
+from conftest import make_spec, with_changes
 
 COSTS = Costs(detect=1, switch=2, reconfigure=4, checkpoint_interval=100, restart=10, spares=1,
               plan=3)
-SPEC = make_spec(stages=2, pipelines=2, microbatches=2).with_changes(microbatch_size=9)
+SPEC = with_changes(make_spec(stages=2, pipelines=2, microbatches=2), microbatch_size=9)
 HOSTS = Hosts(2, 2, 2)
 
 

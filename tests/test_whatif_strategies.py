@@ -32,10 +32,10 @@ from recycle_planner.whatif.engine import STRATEGIES, replay, simulate
 from recycle_planner.whatif.strategy import Context, Costs, PeriodModel
 from recycle_planner.whatif.trace import Event, Trace
 
-from conftest import make_spec
+from conftest import make_spec, with_changes
 
 COSTS = Costs(detect=1, switch=2, reconfigure=4, checkpoint_interval=100, restart=10, spares=1)
-SPEC = make_spec(stages=2, pipelines=2, microbatches=2).with_changes(microbatch_size=9)
+SPEC = with_changes(make_spec(stages=2, pipelines=2, microbatches=2), microbatch_size=9)
 
 
 def trace(*events, duration=400.0):
@@ -231,7 +231,7 @@ def test_oobleck_within_a_memory_budget(libraries):
     micro-batches: 3 x (4 + 1) = 15 ms, 2400/s: 599,980 + 95 x 2400. Nothing moves on the
     failure (the survivor idles); the repair loads 1 GB at 1 GB/s onto the returning worker:
     4 + 1 s, then 255-400 s at 4000/s: 580,000. Total 1,407,980."""
-    spec = SPEC.with_changes(memory={"activation": "1GB", "static": "1GB", "budget": "3.5GB"})
+    spec = with_changes(SPEC, memory={"activation": "1GB", "static": "1GB", "budget": "3.5GB"})
     ctx = context(libraries, spec=spec, costs=replace(COSTS, bandwidth=1e9))
     oob = STRATEGIES["oobleck"](ctx)
     assert oob.shortest == 2
@@ -248,7 +248,7 @@ def test_oobleck_reconfiguration_moves_the_layers_a_worker_lacks(libraries):
     4000/s: 544,000. Total 599,980 + 255,000 + 544,000 = 1,398,980. Without sizes in the spec
     --parameter-bytes 20 GB gives the same; with neither only the fixed 4 s is charged."""
     costs = replace(COSTS, bandwidth=1e9)
-    spec = SPEC.with_changes(memory={"activation": "1GB", "static": "10GB", "budget": "100GB"})
+    spec = with_changes(SPEC, memory={"activation": "1GB", "static": "10GB", "budget": "100GB"})
     o = replay(STRATEGIES["oobleck"](context(libraries, spec=spec, costs=costs)), TRACE_A)
     assert o.samples == pytest.approx(1_398_980)
     assert o.paused == pytest.approx(15 + 14)
@@ -280,7 +280,7 @@ def test_bamboo_cannot_take_over_two_neighbours(libraries):
 
 
 def test_bamboo_that_does_not_fit_is_reported_not_run(libraries):
-    spec = SPEC.with_changes(memory={"activation": "1GB", "static": "1GB", "budget": "3.5GB"})
+    spec = with_changes(SPEC, memory={"activation": "1GB", "static": "1GB", "budget": "3.5GB"})
     study = simulate(context(libraries, spec=spec), [("A", TRACE_A)], ["bamboo", "oobleck"])
     assert [o.strategy for o in study.runs[0].outcomes] == ["oobleck"]
     assert "do not fit the memory budget" in study.runs[0].infeasible["bamboo"]
@@ -291,7 +291,7 @@ def test_bamboo_whose_schedule_cannot_run_in_the_budget_is_reported(libraries):
     for one only (1 + 1 GB static, 2 GB per micro-batch, 5 GB)."""
     from recycle_planner.job.policy import Policy
 
-    spec = SPEC.with_changes(memory={"activation": "1GB", "static": "1GB", "budget": "5GB"})
+    spec = with_changes(SPEC, memory={"activation": "1GB", "static": "1GB", "budget": "5GB"})
     gpipe = Policy("gpipe", decouple=False, stagger=False)
     ctx = Context(spec, gpipe, COSTS, 8.0, None, PeriodModel(gpipe))
     bamboo = STRATEGIES["bamboo"](ctx)
