@@ -70,6 +70,10 @@ class StageState:
                         into[key] = copy.deepcopy(value)
         saved["param_groups"] = copy.deepcopy(current["param_groups"])
 
+    @property
+    def can_undo(self) -> bool:
+        return self._saved_optimizer is not None
+
     def rollback_to(self, steps: int) -> None:
         """Undo the latest step if the stage is one step past `steps`."""
         if self.steps == steps:
