@@ -74,7 +74,7 @@ class LaunchConfig:
     startup_timeout: float = 300.0
     restart_delay: float | None = None    # restart a dead worker after this long (re-join)
     max_restarts: int = 3                 # restarts per rank
-    checkpoint_every: int = 0             # iterations between checkpoints (0: final only)
+    checkpoint_every: int = 100           # iterations between checkpoints (0: final only)
     resume: bool = False                  # start from the run folder's latest checkpoint
     library: str | None = None            # overrides the job's plan library
     faults: Sequence[Fault] = ()

@@ -29,7 +29,7 @@ class WorkerConfig:
     lease: float = 4.0              # seconds: no heartbeat or no progress for this long: dead
     pg_timeout: float = 60.0        # seconds: process group timeout (never torch's 30 min)
     poll: float = 0.002             # seconds between store polls while waiting
-    checkpoint_every: int = 0       # iterations; 0: only the final checkpoint
+    checkpoint_every: int = 100     # iterations; 0: only the final checkpoint
     resume: bool = False
     library: str | None = None      # overrides the job's library
     prefetch: int = 4               # receives posted ahead of the op that needs them

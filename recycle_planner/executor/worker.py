@@ -318,10 +318,41 @@ class Worker:
         every = self.config.checkpoint_every
         if not final and not (every and steps % every == 0):
             return
-        if self.rank != min(r for r in decision.members if r % self.S == self.s):
-            return
-        write_stage_checkpoint(self.config.run_dir, steps, self.s, self.state)
-        self.store.set(P.checkpoint_key(steps, self.s), "1")
+        if self.rank == self._stage_writer(decision):
+            write_stage_checkpoint(self.config.run_dir, steps, self.s, self.state)
+            self.store.set(P.checkpoint_key(steps, self.s), "1")
+
+    def _stage_writer(self, decision: P.Decision) -> int:
+        """The member that writes its stage's checkpoint: the stage's first."""
+        return min(r for r in decision.members if r % self.S == self.s)
+
+    def _coordinator_lost(self, reason: str) -> None:
+        """The store is gone, so no decision can come: write this stage's state after its
+        current step count n and, when the latest step can be undone, after n - 1. Stages
+        differ by at most one step, so every stage writes the least count among them and
+        that checkpoint completes (whoever writes last adds the manifest); `--resume`
+        continues from the newest complete one."""
+        log.error("lost the coordinator (%s): stopping with a checkpoint", reason)
+        self._stopped = True
+        if self.runtime is not None:
+            self.runtime.reset()
+        decision = self.decision
+        written = []
+        if self.has_state and decision is not None and decision.action == "run" and \
+                self.rank == self._stage_writer(decision):
+            steps = self.state.steps
+            write_stage_checkpoint(self.config.run_dir, steps, self.s, self.state)
+            written.append(steps)
+            if steps > 0 and self.state.can_undo:
+                self.state.rollback_to(steps - 1)
+                write_stage_checkpoint(self.config.run_dir, steps - 1, self.s, self.state)
+                written.append(steps - 1)
+            for k in written:
+                if write_manifest(self.config.run_dir, k, self.S, {"reason": reason}):
+                    log.info("checkpoint of iteration %d complete", k)
+        log.error("stage %d's state written for iteration(s) %s in %s", self.s,
+                  written or "none (not this stage's writer)", self.config.run_dir)
+        _exit(COORDINATOR_LOST)
 
     def _resume(self) -> None:
         found = latest_checkpoint(self.config.run_dir)
@@ -445,9 +476,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(CONFIG_ERROR) from None
     # Training is over and every file is written: skip the interpreter's teardown, which
     # takes seconds with torch loaded and would delay the launcher's end of the job.
+    _exit(0)
+
+
+def _exit(status: int) -> None:
+    """Leave without the interpreter's teardown (and without destroying groups whose peers
+    may be gone, which would block or abort)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
