@@ -294,11 +294,7 @@ class Agent:
                 self._finish_with("failed", f"worker {self._name(rank)} cannot run the job: "
                                             f"{_last_line(proc.log_path)}")
                 return
-            self._death(proc, "exited with status 0 before the end" if code == 0 else
-                        f"stalled (its training thread made no progress for the "
-                        f"{self.config.hang_timeout:g} s lease)" if code == STALLED else
-                        f"killed by {_signal_name(-code)}" if code < 0 else
-                        f"exited with status {code}")
+            self._death(proc, exit_how(code, self.config.hang_timeout))
 
     def _heartbeats(self, now: float) -> None:
         """A worker's lease: its heartbeat value must change at least every `hang_timeout`
@@ -677,6 +673,15 @@ def _kill(proc: _Proc) -> None:
         os.kill(proc.popen.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def exit_how(code: int, lease: float) -> str:
+    """How a worker process ended, from its exit status, in words for the events."""
+    if code == 0:
+        return "exited with status 0 before the end"
+    if code == STALLED:
+        return f"stalled (its training thread made no progress for the {lease:g} s lease)"
+    return f"killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
 
 
 def _signal_name(number: int) -> str:

@@ -34,38 +34,6 @@ from recycle_planner.executor.agent import (Agent, LaunchConfig, LaunchResult, T
 from recycle_planner.executor.config import CONFIG_ERROR
 from recycle_planner.library import PlanLibrary
 
-OUTCOME_KEY = "outcome"
-"""Set by the coordinator when the job is over: {"status", "message"}; host agents exit."""
-
-
-def config_key() -> str:
-    """The workers' settings (WorkerConfig JSON), posted by the coordinator for host agents."""
-    return "config"
-
-
-def exit_key(rank: int, incarnation: int) -> str:
-    """A worker's exit, reported by its host agent: {"code", "how", "last_line"}."""
-    return f"exit/{rank}/{incarnation}"
-
-
-def kill_key(rank: int, incarnation: int) -> str:
-    """The coordinator declared this worker dead: its host agent kills it if it still runs."""
-    return f"kill/{rank}/{incarnation}"
-
-
-def spawn_key(rank: int, incarnation: int) -> str:
-    """A host agent restarted a worker: the coordinator expects this incarnation's hello."""
-    return f"spawn/{rank}/{incarnation}"
-
-
-def host_key(node_rank: int) -> str:
-    return f"host/{node_rank}"
-
-
-def bye_key(node_rank: int) -> str:
-    return f"bye/{node_rank}"
-
-
 class Coordinator(Agent):
     """`Agent` for workers on other hosts: exits come from host agents, hangs are leases."""
 
@@ -76,7 +44,7 @@ class Coordinator(Agent):
         self.incarnation: dict[int, int] = {}
 
     def _start(self) -> None:
-        self.store.set(config_key(), self.config.worker_config().to_json())
+        self.store.set(P.config_key(), self.config.worker_config().to_json())
         for rank in range(self.config.nproc):  # a placeholder until its host agent reports
             self.procs[rank] = _Proc(rank, 0, None, self.run_dir / "logs", time.time())
         self._event("start", f"coordinator for {self.nnodes} hosts x "
@@ -85,19 +53,19 @@ class Coordinator(Agent):
 
     def _reap(self) -> None:
         for node in range(self.nnodes):
-            if node not in self.hosts and self.store.check([host_key(node)]):
-                self.hosts[node] = json.loads(self.store.get(host_key(node)))
+            if node not in self.hosts and self.store.check([P.host_key(node)]):
+                self.hosts[node] = json.loads(self.store.get(P.host_key(node)))
                 self._event("host", f"host {node} ({self.hosts[node]['hostname']}) runs ranks "
                                     f"{self.hosts[node]['ranks']}", node=node)
         for rank in range(self.config.nproc):
             inc = self.incarnation.get(rank, 0) + 1
-            if rank not in self.procs and self.store.check([spawn_key(rank, inc)]):
+            if rank not in self.procs and self.store.check([P.spawn_key(rank, inc)]):
                 self.incarnation[rank] = inc
                 self.procs[rank] = _Proc(rank, inc, None, self.run_dir / "logs", time.time())
                 self._event("restart", f"worker {self._name(rank)} restarted by its host agent "
                                        f"(incarnation {inc})", rank=rank)
         for rank, proc in list(self.procs.items()):
-            key = exit_key(rank, proc.incarnation)
+            key = P.exit_key(rank, proc.incarnation)
             if not self.store.check([key]):
                 continue
             report = json.loads(self.store.get(key))
@@ -112,7 +80,7 @@ class Coordinator(Agent):
 
     def _lease_expired(self, proc: _Proc, silent: float) -> None:
         del self.procs[proc.rank]
-        self.store.set(kill_key(proc.rank, proc.incarnation), "1")
+        self.store.set(P.kill_key(proc.rank, proc.incarnation), "1")
         if self.phase not in ("exiting", "stopping"):
             self._death(proc, f"lost its lease: no heartbeat for {silent:.1f} s (host gone, "
                               f"processes stopped, or training thread stalled)")
@@ -127,12 +95,12 @@ class Coordinator(Agent):
         """Tell the host agents the job is over and give them a moment to read it."""
         deadline = time.time() + 10
         while time.time() < deadline and not all(
-                self.store.check([bye_key(n)]) for n in self.hosts):
+                self.store.check([P.bye_key(n)]) for n in self.hosts):
             time.sleep(0.05)
 
     def _result(self) -> LaunchResult:
         result = super()._result()
-        self.store.set(OUTCOME_KEY, P.dumps({"status": result.status,
+        self.store.set(P.OUTCOME_KEY, P.dumps({"status": result.status,
                                              "message": result.message}))
         return result
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -32,11 +33,10 @@ from typing import Callable
 import torch.distributed as dist
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor.agent import _last_line, _signal_name
+from recycle_planner.executor.agent import _last_line, exit_how
 from recycle_planner.executor.config import (CONFIG_ENV, CONFIG_ERROR, COORDINATOR_LOST,
-                                             STALLED, WorkerConfig)
-from recycle_planner.executor.coordinator import (OUTCOME_KEY, bye_key, config_key, exit_key,
-                                                  host_key, kill_key, spawn_key)
+                                             WorkerConfig)
+from recycle_planner.executor import protocol as P
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +105,17 @@ class HostAgent:
                 self.node_rank = self.store.add(f"rdzv/{c.rdzv_id}/nodes", 1) - 1
                 if self.node_rank >= c.nnodes:
                     raise RecycleError(f"{c.nnodes} hosts have joined already (--nnodes)")
-            self.store.wait([config_key()])
-            worker_config = WorkerConfig(**json.loads(self.store.get(config_key())))
+            self.store.wait([P.config_key()])
+            worker_config = WorkerConfig(**json.loads(self.store.get(P.config_key())))
             self.world = c.nnodes * c.nproc_per_node
             self.worker_env = worker_config.to_json()
+            self.lease = worker_config.lease
             self.log_dir = Path(worker_config.run_dir) / "logs"
             self.log_dir.mkdir(parents=True, exist_ok=True)
             ranks = [self.node_rank * c.nproc_per_node + i for i in range(c.nproc_per_node)]
             for i, rank in enumerate(ranks):
                 self._spawn(rank, i, 0)
-            self.store.set(host_key(self.node_rank), json.dumps(
+            self.store.set(P.host_key(self.node_rank), json.dumps(
                 {"hostname": socket.gethostname(), "pid": os.getpid(), "ranks": ranks}))
             self.on_event(f"host {self.node_rank}: workers {ranks} started (logs in "
                           f"{self.log_dir})")
@@ -145,29 +146,42 @@ class HostAgent:
         self.workers[rank] = _Local(rank, local_rank, incarnation, popen, path)
 
     def _watch(self) -> int:
+        """Poll the store every `poll` seconds; a worker's exit wakes the loop at once (through
+        a socket the interpreter writes to on SIGCHLD), so that its peers' recovery does not
+        wait for the next poll."""
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        old_fd = signal.set_wakeup_fd(wake_w.fileno())
+        previous = signal.signal(signal.SIGCHLD, lambda *_: None)
+        try:
+            return self._loop(wake_r)
+        finally:
+            signal.signal(signal.SIGCHLD, previous)
+            signal.set_wakeup_fd(old_fd)
+            wake_r.close()
+            wake_w.close()
+
+    def _loop(self, wake) -> int:
         c = self.config
         pending: dict[int, float] = {}      # rank -> when to restart it
         while True:
-            if self.store.check([OUTCOME_KEY]):
-                outcome = json.loads(self.store.get(OUTCOME_KEY))
+            if self.store.check([P.OUTCOME_KEY]):
+                outcome = json.loads(self.store.get(P.OUTCOME_KEY))
                 self._wait_for_workers(30.0)
-                self.store.set(bye_key(self.node_rank), "1")
+                self.store.set(P.bye_key(self.node_rank), "1")
                 self.on_event(f"host {self.node_rank}: job {outcome['status']}")
                 return EXIT_STATUS.get(outcome["status"], 1)
             now = time.time()
             for rank, w in list(self.workers.items()):
-                if self.store.check([kill_key(rank, w.incarnation)]) and w.popen.poll() is None:
+                if self.store.check([P.kill_key(rank, w.incarnation)]) and w.popen.poll() is None:
                     os.kill(w.popen.pid, signal.SIGKILL)
                 code = w.popen.poll()
                 if code is None:
                     continue
                 del self.workers[rank]
-                how = ("exited with status 0 before the end" if code == 0 else
-                       "stalled (its training thread made no progress for the lease)"
-                       if code == STALLED else
-                       f"killed by {_signal_name(-code)}" if code < 0 else
-                       f"exited with status {code}")
-                self.store.set(exit_key(rank, w.incarnation), json.dumps(
+                how = exit_how(code, self.lease)
+                self.store.set(P.exit_key(rank, w.incarnation), json.dumps(
                     {"code": code, "how": how, "last_line": _last_line(w.log_path)}))
                 if code != CONFIG_ERROR and self.restarts.get(rank, 0) < c.max_restarts:
                     pending[rank] = now + c.restart_delay
@@ -177,8 +191,13 @@ class HostAgent:
                     del pending[rank]
                     self.restarts[rank] = self.restarts.get(rank, 0) + 1
                     self._spawn(rank, self._local_rank[rank], self.restarts[rank])
-                    self.store.set(spawn_key(rank, self.restarts[rank]), "1")
-            time.sleep(c.poll)
+                    self.store.set(P.spawn_key(rank, self.restarts[rank]), "1")
+            select.select([wake], [], [], c.poll)
+            try:
+                while wake.recv(512):
+                    pass
+            except BlockingIOError:
+                pass
 
     @property
     def _local_rank(self) -> dict[int, int]:

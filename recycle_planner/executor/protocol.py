@@ -75,6 +75,40 @@ def gen_key(gen: int, name: str) -> str:
     return f"gen{gen}/{name}"
 
 
+# Between the coordinator and the host agents of a cluster job (coordinator.py, hostagent.py).
+
+OUTCOME_KEY = "outcome"
+"""Set by the coordinator when the job is over: {"status", "message"}; host agents exit."""
+
+
+def config_key() -> str:
+    """The workers' settings (WorkerConfig JSON), posted by the coordinator for host agents."""
+    return "config"
+
+
+def exit_key(rank: int, incarnation: int) -> str:
+    """A worker's exit, reported by its host agent: {"code", "how", "last_line"}."""
+    return f"exit/{rank}/{incarnation}"
+
+
+def kill_key(rank: int, incarnation: int) -> str:
+    """The coordinator declared this worker dead: its host agent kills it if it still runs."""
+    return f"kill/{rank}/{incarnation}"
+
+
+def spawn_key(rank: int, incarnation: int) -> str:
+    """A host agent restarted a worker: the coordinator expects this incarnation's hello."""
+    return f"spawn/{rank}/{incarnation}"
+
+
+def host_key(node_rank: int) -> str:
+    return f"host/{node_rank}"
+
+
+def bye_key(node_rank: int) -> str:
+    return f"bye/{node_rank}"
+
+
 def worker_of(rank: int, stages: int) -> Worker:
     """Physical (pipeline, stage) of a global rank: ranks are pipeline-major, like
     `Schedule.workers()`."""
