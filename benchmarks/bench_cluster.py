@@ -35,8 +35,8 @@ from helpers.netns import COORD_ADDR, Hosts, unavailable  # noqa: E402
 
 from recycle_planner.executor.state import latest_checkpoint  # noqa: E402
 from recycle_planner.library import Settings, build_library  # noqa: E402
-from recycle_planner.policy import Policy  # noqa: E402
-from recycle_planner.spec import JobSpec  # noqa: E402
+from recycle_planner.job.policy import Policy  # noqa: E402
+from recycle_planner.job.spec import JobSpec  # noqa: E402
 
 TINY = f"{ROOT / 'examples' / 'tiny_mlp.py'}:make_job"
 CLI = [sys.executable, "-m", "recycle_planner.cli"]

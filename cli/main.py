@@ -11,8 +11,10 @@ import click
 
 from recycle_planner import __version__
 from recycle_planner.errors import RecycleError
-from recycle_planner.policy import SCHEDULES
-from recycle_planner.solvers import SOLVERS
+from recycle_planner.job.policy import SCHEDULES
+from recycle_planner.library import Settings
+from recycle_planner.solvers.milp import BACKENDS
+from recycle_planner.solvers.registry import SOLVERS, SolverSettings, solver_help
 
 log = logging.getLogger("recycle_planner")
 
@@ -113,28 +115,27 @@ def solver_options(default: str):
 
 
 def _solver_options(func, default: str):
-    func = click.option("--backend", type=click.Choice(["highs", "pulp-cbc", "pulp-highs"]),
-                        default="highs", show_default=True,
+    defaults = SolverSettings()
+    func = click.option("--backend", type=click.Choice(list(BACKENDS)), default=defaults.backend,
+                        show_default=True,
                         help="MILP backend: highspy directly, or PuLP with CBC or HiGHS.")(func)
     func = click.option("--node-limit", type=click.IntRange(1), default=None, metavar="NODES",
                         help="Also stop the MILP after this many branch-and-bound nodes: the "
-                             "same answer on every machine (plan-all defaults to 500).")(func)
-    func = click.option("--time-limit", type=click.FloatRange(min=0.1), default=10.0,
-                        show_default=True, metavar="SECONDS",
+                             "same answer on every machine (plan-all defaults to "
+                             f"{Settings().node_limit}).")(func)
+    func = click.option("--time-limit", type=click.FloatRange(min=0.1),
+                        default=defaults.time_limit, show_default=True, metavar="SECONDS",
                         help="Budget of the MILP (and of 'auto') per situation.")(func)
-    func = click.option("--solver", type=click.Choice(SOLVERS), default=default,
-                        show_default=True,
-                        help="heuristic: list scheduling (fast, any size); dp: dynamic programs "
-                             "that pack re-routed work into idle time; milp: exact model with a "
-                             "time limit; auto: the best that fits the time budget.")(func)
+    func = click.option("--solver", type=click.Choice(list(SOLVERS)), default=default,
+                        show_default=True, help=solver_help())(func)
     return func
 
 
 def check_output(path: Path | None, picture: bool = False) -> None:
     """Fail before any work on an output that cannot be written (no such folder, or a
     picture name without .png/.svg/.pdf)."""
-    from recycle_planner.figures import picture_format
-    from recycle_planner.planfile import output_folder
+    from recycle_planner.io import output_folder
+    from recycle_planner.views.figures import picture_format
 
     if path is None:
         return
@@ -144,7 +145,7 @@ def check_output(path: Path | None, picture: bool = False) -> None:
 
 
 def make_policy(schedule: str, decouple: bool, stagger: bool):
-    from recycle_planner.policy import Policy
+    from recycle_planner.job.policy import Policy
 
     return Policy(schedule=schedule, decouple=decouple, stagger=stagger)
 
@@ -154,7 +155,7 @@ def make_policy(schedule: str, decouple: bool, stagger: bool):
 @click.option("--fail", "fail", multiple=True, metavar="PIPELINE:STAGE",
               help="A dead worker; repeat for several.")
 @policy_options
-@solver_options(default="heuristic")
+@solver_options(default=SolverSettings().solver)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the plan here (JSON; .json.gz is compressed).")
 def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagger: bool,
@@ -166,18 +167,19 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     (steady-state time per iteration), the degradation against the fault-free plan of the
     same policy, and a lower bound that no plan can beat.
     """
-    from recycle_planner.failures import parse_worker
-    from recycle_planner.planfile import write_plan
+    from recycle_planner.files.planfile import write_plan
+    from recycle_planner.job.spec import load_spec
+    from recycle_planner.job.workers import parse_worker
     from recycle_planner.planner import plan_situation
-    from recycle_planner.spec import load_spec
-    from recycle_planner.summary import plan_summary
+    from recycle_planner.views.summary import plan_summary
 
     check_output(output)
     job = load_spec(spec)
     policy = make_policy(schedule, decouple, stagger)
     failed = [parse_worker(f) for f in fail]
-    result = plan_situation(job, policy, failed, solver=solver, time_limit=time_limit,
-                            backend=backend, node_limit=node_limit)
+    settings = SolverSettings(solver=solver, time_limit=time_limit, backend=backend,
+                              node_limit=node_limit)
+    result = plan_situation(job, policy, failed, settings)
     click.echo(plan_summary(result))
     if output is not None:
         write_plan(result, output)
@@ -195,18 +197,18 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
                    "20,000 ops).")
 def show(plan_file: Path, width: int, max_workers: int, critical_path: bool) -> None:
     """Print a plan's summary, a text timeline of one iteration and its critical path."""
-    from recycle_planner.planfile import read_plan
-    from recycle_planner.summary import plan_summary
-    from recycle_planner.timeline import text_timeline
+    from recycle_planner.files.planfile import read_plan
+    from recycle_planner.views.summary import plan_summary
+    from recycle_planner.views.timeline import text_timeline
 
     p = read_plan(plan_file)
     click.echo(plan_summary(p))
     click.echo()
     click.echo(text_timeline(p, width=width, max_workers=max_workers))
     if critical_path and p.schedule.n_ops <= 20_000:
-        from recycle_planner.dag import critical_path as chain_of
-        from recycle_planner.dag import describe_critical_path, plan_graph
-        from recycle_planner.validate import validate
+        from recycle_planner.timing.dag import critical_path as chain_of
+        from recycle_planner.timing.dag import describe_critical_path, plan_graph
+        from recycle_planner.timing.validate import validate
 
         click.echo()
         problems = validate(p)
@@ -230,8 +232,8 @@ def show(plan_file: Path, width: int, max_workers: int, critical_path: bool) -> 
               help="Rows per plan at most (pipelines with failures first).")
 def gantt(plan_file: Path, output: Path, compare: Path | None, max_workers: int) -> None:
     """Draw a plan as a Gantt chart: one row per worker, grouped by pipeline."""
-    from recycle_planner.gantt import draw_gantt
-    from recycle_planner.planfile import read_plan
+    from recycle_planner.files.planfile import read_plan
+    from recycle_planner.views.gantt import draw_gantt
 
     check_output(output, picture=True)
     plans = [read_plan(plan_file)]
@@ -250,8 +252,8 @@ def validate(plan_file: Path) -> None:
     """Check every rule a plan must keep: each op once on a live worker of its stage,
     dependencies with p2p latency, no overlap, memory, no deadlock. Exit status 1 when a rule
     is broken."""
-    from recycle_planner.planfile import read_plan
-    from recycle_planner.validate import validate as check
+    from recycle_planner.files.planfile import read_plan
+    from recycle_planner.timing.validate import validate as check
 
     problems = check(read_plan(plan_file))
     if not problems:
@@ -271,8 +273,8 @@ def validate(plan_file: Path) -> None:
 def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
     """Write a fault-free plan as torch.distributed.pipelining's compute-only CSV, for
     _PipelineScheduleRuntime._load_csv(path, format="compute_only")."""
-    from recycle_planner.export_torch import export_torch_csv
-    from recycle_planner.planfile import read_plan
+    from recycle_planner.files.export_torch import export_torch_csv
+    from recycle_planner.files.planfile import read_plan
 
     check_output(output)
     export_torch_csv(read_plan(plan_file), output, pipeline)
@@ -286,7 +288,7 @@ def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Library folder (created; index.json plus one plan per situation).")
 @policy_options
-@solver_options(default="auto")
+@solver_options(default=Settings.solver)
 @click.option("--jobs", "-j", type=click.IntRange(1), default=None,
               help="Processes (default: every core).")
 @click.option("--max-placements", type=click.IntRange(1), default=4, show_default=True,
@@ -304,15 +306,15 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
     """
     from tqdm import tqdm
 
-    from recycle_planner.library import PlanLibrary, Settings, build_library
-    from recycle_planner.report import library_text
-    from recycle_planner.spec import load_spec
+    from recycle_planner.job.spec import load_spec
+    from recycle_planner.library import PlanLibrary, build_library
+    from recycle_planner.views.report import library_text
 
     job = load_spec(spec)
     policy = make_policy(schedule, decouple, stagger)
     settings = Settings(solver=solver, time_limit=time_limit, backend=backend,
                         max_placements=max_placements,
-                        node_limit=500 if node_limit is None else node_limit)
+                        node_limit=Settings().node_limit if node_limit is None else node_limit)
     bar = tqdm(total=None, unit="situation", desc="planning", file=sys.stderr, disable=None)
 
     def progress(done: int, total: int) -> None:
@@ -343,7 +345,7 @@ def lookup(library: Path, failed: tuple[str, ...], as_json: bool) -> None:
     physical worker plays in it."""
     import json
 
-    from recycle_planner.failures import format_workers, parse_worker
+    from recycle_planner.job.workers import format_workers, parse_worker
     from recycle_planner.library import PlanLibrary
 
     lib = PlanLibrary.open(library)
@@ -371,7 +373,7 @@ def report(library: Path, output: Path | None) -> None:
     """Summarize a plan library: situations, worst and mean degradation, gaps to the lower
     bounds."""
     from recycle_planner.library import PlanLibrary
-    from recycle_planner.report import library_text, plot_library
+    from recycle_planner.views.report import library_text, plot_library
 
     check_output(output, picture=True)
     lib = PlanLibrary.open(library)

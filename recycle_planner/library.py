@@ -35,17 +35,19 @@ from typing import Any, Callable, Iterable, Iterator
 
 from recycle_planner import __version__
 from recycle_planner.errors import FailureSetError, PlanFileError, RecycleError
-from recycle_planner.failures import check_failed, dead_per_stage
-from recycle_planner.normalize import (Mapping, Placement, canonical, check_threshold,
-                                       counts_of, failure_sets, logical_failed, map_failure,
-                                       placements, situations)
-from recycle_planner.plan import Plan
-from recycle_planner.planfile import read_json, read_plan, write_json, write_plan
+from recycle_planner.files.planfile import read_plan, write_plan
+from recycle_planner.io import read_json, write_json
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.situations import (Mapping, Placement, canonical, check_threshold,
+                                            counts_of, failure_sets, logical_failed, map_failure,
+                                            placements, situations)
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.job.workers import check_failed, dead_per_stage
 from recycle_planner.planner import plan_situation
-from recycle_planner.policy import Policy
-from recycle_planner.simulate import simulate
 from recycle_planner.solvers.heuristic import list_schedule
-from recycle_planner.spec import JobSpec
+from recycle_planner.solvers.registry import LIBRARY_NODE_LIMIT, SolverSettings
+from recycle_planner.timing.plan import Plan
+from recycle_planner.timing.simulate import simulate
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +66,13 @@ def spec_hash(spec: JobSpec, policy: Policy) -> str:
 
 
 @dataclass(frozen=True)
-class Settings:
-    """How plans are computed; a change makes entries stale."""
+class Settings(SolverSettings):
+    """How a library's plans are computed (a change makes entries stale): the solver settings,
+    with the library's defaults, and how many placements of the holes to try."""
 
     solver: str = "auto"
-    time_limit: float = 10.0
-    backend: str = "highs"
+    node_limit: int | None = LIBRARY_NODE_LIMIT  # deterministic; the time limit is a safety net
     max_placements: int = 4
-    node_limit: int | None = 500   # the MILP's deterministic budget; the time limit is a net
 
     def to_dict(self) -> dict[str, Any]:
         return {"solver": self.solver, "time_limit": self.time_limit, "backend": self.backend,
@@ -105,9 +106,8 @@ def plan_best_placement(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
         options = [options[min(range(len(options)), key=lambda i: (periods[i], i))]]
     best: tuple[Plan, Placement] | None = None
     for placement in options:
-        plan = plan_situation(spec, policy, logical_failed(placement), settings.solver,
-                              settings.time_limit, settings.backend, reference=reference,
-                              node_limit=settings.node_limit, reference_bound=reference_bound)
+        plan = plan_situation(spec, policy, logical_failed(placement), settings,
+                              reference=reference, reference_bound=reference_bound)
         if best is None or plan.metrics["period"] < best[0].metrics["period"] - 1e-9:
             best = (plan, placement)
     assert best is not None

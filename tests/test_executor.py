@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from recycle_planner.policy import Policy
+from recycle_planner.job.policy import Policy
 
 from conftest import ROOT
 

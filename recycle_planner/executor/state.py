@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.planfile import write_json
+from recycle_planner.io import write_json
 
 
 class StageState:
