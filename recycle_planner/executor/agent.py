@@ -173,6 +173,7 @@ class _Proc:
     hello: dict | None = None
     last_beat: float = 0.0               # when `beat` last changed (this process's clock)
     beat: bytes = b""
+    killed: bool = False                 # killed for a lost lease, exit not yet reaped
 
 
 class Agent:
@@ -303,7 +304,7 @@ class Agent:
             return
         self.next_beat_check = now + self.config.heartbeat
         for rank, proc in list(self.procs.items()):
-            if proc.hello is None:
+            if proc.hello is None or proc.killed:
                 continue
             key = P.heartbeat_key(rank, proc.incarnation)
             if self.store.check([key]):
@@ -316,6 +317,7 @@ class Agent:
     def _lease_expired(self, proc: _Proc, silent: float) -> None:
         self._event("hang", f"worker {self._name(proc.rank)} sent no heartbeat for "
                             f"{silent:.1f} s: killing it", rank=proc.rank)
+        proc.killed = True  # once: it is dead as soon as its exit is reaped
         self._kill(proc)
 
     def _death(self, proc: _Proc, how: str) -> None:
