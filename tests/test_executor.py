@@ -97,7 +97,7 @@ def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path):
             "--slow-backward", "0:0.01"]
     faults = [parse_fault(f) for f in ("3:3:W3", "4:3:recovery", "2:6:I0:hang")]
     config = LaunchConfig(nproc=6, run_dir=str(tmp_path / "run"), faults=faults,
-                          hang_timeout=2.0, heartbeat=0.1)
+                          hang_timeout=3.0, heartbeat=0.1)
     result = launch(TINY, config, args)
     gens = _events(result, "generation")
     assert [g["dead"] for g in gens] == [[], [[1, 0], [1, 1]], [[0, 2], [1, 0], [1, 1]]]
