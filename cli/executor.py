@@ -11,82 +11,173 @@ import click
 BYTES_HELP = "bytes, or a size like 80GiB"
 
 
+def _settings(f):
+    """The options that configure the workers: on `launch` for one machine, on `coordinator`
+    for a cluster (host agents take them from the coordinator)."""
+    options = [
+        click.option("--library", type=click.Path(file_okay=False, path_type=Path),
+                     help="Plan library folder (overrides the job's)."),
+        click.option("--run-dir", default="recycle-run", show_default=True,
+                     type=click.Path(file_okay=False, path_type=Path),
+                     help="Checkpoints, worker logs and result.json go here (on a cluster: a "
+                          "shared filesystem every host mounts at the same path)."),
+        click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo",
+                     show_default=True, help="gloo on CPU; nccl on GPUs (one per worker)."),
+        click.option("--lease", "--hang-timeout", "lease", type=click.FloatRange(min=0.1),
+                     default=4.0, show_default=True, metavar="SECONDS",
+                     help="A worker whose heartbeat stops (host gone, process stopped) or "
+                          "whose training thread makes no progress this long outside "
+                          "communication is dead. Must exceed the longest single op, "
+                          "data() included."),
+        click.option("--heartbeat", type=click.FloatRange(min=0.01), default=0.2,
+                     show_default=True, metavar="SECONDS",
+                     help="Seconds between a worker's heartbeats."),
+        click.option("--pg-timeout", type=click.FloatRange(min=1), default=60.0,
+                     show_default=True, metavar="SECONDS",
+                     help="Timeout of every process group (a backstop: failures are caught "
+                          "by the lease and the groups aborted)."),
+        click.option("--checkpoint-every", type=click.IntRange(0), default=100,
+                     show_default=True, metavar="ITERATIONS",
+                     help="Checkpoint every so many iterations (0: only the final one, and "
+                          "one when training has to stop)."),
+        click.option("--resume", is_flag=True,
+                     help="Start from the run folder's latest checkpoint."),
+        click.option("--inject-fault", "faults", multiple=True,
+                     metavar="RANK:ITER:POINT[:ACTION]",
+                     help="Testing: kill (or hang, stall, take a host down) worker RANK at a "
+                          "point of iteration ITER, e.g. 2:3:F1, 1:4:step, 0:5:I0:hang, "
+                          "2:3:F0:host-down. Repeatable."),
+        click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _launch_config(nproc: int, library, run_dir, backend, lease, heartbeat, pg_timeout,
+                   checkpoint_every, resume, faults, **more):
+    from recycle_planner.executor.agent import LaunchConfig
+    from recycle_planner.executor.faults import parse_fault
+
+    return LaunchConfig(nproc=nproc, run_dir=str(run_dir), backend=backend,
+                        heartbeat=heartbeat, hang_timeout=lease, pg_timeout=pg_timeout,
+                        checkpoint_every=checkpoint_every, resume=resume,
+                        library=str(library) if library else None,
+                        faults=[parse_fault(f) for f in faults], **more)
+
+
+def _finish(result, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    click.echo(result_summary(result))
+
+
+def _show(as_json: bool):
+    def show(event: dict) -> None:
+        if not as_json and event["kind"] != "end":
+            click.echo(f"[{event['t']:8.3f}s] {event['message']}")
+    return show
+
+
 @click.command(context_settings={"ignore_unknown_options": True,
                                  "allow_interspersed_args": False})
 @click.argument("target", metavar="JOB")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[-- JOB ARGS]...")
 @click.option("-n", "--nproc", "--nproc-per-node", "nproc", type=click.IntRange(1),
-              required=True, help="Worker processes: pipelines x stages of the plan library.")
-@click.option("--library", type=click.Path(file_okay=False, path_type=Path),
-              help="Plan library folder (overrides the job's).")
-@click.option("--run-dir", default="recycle-run", show_default=True,
-              type=click.Path(file_okay=False, path_type=Path),
-              help="Checkpoints, worker logs and result.json go here.")
-@click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo",
-              show_default=True, help="gloo on CPU; nccl on GPUs (one per worker).")
+              required=True, help="Worker processes on this host (on one machine: pipelines x "
+                                  "stages of the plan library).")
+@click.option("--nnodes", type=click.IntRange(1), default=None,
+              help="Hosts of a cluster job: this command then runs this host's agent, which "
+                   "starts --nproc-per-node workers and answers to the coordinator at "
+                   "--rdzv-endpoint (see 'recycle-planner coordinator').")
+@click.option("--node-rank", type=click.IntRange(0), default=None,
+              help="This host's index (ranks NODE_RANK*NPROC ... are placed here); default: "
+                   "in order of arrival at the coordinator.")
+@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+              help="The coordinator's store (cluster jobs).")
+@click.option("--rdzv-id", default="recycle", show_default=True,
+              help="Job id at the endpoint (cluster jobs).")
 @click.option("--master-addr", default="127.0.0.1", show_default=True,
-              help="Address of the store the launcher hosts.")
+              help="One machine: address of the store the launcher hosts.")
 @click.option("--master-port", type=click.IntRange(0, 65535), default=0, show_default=True,
-              help="Port of the store (0: any free port).")
-@click.option("--hang-timeout", type=click.FloatRange(min=0.1), default=10.0,
-              show_default=True, metavar="SECONDS",
-              help="A worker without a heartbeat for this long is hung and gets killed.")
-@click.option("--heartbeat", type=click.FloatRange(min=0.01), default=0.2, show_default=True,
-              metavar="SECONDS", help="Seconds between a worker's heartbeats.")
-@click.option("--pg-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
-              metavar="SECONDS", help="Timeout of every process group.")
+              help="One machine: port of the store (0: any free port).")
 @click.option("--restart-delay", type=click.FloatRange(min=0), default=None,
               metavar="SECONDS", help="Restart a dead worker this long after it died; it "
                                       "re-joins at an iteration boundary (default: never).")
 @click.option("--max-restarts", type=click.IntRange(0), default=3, show_default=True,
-              help="Restarts per worker.")
-@click.option("--checkpoint-every", type=click.IntRange(0), default=0, show_default=True,
-              metavar="ITERATIONS", help="Checkpoint every so many iterations (0: only the "
-                                         "final one, and one when training has to stop).")
-@click.option("--resume", is_flag=True, help="Start from the run folder's latest checkpoint.")
-@click.option("--inject-fault", "faults", multiple=True, metavar="RANK:ITER:POINT[:ACTION]",
-              help="Testing: kill (or hang) worker RANK at a point of iteration ITER, e.g. "
-                   "2:3:F1 (before its 2nd forward), 1:4:step, 0:5:I0:hang. Repeatable.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def launch(target: str, args: tuple[str, ...], nproc: int, library: Path | None, run_dir: Path,
-           backend: str, master_addr: str, master_port: int, hang_timeout: float,
-           heartbeat: float, pg_timeout: float, restart_delay: float | None,
-           max_restarts: int, checkpoint_every: int, resume: bool, faults: tuple[str, ...],
-           as_json: bool) -> None:
-    """Train JOB on NPROC local worker processes and keep training when workers die.
+              help="Restarts per worker (with --restart-delay).")
+@_settings
+def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
+           node_rank: int | None, rdzv_endpoint: str | None, rdzv_id: str, master_addr: str,
+           master_port: int, restart_delay: float | None, max_restarts: int,
+           as_json: bool, **settings) -> None:
+    """Train JOB on worker processes and keep training when workers or hosts die.
 
     JOB is a job factory (FILE.py:FUNCTION or MODULE:FUNCTION returning a
     recycle_planner.executor.Job; words after JOB go to the factory) or a training script
     that calls recycle_planner.executor.run (started like torchrun starts it: RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). A dead worker's micro-batches are
-    re-routed to its stage's peers with the library's plan for the new failure set; a hung
-    one is killed after --hang-timeout. Beyond the library's threshold, or with a stage
-    without a live worker, training stops with a checkpoint (exit status 2).
+    re-routed to its stage's peers with the library's plan for the new failure set; one
+    whose lease expires is declared dead. Beyond the library's threshold, or with a stage
+    without a live worker, training stops with a checkpoint (exit status 2); an exception
+    in user code stops it too (exit status 2, traceback shown once), never re-routed.
 
     \b
+    One machine (the launcher hosts the store):
       recycle-planner launch -n 4 examples/tiny_mlp.py:make_job -- --library plans/
+    A cluster (one agent per host; the coordinator runs elsewhere):
+      recycle-planner launch --nnodes 2 --nproc-per-node 4 --node-rank 0 \\
+          --rdzv-endpoint coord:29400 examples/tiny_mlp.py:make_job -- --library plans/
     """
-    from recycle_planner.executor.agent import LaunchConfig, launch as run_launch
-    from recycle_planner.executor.faults import parse_fault
+    from recycle_planner.executor.agent import check_target, launch as run_launch, \
+        worker_command
 
-    config = LaunchConfig(nproc=nproc, run_dir=str(run_dir), backend=backend,
-                          master_addr=master_addr, master_port=master_port,
-                          heartbeat=heartbeat, hang_timeout=hang_timeout, pg_timeout=pg_timeout,
-                          restart_delay=restart_delay, max_restarts=max_restarts,
-                          checkpoint_every=checkpoint_every, resume=resume,
-                          library=str(library) if library else None,
-                          faults=[parse_fault(f) for f in faults])
     args = args[1:] if args[:1] == ("--",) else args
+    if nnodes is not None or rdzv_endpoint is not None:
+        from recycle_planner.errors import RecycleError
+        from recycle_planner.executor.hostagent import HostAgent, HostConfig
 
-    def show(event: dict) -> None:
-        if not as_json and event["kind"] != "end":
-            click.echo(f"[{event['t']:8.3f}s] {event['message']}")
+        if nnodes is None or rdzv_endpoint is None:
+            raise RecycleError("a cluster job needs both --nnodes and --rdzv-endpoint (the "
+                               "coordinator's HOST:PORT)")
+        check_target(target)
+        host = HostAgent(worker_command(target, args), HostConfig(
+            nnodes=nnodes, nproc_per_node=nproc, endpoint=rdzv_endpoint, node_rank=node_rank,
+            rdzv_id=rdzv_id, max_restarts=max_restarts if restart_delay is not None else 0,
+            restart_delay=restart_delay or 0.0), on_event=click.echo)
+        sys.exit(host.run())
+    config = _launch_config(nproc, master_addr=master_addr, master_port=master_port,
+                            restart_delay=restart_delay, max_restarts=max_restarts, **settings)
+    result = run_launch(target, config, args, on_event=_show(as_json))
+    _finish(result, as_json)
 
-    result = run_launch(target, config, args, on_event=show)
-    if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
-        return
-    click.echo(result_summary(result))
+
+@click.command()
+@click.option("--nnodes", type=click.IntRange(1), required=True, help="Training hosts.")
+@click.option("--nproc-per-node", type=click.IntRange(1), required=True,
+              help="Workers per host (hosts x workers = pipelines x stages of the library).")
+@click.option("--port", type=click.IntRange(1, 65535), default=29400, show_default=True,
+              help="Port of the store (listens on every interface of this machine).")
+@_settings
+def coordinator(nnodes: int, nproc_per_node: int, port: int, as_json: bool,
+                **settings) -> None:
+    """Coordinate a cluster job from a machine that does not train.
+
+    Hosts the store, declares a worker dead when its lease expires or its host agent
+    reports its exit, decides the plan for every failure set, marks checkpoints complete and
+    writes RUN_DIR/result.json. Every training host runs 'recycle-planner launch --nnodes N
+    --nproc-per-node K --rdzv-endpoint THIS_HOST:PORT JOB'. If this process is lost, the
+    workers stop with a checkpoint; start it again with --resume, then the host agents.
+
+    \b
+      recycle-planner coordinator --nnodes 2 --nproc-per-node 4 --run-dir /shared/run
+    """
+    from recycle_planner.executor.coordinator import coordinate
+
+    config = _launch_config(nnodes * nproc_per_node, master_port=port, **settings)
+    result = coordinate(config, nnodes, on_event=_show(as_json))
+    _finish(result, as_json)
 
 
 def result_summary(result) -> str:

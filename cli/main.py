@@ -382,9 +382,10 @@ def report(library: Path, output: Path | None) -> None:
         plot_library(lib, output)
         click.echo(f"wrote {output}")
 
-from recycle_planner.cli.executor import launch, profile  # noqa: E402
+from recycle_planner.cli.executor import coordinator, launch, profile  # noqa: E402
 from recycle_planner.cli.whatif import simulate_trace  # noqa: E402
 
 main.add_command(simulate_trace)
 main.add_command(launch)
+main.add_command(coordinator)
 main.add_command(profile)

@@ -46,6 +46,9 @@ def options(argv=()) -> argparse.Namespace:
     parser.add_argument("--slow-backward", default=None, metavar="STAGE:SECONDS",
                         help="make one stage's backward pass take this much longer per "
                              "micro-batch (tests use it to order events across stages)")
+    parser.add_argument("--data-error", default=None, metavar="ITER:PIPELINE:MB",
+                        help="data() raises ValueError for this sample (a bug in user code, "
+                             "which stops the job instead of being re-routed)")
     return parser.parse_args(list(argv))
 
 
@@ -113,6 +116,9 @@ def data_source(opts: argparse.Namespace):
     dtype = getattr(torch, opts.dtype)
 
     def data(iteration: int, pipeline: int, microbatch: int):
+        if opts.data_error == f"{iteration}:{pipeline}:{microbatch}":
+            raise ValueError(f"corrupt sample {microbatch} of pipeline {pipeline} in "
+                             f"iteration {iteration}")
         if opts.data_delay:
             time.sleep(opts.data_delay)
         g = torch.Generator().manual_seed(((iteration * 1009) + pipeline) * 9173 + microbatch)

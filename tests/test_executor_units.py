@@ -27,6 +27,7 @@ def test_faults_parse_and_fire_once_per_point():
     assert parse_fault("3:2:F1") == Fault(3, 2, "F1", "kill")
     assert parse_fault("0:4:step:hang") == Fault(0, 4, "step", "hang")
     assert str(parse_fault("1:0:hold")) == "1:0:hold"
+    assert parse_fault("2:3:F1:host-down") == Fault(2, 3, "F1", "host-down")
     for bad in ("1:2", "a:2:F1", "1:2:X1", "1:2:F", "1:2:F1:explode", "1:2:F1:kill:x"):
         with pytest.raises(RecycleError, match="fault"):
             parse_fault(bad)
@@ -85,6 +86,14 @@ def test_decision_stops_when_a_stage_is_empty_or_beyond_the_threshold():
     assert d.members == (0, 1, 5)  # the newcomer holds no state to save
     with pytest.raises(RecycleError, match="at most one step"):
         P.decide(2, pipelines=2, stages=2, steps={0: 5, 1: 3}, lookup=_lookup_ok)
+
+
+def test_a_bug_in_user_code_is_a_stop_never_a_reroute():
+    """Everyone alive, one stage a step ahead: a reported bug stops at the least step."""
+    d = P.decide(3, pipelines=2, stages=2, steps={0: 6, 1: 5, 2: 6, 3: 5}, lookup=_lookup_ok,
+                 bug="worker 1:0 raised ValueError")
+    assert d.action == "stop" and d.restart == 5 and d.dead == ()
+    assert d.reason == "worker 1:0 raised ValueError" and d.members == (0, 1, 2, 3)
 
 
 @pytest.fixture(scope="module")
@@ -178,12 +187,18 @@ def test_state_copies_and_checkpoints_round_trip(tmp_path):
     assert dst.optimizer.state_dict()["state"][0]["exp_avg"].equal(
         src.optimizer.state_dict()["state"][0]["exp_avg"])
     write_stage_checkpoint(tmp_path, 1, 0, src)
+    assert (tmp_path / "checkpoints" / "iter-000001" / "stage0" / ".metadata").is_file()  # DCP
     assert write_manifest(tmp_path, 1, stages=2) is None  # stage 1 missing: not complete
     assert latest_checkpoint(tmp_path) is None
     write_stage_checkpoint(tmp_path, 1, 1, dst)
     folder = write_manifest(tmp_path, 1, stages=2)
     assert latest_checkpoint(tmp_path) == (1, folder)
-    assert load_stage_checkpoint(folder, 1)["steps"] == 1
+    back = load_stage_checkpoint(folder, 1)
+    assert back["steps"] == 1
+    fresh = _state(2)
+    fresh.load(back)  # a fresh optimizer takes the DCP-loaded state (int parameter keys)
+    assert fresh.optimizer.state_dict()["state"][0]["exp_avg"].equal(
+        src.optimizer.state_dict()["state"][0]["exp_avg"])
 
 
 def test_jobs_load_from_a_file_with_arguments():

@@ -43,7 +43,7 @@ from recycle_planner.errors import RecycleError
 from recycle_planner.executor import protocol as P
 from recycle_planner.executor.faults import Fault
 from recycle_planner.executor.state import latest_checkpoint, write_manifest
-from recycle_planner.executor.config import CONFIG_ENV, CONFIG_ERROR, WorkerConfig
+from recycle_planner.executor.config import CONFIG_ENV, CONFIG_ERROR, STALLED, WorkerConfig
 from recycle_planner.job.workers import format_workers
 from recycle_planner.library import PlanLibrary
 from recycle_planner.io import write_json
@@ -69,12 +69,12 @@ class LaunchConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 0                  # 0: any free port
     heartbeat: float = 0.2
-    hang_timeout: float = 10.0            # no heartbeat for this long: the worker is hung
+    hang_timeout: float = 4.0             # the lease: no heartbeat (or no progress) this long
     pg_timeout: float = 60.0              # process-group timeout of every generation
     startup_timeout: float = 300.0
     restart_delay: float | None = None    # restart a dead worker after this long (re-join)
     max_restarts: int = 3                 # restarts per rank
-    checkpoint_every: int = 0             # iterations between checkpoints (0: final only)
+    checkpoint_every: int = 100           # iterations between checkpoints (0: final only)
     resume: bool = False                  # start from the run folder's latest checkpoint
     library: str | None = None            # overrides the job's plan library
     faults: Sequence[Fault] = ()
@@ -92,7 +92,8 @@ class LaunchConfig:
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(run_dir=str(Path(self.run_dir).resolve()), backend=self.backend,
-                            heartbeat=self.heartbeat, pg_timeout=self.pg_timeout,
+                            heartbeat=self.heartbeat, lease=self.hang_timeout,
+                            pg_timeout=self.pg_timeout,
                             poll=self.poll, checkpoint_every=self.checkpoint_every,
                             resume=self.resume, library=self.library, prefetch=self.prefetch,
                             threads=self.threads, faults=[f.to_dict() for f in self.faults])
@@ -170,7 +171,9 @@ class _Proc:
     log_path: Path
     started: float
     hello: dict | None = None
-    last_beat: float = 0.0
+    last_beat: float = 0.0               # when `beat` last changed (this process's clock)
+    beat: bytes = b""
+    killed: bool = False                 # killed for a lost lease, exit not yet reaped
 
 
 class Agent:
@@ -214,6 +217,7 @@ class Agent:
         self.exit_started = 0.0
         self.first_death_log: Path | None = None
         self.outcome: tuple[str, str] | None = None
+        self.bug: dict | None = None
 
     # -- main loop ---------------------------------------------------------------------------
 
@@ -229,10 +233,7 @@ class Agent:
             old_fd = signal.set_wakeup_fd(wake_w.fileno())
             previous = signal.signal(signal.SIGCHLD, lambda *_: None)
         try:
-            for rank in range(self.config.nproc):
-                self._spawn(rank, 0)
-            self._event("start", f"{self.config.nproc} workers started, store on port "
-                                 f"{self.port}, logs in {self.run_dir / 'logs'}")
+            self._start()
             while self.outcome is None:
                 now = time.time()
                 self._reap()
@@ -256,6 +257,12 @@ class Agent:
             wake_r.close()
             wake_w.close()
             self._kill_all()
+
+    def _start(self) -> None:
+        for rank in range(self.config.nproc):
+            self._spawn(rank, 0)
+        self._event("start", f"{self.config.nproc} workers started, store on port "
+                             f"{self.port}, logs in {self.run_dir / 'logs'}")
 
     def _spawn(self, rank: int, incarnation: int) -> None:
         c = self.config
@@ -288,22 +295,30 @@ class Agent:
                 self._finish_with("failed", f"worker {self._name(rank)} cannot run the job: "
                                             f"{_last_line(proc.log_path)}")
                 return
-            self._death(proc, "exited with status 0 before the end" if code == 0 else
-                        f"killed by {_signal_name(-code)}" if code < 0 else
-                        f"exited with status {code}")
+            self._death(proc, exit_how(code, self.config.hang_timeout))
 
     def _heartbeats(self, now: float) -> None:
+        """A worker's lease: its heartbeat value must change at least every `hang_timeout`
+        seconds of this process's clock (never compared with the worker's clock)."""
         if now < self.next_beat_check or self.phase in ("exiting", "stopping"):
             return
         self.next_beat_check = now + self.config.heartbeat
         for rank, proc in list(self.procs.items()):
+            if proc.hello is None or proc.killed:
+                continue
             key = P.heartbeat_key(rank, proc.incarnation)
             if self.store.check([key]):
-                proc.last_beat = float(self.store.get(key))
-            if proc.last_beat and now - proc.last_beat > self.config.hang_timeout:
-                self._event("hang", f"worker {self._name(rank)} sent no heartbeat for "
-                                    f"{now - proc.last_beat:.1f} s: killing it", rank=rank)
-                _kill(proc)
+                value = self.store.get(key)
+                if value != proc.beat:
+                    proc.beat, proc.last_beat = value, now
+            if now - proc.last_beat > self.config.hang_timeout:
+                self._lease_expired(proc, now - proc.last_beat)
+
+    def _lease_expired(self, proc: _Proc, silent: float) -> None:
+        self._event("hang", f"worker {self._name(proc.rank)} sent no heartbeat for "
+                            f"{silent:.1f} s: killing it", rank=proc.rank)
+        proc.killed = True  # once: it is dead as soon as its exit is reaped
+        self._kill(proc)
 
     def _death(self, proc: _Proc, how: str) -> None:
         rank = proc.rank
@@ -408,14 +423,14 @@ class Agent:
                 for rank in missing:
                     self._event("hang", f"worker {self._name(rank)} did not leave generation "
                                         f"{gen} within {limit:.1f} s: killing it", rank=rank)
-                    _kill(self.procs[rank])
+                    self._kill(self.procs[rank])
                 self.aborted_at = now
             return
         steps = {r: self.ready[r] for r in members}
         for rank in self._joiners():
             steps[rank] = None
         dead_before = set(self.decision.dead)
-        self._decide(steps)
+        self._decide(steps, bug=self._bug())
         if self.decision is not None and set(self.decision.dead) == dead_before \
                 and not any(v is None for v in steps.values()):
             self.idle_reconfigurations += 1
@@ -446,12 +461,28 @@ class Agent:
                      if found else "no complete checkpoint (a stage's parameters died with "
                                    "its last worker; set checkpoint_every to keep some)")
         self.final_iterations = restart
-        self.outcome = ("stopped", f"training stopped at iteration {restart}: "
-                                   f"{self.decision.reason}; {where}")
+        self.outcome = ("failed" if self.bug else "stopped",
+                        f"training stopped at iteration {restart}: {self.decision.reason}\n"
+                        f"{where}" if self.bug else
+                        f"training stopped at iteration {restart}: {self.decision.reason}; "
+                        f"{where}")
 
     # -- decisions ---------------------------------------------------------------------------
 
-    def _decide(self, steps: dict[int, int | None], initial: bool = False) -> None:
+    def _bug(self) -> str | None:
+        """The first exception in user code a member reported in this generation, as the
+        stop reason (its traceback is shown once, in the launcher's output)."""
+        key = P.gen_key(self.gen, "bug")
+        if not self.store.check([key]):
+            return None
+        bug = json.loads(self.store.get(key))
+        self.bug = bug
+        return (f"worker {self._name(bug['rank'])} raised an exception in user code at "
+                f"iteration {bug['iteration']} (a bug, not a hardware failure: not re-routed)"
+                f":\n{bug['traceback'].rstrip()}")
+
+    def _decide(self, steps: dict[int, int | None], initial: bool = False,
+                bug: str | None = None) -> None:
         assert self.lib is not None
         lib = self.lib
 
@@ -460,7 +491,8 @@ class Agent:
             return hit.file.name, float(hit.entry["metrics"].get("degradation", 0.0))
 
         gen = self.gen + 1
-        decision = P.decide(gen, lib.spec.pipelines, lib.spec.stages, steps, lookup, initial)
+        decision = P.decide(gen, lib.spec.pipelines, lib.spec.stages, steps, lookup, initial,
+                            bug)
         self.store.set(P.gen_key(gen, "decision"), decision.to_json())
         self.gen, self.decision = gen, decision
         if self.config.checkpoint_every:  # the next one the workers will write
@@ -475,7 +507,7 @@ class Agent:
                 welcome = gen if decision.action == "run" or steps[rank] is not None else -1
                 self.store.set(P.welcome_key(rank, proc.incarnation), str(welcome))
         if decision.action == "stop":
-            self._event("stop", f"generation {gen}: {decision.reason}", gen=gen,
+            self._event("stop", f"generation {gen}: {decision.reason.splitlines()[0]}", gen=gen,
                         restart=decision.restart)
             self.phase, self.exit_started = "stopping", time.time()
             self._dismiss_newcomers()
@@ -534,7 +566,7 @@ class Agent:
             if rank not in members:
                 self._event("dismiss", f"restarted worker {self._name(rank)} arrived after the "
                                        f"end: stopping it", rank=rank)
-                _kill(proc)
+                self._kill(proc)
 
     def _checkpoints(self) -> None:
         every = self.config.checkpoint_every
@@ -621,6 +653,9 @@ class Agent:
 
     # -- helpers -----------------------------------------------------------------------------
 
+    def _kill(self, proc: _Proc) -> None:
+        _kill(proc)
+
     def _name(self, rank: int) -> str:
         if not self.stages:
             return f"rank {rank}"
@@ -640,6 +675,15 @@ def _kill(proc: _Proc) -> None:
         os.kill(proc.popen.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def exit_how(code: int, lease: float) -> str:
+    """How a worker process ended, from its exit status, in words for the events."""
+    if code == 0:
+        return "exited with status 0 before the end"
+    if code == STALLED:
+        return f"stalled (its training thread made no progress for the {lease:g} s lease)"
+    return f"killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
 
 
 def _signal_name(number: int) -> str:

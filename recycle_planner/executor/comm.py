@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 FORWARD, BACKWARD = 0, 1
 STATE_TAG = 1 << 30
 """Tags at or above this carry stage state to a newcomer, never activations."""
+ABORT_TAG = STATE_TAG - 1
+"""The tag of the receive that aborts a gloo group (nothing is ever sent with it)."""
 
 
 class PeerFailure(RuntimeError):
@@ -77,9 +81,14 @@ class Comm:
 
     def __init__(self, backend: str, store: Any, gen: int, members: list[int], me: int,
                  stage_members: list[int], stage: int, timeout: timedelta):
+        self.backend = backend
         self.rank = members.index(me)
         self.size = len(members)
         self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.waiting = False
+        """True while the training thread waits for a peer (not a stall of its own)."""
+        self.waited = time.monotonic()
+        """When the latest wait for a peer ended."""
         try:
             self.group = new_group(backend, dist.PrefixStore(f"gen{gen}/all", store),
                                    self.rank, self.size, timeout)
@@ -92,13 +101,13 @@ class Comm:
             raise
         except RuntimeError as exc:
             raise PeerFailure(f"cannot form the process group of generation {gen}: "
-                              f"{_short(exc)}") from None
+                              f"{short_error(exc)}") from None
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         try:
             work = self.group.send([tensor], dst, tag)
         except RuntimeError as exc:
-            raise PeerFailure(f"send to {dst} failed: {_short(exc)}") from None
+            raise PeerFailure(f"send to {dst} failed: {short_error(exc)}") from None
         self.sends.append((work, tensor))
         if len(self.sends) > 64:
             self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
@@ -107,14 +116,17 @@ class Comm:
         try:
             return self.group.recv([buf], src, tag)
         except RuntimeError as exc:
-            raise PeerFailure(f"receive from {src} failed: {_short(exc)}") from None
+            raise PeerFailure(f"receive from {src} failed: {short_error(exc)}") from None
 
-    @staticmethod
-    def wait(work, what: str = "operation") -> None:
+    def wait(self, work, what: str = "operation") -> None:
+        self.waiting = True
         try:
             work.wait()
         except RuntimeError as exc:
-            raise PeerFailure(f"{what} failed: {_short(exc)}") from None
+            raise PeerFailure(f"{what} failed: {short_error(exc)}") from None
+        finally:
+            self.waited = time.monotonic()
+            self.waiting = False
 
     def flush_sends(self) -> None:
         """Wait until every send has been received (before the generation ends cleanly)."""
@@ -127,14 +139,14 @@ class Comm:
         try:
             work = self.stage_group.allreduce([flat], dist.AllreduceOptions())
         except RuntimeError as exc:
-            raise PeerFailure(f"gradient all-reduce failed: {_short(exc)}") from None
+            raise PeerFailure(f"gradient all-reduce failed: {short_error(exc)}") from None
         self.wait(work, "gradient all-reduce")
 
     def barrier(self) -> None:
         try:
             work = self.group.barrier(dist.BarrierOptions())
         except RuntimeError as exc:
-            raise PeerFailure(f"barrier failed: {_short(exc)}") from None
+            raise PeerFailure(f"barrier failed: {short_error(exc)}") from None
         self.wait(work, "barrier")
 
     def send_bytes(self, payload: bytes, dst: int, device: torch.device) -> None:
@@ -151,15 +163,44 @@ class Comm:
         self.wait(self.irecv(data, src, STATE_TAG + 1), "state")
         return data.cpu().numpy().tobytes()
 
+    def abort(self) -> None:
+        """Abort the groups from another thread, so that every operation blocked in them (a
+        receive from a host that vanished without closing its sockets, an all-reduce) fails
+        at once instead of at the group timeout. NCCL: `abort()`. gloo's `abort()` does not
+        release a waiting operation, but gloo closes every connection of a group when an
+        application-side wait times out ("Application timeout caused pair closure"): a
+        receive nobody will answer, waited for 1 ms, is that abort."""
+        for group in (self.group, self.stage_group):
+            if group is None or group.size() < 2:
+                continue
+            try:
+                if self.backend == "gloo":
+                    peer = 1 if group.rank() == 0 else 0
+                    group.recv([torch.zeros(1)], peer, ABORT_TAG).wait(
+                        timedelta(milliseconds=1))
+                else:
+                    group.abort()
+            except RuntimeError as exc:  # the expected timeout, or a group already broken
+                log.debug("abort: %s", short_error(exc))
+
     def close(self) -> None:
-        """Drop the groups. Closing the sockets is what tells every peer blocked on this
-        worker that the generation is over, so nothing may keep a reference alive."""
+        """Drop the groups. Closing the sockets tells every peer blocked on this worker that
+        the generation is over, so nothing may keep a reference alive. A group with a pending
+        operation on a host that vanished takes as long to destroy as that operation takes to
+        fail, so the last references are dropped on a daemon thread."""
+        groups = [self.group, self.stage_group]
         self.sends.clear()
         self.group = None
         self.stage_group = None
-        gc.collect()
+        threading.Thread(target=_drop, args=(groups,), name="recycle-close",
+                         daemon=True).start()
 
 
-def _short(exc: BaseException) -> str:
+def _drop(groups: list) -> None:
+    groups.clear()
+    gc.collect()
+
+
+def short_error(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text[:200]

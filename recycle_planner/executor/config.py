@@ -12,6 +12,11 @@ from recycle_planner.errors import RecycleError
 CONFIG_ENV = "RECYCLE_CONFIG"
 CONFIG_ERROR = 3
 """Exit status of a worker that refuses to run (bad job or library): the launcher stops."""
+STALLED = 4
+"""Exit status of a worker whose training thread stalled for longer than the lease."""
+COORDINATOR_LOST = 5
+"""Exit status of a worker (and host agent) that lost the coordinator and stopped with a
+checkpoint; `--resume` continues from it."""
 
 
 @dataclass
@@ -21,9 +26,10 @@ class WorkerConfig:
     run_dir: str = "recycle-run"
     backend: str = "gloo"
     heartbeat: float = 0.2          # seconds between heartbeats
+    lease: float = 4.0              # seconds: no heartbeat or no progress for this long: dead
     pg_timeout: float = 60.0        # seconds: process group timeout (never torch's 30 min)
     poll: float = 0.002             # seconds between store polls while waiting
-    checkpoint_every: int = 0       # iterations; 0: only the final checkpoint
+    checkpoint_every: int = 100     # iterations; 0: only the final checkpoint
     resume: bool = False
     library: str | None = None      # overrides the job's library
     prefetch: int = 4               # receives posted ahead of the op that needs them

@@ -14,6 +14,10 @@ For tests, the demo and chaos drills, never for production training. A fault is 
   stops answering (caught by the launcher's heartbeat timeout); `stall`: only the training
   thread stops (as in a deadlock in user code) while heartbeats go on (caught by the peers'
   process-group timeout, after which the launcher kills the worker that does not report).
+  Whole-host actions, for cluster drills (a host is what a worker's host agent started):
+  `host-down`: set the network interface GLOO_SOCKET_IFNAME names down, so that the host
+  vanishes without closing a socket; `host-stop`: SIGSTOP the host agent and every worker it
+  started; `host-kill`: SIGKILL them.
 
 Only incarnation 0 of a rank is hit: a worker restarted after its fault does not die again.
 Before dying, the worker writes the time into the store, so that the launcher can report the
@@ -26,6 +30,7 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -34,7 +39,7 @@ from recycle_planner.errors import RecycleError
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("kill", "hang", "stall")
+ACTIONS = ("kill", "hang", "stall", "host-down", "host-stop", "host-kill")
 _POINT = re.compile(r"(?:(?P<kind>[FIWB])(?P<index>\d+)|(?P<name>step|start|recovery|hold))")
 
 
@@ -70,7 +75,8 @@ def parse_fault(text: str) -> Fault:
                            f"step, start, recovery or hold")
     action = parts[3] if len(parts) == 4 else "kill"
     if action not in ACTIONS:
-        raise RecycleError(f"fault {text!r}: action {action!r} is not kill, hang or stall")
+        raise RecycleError(f"fault {text!r}: action {action!r} is not one of "
+                           f"{', '.join(ACTIONS)}")
     return Fault(int(parts[0]), int(parts[1]), point, action)
 
 
@@ -107,8 +113,37 @@ class FaultInjector:
         finally:
             for handler in logging.getLogger().handlers:
                 handler.flush()
-            if fault.action != "stall":
+            if fault.action.startswith("host-"):
+                _hit_host(fault.action)
+            elif fault.action != "stall":
                 os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else
                         signal.SIGSTOP)
             while True:  # hang or stall: the launcher kills this process
                 time.sleep(3600)
+
+
+def _hit_host(action: str) -> None:
+    """Take this worker's whole host away: its link, or its agent and workers (the host agent
+    is this process's parent; its workers are the agent's children)."""
+    if action == "host-down":
+        device = os.environ.get("GLOO_SOCKET_IFNAME")
+        if not device:
+            raise RecycleError("fault action host-down needs GLOO_SOCKET_IFNAME (the link to "
+                               "take down)")
+        subprocess.run(["ip", "link", "set", "dev", device, "down"], check=True)
+        return
+    agent = os.getppid()
+    pids = [agent] + [int(p) for p in _children(agent) if int(p) != os.getpid()]
+    how = signal.SIGKILL if action == "host-kill" else signal.SIGSTOP
+    for pid in pids + [os.getpid()]:
+        try:
+            os.kill(pid, how)
+        except ProcessLookupError:
+            pass
+
+
+def _children(pid: int) -> list[str]:
+    try:
+        return open(f"/proc/{pid}/task/{pid}/children").read().split()
+    except OSError:
+        return []

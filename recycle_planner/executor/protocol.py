@@ -70,8 +70,43 @@ def checkpoint_key(iteration: int, stage: int) -> str:
 
 def gen_key(gen: int, name: str) -> str:
     """`decision`, `abort`, `join`, `switch_at`, `errors`, `joined`, `finish`, `ready/{rank}`,
-    `done/{rank}`, `stopped/{rank}` of generation `gen`."""
+    `done/{rank}`, `stopped/{rank}`, `bug` (the first exception in user code: rank, iteration,
+    traceback) of generation `gen`."""
     return f"gen{gen}/{name}"
+
+
+# Between the coordinator and the host agents of a cluster job (coordinator.py, hostagent.py).
+
+OUTCOME_KEY = "outcome"
+"""Set by the coordinator when the job is over: {"status", "message"}; host agents exit."""
+
+
+def config_key() -> str:
+    """The workers' settings (WorkerConfig JSON), posted by the coordinator for host agents."""
+    return "config"
+
+
+def exit_key(rank: int, incarnation: int) -> str:
+    """A worker's exit, reported by its host agent: {"code", "how", "last_line"}."""
+    return f"exit/{rank}/{incarnation}"
+
+
+def kill_key(rank: int, incarnation: int) -> str:
+    """The coordinator declared this worker dead: its host agent kills it if it still runs."""
+    return f"kill/{rank}/{incarnation}"
+
+
+def spawn_key(rank: int, incarnation: int) -> str:
+    """A host agent restarted a worker: the coordinator expects this incarnation's hello."""
+    return f"spawn/{rank}/{incarnation}"
+
+
+def host_key(node_rank: int) -> str:
+    return f"host/{node_rank}"
+
+
+def bye_key(node_rank: int) -> str:
+    return f"bye/{node_rank}"
 
 
 def worker_of(rank: int, stages: int) -> Worker:
@@ -129,7 +164,8 @@ class Decision:
 
 
 def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None],
-           lookup: Callable[[list[Worker]], tuple[str, float]], initial: bool = False) -> Decision:
+           lookup: Callable[[list[Worker]], tuple[str, float]], initial: bool = False,
+           bug: str | None = None) -> Decision:
     """The membership decision for generation `gen`, from the workers that reported.
 
     `steps[rank]` is the number of optimizer steps a reporting worker's stage has taken, or
@@ -141,7 +177,10 @@ def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None
 
     The restart iteration is the least step count: a stage that already stepped in the
     abandoned iteration undoes that step (steps differ by at most one, because no stage can
-    step iteration i+1 before every stage has stepped iteration i)."""
+    step iteration i+1 before every stage has stepped iteration i).
+
+    `bug` (an exception in user code, reported by a worker) is never re-routed: the decision
+    is a stop at the restart iteration, so that the members write a consistent checkpoint."""
     members = tuple(sorted(steps))
     dead = tuple(worker_of(r, stages) for r in range(pipelines * stages) if r not in steps)
     stateful = {r: k for r, k in steps.items() if k is not None}
@@ -156,6 +195,8 @@ def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None
     def stop(reason: str) -> Decision:
         return Decision(gen, "stop", tuple(sorted(stateful)), dead, restart, reason=reason)
 
+    if bug is not None:
+        return stop(bug)
     holders = [s for s in range(stages) if s not in by_stage]
     if holders:
         s = holders[0]

@@ -155,6 +155,9 @@ class StageRuntime:
         self.out_meta = out_meta
         self.prefetch = max(1, prefetch)
         self.comm: Comm | None = None
+        self.op_started: float | None = None
+        """time.monotonic() when the running op began (None between iterations): with
+        `Comm.waited`, how the heartbeat thread tells a stalled training thread."""
         self.on_step: Callable[[int, dict[tuple[int, int], float]], None] | None = None
         self.losses: dict[tuple[int, int], float] = {}
         self.reset()
@@ -171,6 +174,7 @@ class StageRuntime:
         self.saved: dict[tuple[int, int], Any] = {}
         self.posted: dict[int, tuple[Any, torch.Tensor]] = {}
         self.losses = {}
+        self.op_started = None
         self.state.clear_grads()
 
     # -- the loop ----------------------------------------------------------------------------
@@ -188,6 +192,7 @@ class StageRuntime:
         for k, ins in enumerate(instrs):
             if abort.is_set():
                 raise PeerFailure("the launcher abandoned this generation")
+            self.op_started = time.monotonic()
             if ins.src is not None:
                 consumed += 1
             while posted < len(recvs) and posted < consumed + self.prefetch:
@@ -200,6 +205,7 @@ class StageRuntime:
             spent = times[ins.kind]
             spent[0] += 1
             spent[1] += clock() - t0
+        self.op_started = None
         if faults.active:
             faults.trigger(iteration, "step")
 

@@ -7,10 +7,13 @@ from before its latest step: no stage can step iteration i+1 before every stage 
 iteration i, so when a stage takes its next step the previous iteration is complete
 everywhere and one saved copy is always enough.
 
-Checkpoints: `RUN/checkpoints/iter-NNNNNN/stage{s}.pt` (one file per stage, written by the
-stage's first live worker), `manifest.json` in the same folder once every stage's file is
-there (written by the launcher), and `RUN/checkpoints/latest.json` naming the newest complete
-one. A checkpoint of iteration k holds every stage's state after k optimizer steps.
+Checkpoints: `RUN/checkpoints/iter-NNNNNN/stage{s}/`, one `torch.distributed.checkpoint`
+folder per stage (model and optimizer state dicts and the step count, written by the stage's
+first live worker into a temporary folder renamed into place), `manifest.json` in the same
+folder once every stage's is there (written by the launcher, or by the last writer when the
+coordinator is lost), and `RUN/checkpoints/latest.json` naming the newest complete one. A
+checkpoint of iteration k holds every stage's state after k optimizer steps. On a cluster RUN
+is a shared filesystem.
 """
 
 from __future__ import annotations
@@ -18,13 +21,18 @@ from __future__ import annotations
 import copy
 import io
 import json
+import os
+import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.io import atomic_write, write_json
+from recycle_planner.io import write_json
 
 
 class StageState:
@@ -69,6 +77,10 @@ class StageState:
                     else:
                         into[key] = copy.deepcopy(value)
         saved["param_groups"] = copy.deepcopy(current["param_groups"])
+
+    @property
+    def can_undo(self) -> bool:
+        return self._saved_optimizer is not None
 
     def rollback_to(self, steps: int) -> None:
         """Undo the latest step if the stage is one step past `steps`."""
@@ -118,11 +130,24 @@ def checkpoint_folder(run_dir: str | Path, iteration: int) -> Path:
 
 def write_stage_checkpoint(run_dir: str | Path, iteration: int, stage: int,
                            state: StageState) -> Path:
+    """Write one stage's state with torch.distributed.checkpoint (each worker saves on its
+    own: no process group). The state after k steps is the same on every replica and every
+    attempt, so a folder that is already there is kept."""
     folder = checkpoint_folder(run_dir, iteration)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"stage{stage}.pt"
-    payload = state.to_bytes()
-    atomic_write(path, lambda fh: fh.write(payload), binary=True)
+    path = folder / f"stage{stage}"
+    if (path / ".metadata").is_file():
+        return path
+    tmp = folder / f".stage{stage}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": state.module.state_dict(), "optimizer": state.optimizer.state_dict(),
+                  "steps": state.steps}, checkpoint_id=tmp, no_dist=True)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another writer got there first with the same state
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
@@ -131,8 +156,8 @@ def write_manifest(run_dir: str | Path, iteration: int, stages: int,
     """Mark the checkpoint of `iteration` complete if every stage's file is there, and point
     `latest.json` at it. Returns the folder, or None if a stage is missing."""
     folder = checkpoint_folder(run_dir, iteration)
-    files = [folder / f"stage{s}.pt" for s in range(stages)]
-    if not all(f.is_file() for f in files):
+    files = [folder / f"stage{s}" for s in range(stages)]
+    if not all((f / ".metadata").is_file() for f in files):
         return None
     manifest = {"format": "recycle-checkpoint", "version": 1, "iteration": iteration,
                 "stages": stages, "files": [f.name for f in files], **(extra or {})}
@@ -162,8 +187,18 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
 
 def load_stage_checkpoint(folder: str | Path, stage: int) -> dict[str, Any]:
     """The saved dict of one stage: `model` and `optimizer` state dicts and `steps`."""
-    path = Path(folder) / f"stage{stage}.pt"
+    path = Path(folder) / f"stage{stage}"
+    if not (path / ".metadata").is_file():
+        raise RecycleError(f"{path}: no checkpoint of stage {stage} there")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError) as exc:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            # Loads every key without a template: the optimizer state of a fresh optimizer
+            # is empty, so dcp.load has nothing to load into.
+            data = _load_state_dict_from_keys(checkpoint_id=path)
+    except (OSError, RuntimeError, ValueError) as exc:
         raise RecycleError(f"{path}: cannot read checkpoint ({exc})") from None
+    optimizer = data["optimizer"]  # DCP keeps nested dict keys as strings
+    optimizer["state"] = {int(k): v for k, v in optimizer["state"].items()}
+    data["steps"] = int(data["steps"])
+    return data

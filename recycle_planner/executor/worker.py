@@ -34,6 +34,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -43,13 +44,15 @@ import torch.distributed as dist
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor import protocol as P
-from recycle_planner.executor.comm import Comm, PeerFailure
-from recycle_planner.executor.config import CONFIG_ERROR, WorkerConfig
+from recycle_planner.executor.comm import Comm, PeerFailure, short_error
+from recycle_planner.executor.config import (CONFIG_ERROR, COORDINATOR_LOST, STALLED,
+                                             WorkerConfig)
 from recycle_planner.executor.faults import Fault, FaultInjector
 from recycle_planner.executor.job import Job, load_job
 from recycle_planner.executor.runtime import StageRuntime, compile_program, pair_orders
 from recycle_planner.executor.state import (StageState, latest_checkpoint,
-                                            load_stage_checkpoint, write_stage_checkpoint)
+                                            load_stage_checkpoint, write_manifest,
+                                            write_stage_checkpoint)
 from recycle_planner.job.workers import format_workers
 from recycle_planner.library import PlanLibrary
 
@@ -94,7 +97,10 @@ class Worker:
         self.timeout = timedelta(seconds=config.pg_timeout)
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
-        self._watch_store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
+        # The heartbeat thread's own connection fails within the lease when the coordinator
+        # is gone, so that the worker can stop with a checkpoint while it still can.
+        self._watch_store = dist.TCPStore(host, port, is_master=False,
+                                          timeout=timedelta(seconds=config.lease))
         module = job.build_stage(self.s).to(self.device)
         self.state = StageState(module, job.optimizer(module.parameters()))
         self.has_state = self.incarnation == 0
@@ -108,11 +114,21 @@ class Worker:
         self._stopped = False
         self._plans: dict[str, Any] = {}
         self.runtime: StageRuntime | None = None
+        self.decision: P.Decision | None = None
+        self.coordinator_lost: str | None = None
 
     # -- life ---------------------------------------------------------------------------------
 
     def run(self) -> None:
         threading.Thread(target=self._watchdog, name="recycle-heartbeat", daemon=True).start()
+        try:
+            self._live()
+        except (dist.DistError, RuntimeError) as exc:
+            if self.coordinator_lost is None and not isinstance(exc, dist.DistNetworkError):
+                raise
+            self._coordinator_lost(self.coordinator_lost or short_error(exc))
+
+    def _live(self) -> None:
         in_meta, out_meta = self._shapes()
         self.runtime = StageRuntime(self.state, self.job.loss_fn, self.job.data, self.s, self.S,
                                     self.D, self.M, self.device, in_meta, out_meta,
@@ -129,6 +145,7 @@ class Worker:
             return self._quit()
         decision = P.Decision.from_json(self._wait_for(P.gen_key(gen, "decision")))
         while True:
+            self.decision = decision
             if decision.action == "stop":
                 return self._stop(decision)
             outcome = self._generation(decision)
@@ -198,6 +215,14 @@ class Worker:
         except PeerFailure as exc:
             failure = str(exc)
             t_fail = time.perf_counter()
+        except Exception:  # noqa: BLE001 - user code (model, loss, data): a bug, not a failure
+            failure = traceback.format_exc()
+            t_fail = time.perf_counter()
+            log.error("user code raised at iteration %d: stopping the whole job\n%s",
+                      iteration, failure.rstrip())
+            # The first report wins; the launcher stops the job instead of re-routing.
+            self.store.compare_set(P.gen_key(gen, "bug"), "", P.dumps(
+                {"rank": self.rank, "iteration": iteration, "traceback": failure}))
         finally:
             # Drop every reference to the groups (pending receives included) and close them:
             # that is what tells the peers blocked on this worker. This runs after the except
@@ -293,10 +318,41 @@ class Worker:
         every = self.config.checkpoint_every
         if not final and not (every and steps % every == 0):
             return
-        if self.rank != min(r for r in decision.members if r % self.S == self.s):
-            return
-        write_stage_checkpoint(self.config.run_dir, steps, self.s, self.state)
-        self.store.set(P.checkpoint_key(steps, self.s), "1")
+        if self.rank == self._stage_writer(decision):
+            write_stage_checkpoint(self.config.run_dir, steps, self.s, self.state)
+            self.store.set(P.checkpoint_key(steps, self.s), "1")
+
+    def _stage_writer(self, decision: P.Decision) -> int:
+        """The member that writes its stage's checkpoint: the stage's first."""
+        return min(r for r in decision.members if r % self.S == self.s)
+
+    def _coordinator_lost(self, reason: str) -> None:
+        """The store is gone, so no decision can come: write this stage's state after its
+        current step count n and, when the latest step can be undone, after n - 1. Stages
+        differ by at most one step, so every stage writes the least count among them and
+        that checkpoint completes (whoever writes last adds the manifest); `--resume`
+        continues from the newest complete one."""
+        log.error("lost the coordinator (%s): stopping with a checkpoint", reason)
+        self._stopped = True
+        if self.runtime is not None:
+            self.runtime.reset()
+        decision = self.decision
+        written = []
+        if self.has_state and decision is not None and decision.action == "run" and \
+                self.rank == self._stage_writer(decision):
+            steps = self.state.steps
+            write_stage_checkpoint(self.config.run_dir, steps, self.s, self.state)
+            written.append(steps)
+            if steps > 0 and self.state.can_undo:
+                self.state.rollback_to(steps - 1)
+                write_stage_checkpoint(self.config.run_dir, steps - 1, self.s, self.state)
+                written.append(steps - 1)
+            for k in written:
+                if write_manifest(self.config.run_dir, k, self.S, {"reason": reason}):
+                    log.info("checkpoint of iteration %d complete", k)
+        log.error("stage %d's state written for iteration(s) %s in %s", self.s,
+                  written or "none (not this stage's writer)", self.config.run_dir)
+        _exit(COORDINATOR_LOST)
 
     def _resume(self) -> None:
         found = latest_checkpoint(self.config.run_dir)
@@ -333,21 +389,52 @@ class Worker:
         return self.store.get(key).decode()
 
     def _watchdog(self) -> None:
-        """Heartbeats, and the launcher's abort notice for the current generation."""
+        """Heartbeats; the launcher's abort notice for the current generation, which aborts
+        the groups so that a training thread blocked on a vanished host is released; and the
+        training thread's own progress: busy outside communication for longer than the lease
+        is a stall, and the worker leaves (the launcher then sees a dead worker)."""
         store = self._watch_store
         hb = P.heartbeat_key(self.rank, self.incarnation)
+        lease = self.config.lease
         next_beat = 0.0
         while not self._stopped:
             now = time.time()
-            if now >= next_beat:
-                store.set(hb, repr(now))
-                next_beat = now + self.config.heartbeat
-            gen = self._watch_gen
-            if gen >= 0 and not self.abort.is_set() and store.check([P.gen_key(gen, "abort")]):
+            try:
+                if now >= next_beat:
+                    store.set(hb, repr(now))
+                    next_beat = now + self.config.heartbeat
+                gen = self._watch_gen
+                if gen >= 0 and not self.abort.is_set() and \
+                        store.check([P.gen_key(gen, "abort")]):
+                    with self._lock:
+                        if gen == self._watch_gen:
+                            self._abort_generation()
+            except (dist.DistError, RuntimeError) as exc:
+                if self._stopped:
+                    return
+                self.coordinator_lost = f"store at {os.environ['MASTER_ADDR']}:" \
+                                        f"{os.environ['MASTER_PORT']}: {short_error(exc)}"
                 with self._lock:
-                    if gen == self._watch_gen:
-                        self.abort.set()
+                    self._abort_generation()
+                return
+            runtime = self.runtime
+            comm = runtime.comm if runtime is not None else None
+            started = runtime.op_started if runtime is not None else None
+            if started is not None and comm is not None and not comm.waiting:
+                busy = time.monotonic() - max(started, comm.waited)
+                if busy > lease and runtime.op_started == started:
+                    log.error("the training thread made no progress for %.1f s outside "
+                              "communication (lease %.1f s): a stall; leaving", busy, lease)
+                    for handler in logging.getLogger().handlers:
+                        handler.flush()
+                    os._exit(STALLED)
             time.sleep(min(0.02, self.config.heartbeat))
+
+    def _abort_generation(self) -> None:
+        self.abort.set()
+        comm = self.runtime.comm if self.runtime is not None else None
+        if comm is not None:
+            comm.abort()
 
     def _announce_fault(self, fault: Fault) -> None:
         self.store.set(P.fault_key(self.rank, self.incarnation), P.dumps(
@@ -389,9 +476,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(CONFIG_ERROR) from None
     # Training is over and every file is written: skip the interpreter's teardown, which
     # takes seconds with torch loaded and would delay the launcher's end of the job.
+    _exit(0)
+
+
+def _exit(status: int) -> None:
+    """Leave without the interpreter's teardown (and without destroying groups whose peers
+    may be gone, which would block or abort)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 

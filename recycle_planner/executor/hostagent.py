@@ -1,0 +1,223 @@
+"""One agent per training host, shaped like torchrun: start this host's workers, report their
+exits to the coordinator, kill the ones it declared dead, restart them if asked.
+
+Placement: host `node_rank` runs global ranks `node_rank * nproc_per_node + local_rank`
+(consecutive ranks per host, as torchrun places them), and rank r plays worker
+(pipeline, stage) = (r // S, r % S). With nproc_per_node = S a host holds one whole
+pipeline; losing the host then loses one worker of every stage, which the plan library must
+cover (`plan-all --max-failures` >= S per lost host). The coordinator's lookup receives the
+physical dead set, whichever host it was.
+
+Workers get torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+GROUP_RANK (the node rank), ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (the
+coordinator's store), TORCHELASTIC_RESTART_COUNT; the settings come from the coordinator.
+The agent passes its own environment on, so GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME set for
+the agent reach the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+
+from recycle_planner.errors import RecycleError
+from recycle_planner.executor.agent import _last_line, exit_how
+from recycle_planner.executor.config import (CONFIG_ENV, CONFIG_ERROR, COORDINATOR_LOST,
+                                             WorkerConfig)
+from recycle_planner.executor import protocol as P
+
+log = logging.getLogger(__name__)
+
+EXIT_STATUS = {"completed": 0, "failed": 1, "stopped": 2}
+"""The host agent's exit status by the job's outcome (COORDINATOR_LOST when it lost it)."""
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """Where this host is in the job. Times in seconds."""
+
+    nnodes: int
+    nproc_per_node: int
+    endpoint: str                      # HOST:PORT of the coordinator's store
+    node_rank: int | None = None       # None: the next free one (rendezvous by arrival)
+    rdzv_id: str = "recycle"
+    max_restarts: int = 0              # restarts per local worker
+    restart_delay: float = 0.0
+    startup_timeout: float = 300.0
+    poll: float = 0.02
+
+    def __post_init__(self) -> None:
+        host, _, port = self.endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise RecycleError(f"--rdzv-endpoint {self.endpoint!r} is not HOST:PORT")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise RecycleError(f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1}")
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, _, port = self.endpoint.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+@dataclass
+class _Local:
+    rank: int
+    local_rank: int
+    incarnation: int
+    popen: subprocess.Popen
+    log_path: Path
+
+
+class HostAgent:
+    def __init__(self, command: list[str], config: HostConfig,
+                 on_event: Callable[[str], None] | None = None):
+        self.command = command
+        self.config = config
+        self.on_event = on_event or (lambda message: log.info("%s", message))
+        host, port = config.address
+        try:
+            self.store = dist.TCPStore(host, port, is_master=False,
+                                       timeout=timedelta(seconds=config.startup_timeout))
+        except (RuntimeError, dist.DistError) as exc:
+            raise RecycleError(f"cannot reach the coordinator at {config.endpoint}: "
+                               f"{str(exc).splitlines()[0]}") from None
+        self.node_rank = config.node_rank
+        self.workers: dict[int, _Local] = {}
+        self.restarts: dict[int, int] = {}
+
+    def run(self) -> int:
+        """Run this host's workers until the job ends; returns the exit status."""
+        c = self.config
+        try:
+            if self.node_rank is None:
+                self.node_rank = self.store.add(f"rdzv/{c.rdzv_id}/nodes", 1) - 1
+                if self.node_rank >= c.nnodes:
+                    raise RecycleError(f"{c.nnodes} hosts have joined already (--nnodes)")
+            self.store.wait([P.config_key()])
+            worker_config = WorkerConfig(**json.loads(self.store.get(P.config_key())))
+            self.world = c.nnodes * c.nproc_per_node
+            self.worker_env = worker_config.to_json()
+            self.lease = worker_config.lease
+            self.log_dir = Path(worker_config.run_dir) / "logs"
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            ranks = [self.node_rank * c.nproc_per_node + i for i in range(c.nproc_per_node)]
+            for i, rank in enumerate(ranks):
+                self._spawn(rank, i, 0)
+            self.store.set(P.host_key(self.node_rank), json.dumps(
+                {"hostname": socket.gethostname(), "pid": os.getpid(), "ranks": ranks}))
+            self.on_event(f"host {self.node_rank}: workers {ranks} started (logs in "
+                          f"{self.log_dir})")
+            return self._watch()
+        except (RuntimeError, dist.DistError) as exc:
+            return self._coordinator_lost(str(exc).splitlines()[0] if str(exc) else "")
+        finally:
+            for w in self.workers.values():
+                if w.popen.poll() is None:
+                    os.kill(w.popen.pid, signal.SIGKILL)
+
+    def _spawn(self, rank: int, local_rank: int, incarnation: int) -> None:
+        c = self.config
+        host, port = c.address
+        env = dict(os.environ)
+        env.update({
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(self.world),
+            "LOCAL_WORLD_SIZE": str(c.nproc_per_node), "GROUP_RANK": str(self.node_rank),
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.world), "MASTER_ADDR": host,
+            "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(incarnation),
+            "TORCHELASTIC_RUN_ID": c.rdzv_id, CONFIG_ENV: self.worker_env,
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+        })
+        path = self.log_dir / f"rank{rank}.{incarnation}.log"
+        with open(path, "wb") as out:
+            popen = subprocess.Popen(self.command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.workers[rank] = _Local(rank, local_rank, incarnation, popen, path)
+
+    def _watch(self) -> int:
+        """Poll the store every `poll` seconds; a worker's exit wakes the loop at once (through
+        a socket the interpreter writes to on SIGCHLD), so that its peers' recovery does not
+        wait for the next poll."""
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        old_fd = signal.set_wakeup_fd(wake_w.fileno())
+        previous = signal.signal(signal.SIGCHLD, lambda *_: None)
+        try:
+            return self._loop(wake_r)
+        finally:
+            signal.signal(signal.SIGCHLD, previous)
+            signal.set_wakeup_fd(old_fd)
+            wake_r.close()
+            wake_w.close()
+
+    def _loop(self, wake) -> int:
+        c = self.config
+        pending: dict[int, float] = {}      # rank -> when to restart it
+        while True:
+            if self.store.check([P.OUTCOME_KEY]):
+                outcome = json.loads(self.store.get(P.OUTCOME_KEY))
+                self._wait_for_workers(30.0)
+                self.store.set(P.bye_key(self.node_rank), "1")
+                self.on_event(f"host {self.node_rank}: job {outcome['status']}")
+                return EXIT_STATUS.get(outcome["status"], 1)
+            now = time.time()
+            for rank, w in list(self.workers.items()):
+                if self.store.check([P.kill_key(rank, w.incarnation)]) and w.popen.poll() is None:
+                    os.kill(w.popen.pid, signal.SIGKILL)
+                code = w.popen.poll()
+                if code is None:
+                    continue
+                del self.workers[rank]
+                how = exit_how(code, self.lease)
+                self.store.set(P.exit_key(rank, w.incarnation), json.dumps(
+                    {"code": code, "how": how, "last_line": _last_line(w.log_path)}))
+                if code != CONFIG_ERROR and self.restarts.get(rank, 0) < c.max_restarts:
+                    pending[rank] = now + c.restart_delay
+                self.on_event(f"host {self.node_rank}: worker rank {rank} {how}")
+            for rank, when in list(pending.items()):
+                if now >= when:
+                    del pending[rank]
+                    self.restarts[rank] = self.restarts.get(rank, 0) + 1
+                    self._spawn(rank, self._local_rank[rank], self.restarts[rank])
+                    self.store.set(P.spawn_key(rank, self.restarts[rank]), "1")
+            select.select([wake], [], [], c.poll)
+            try:
+                while wake.recv(512):
+                    pass
+            except BlockingIOError:
+                pass
+
+    @property
+    def _local_rank(self) -> dict[int, int]:
+        return {r: r - self.node_rank * self.config.nproc_per_node
+                for r in range(self.world)}
+
+    def _wait_for_workers(self, seconds: float) -> None:
+        deadline = time.time() + seconds
+        for w in self.workers.values():
+            try:
+                w.popen.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _coordinator_lost(self, reason: str) -> int:
+        """Workers notice the lost store within their lease, checkpoint and exit: wait."""
+        self.on_event(f"host {self.node_rank}: lost the coordinator ({reason}); waiting for "
+                      f"the workers to write their checkpoint")
+        self._wait_for_workers(120.0)
+        codes = {r: w.popen.poll() for r, w in self.workers.items()}
+        self.on_event(f"host {self.node_rank}: workers stopped (exit status {codes}); start "
+                      f"the coordinator again with --resume, then the host agents")
+        return COORDINATOR_LOST
