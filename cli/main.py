@@ -122,11 +122,18 @@ def _solver_options(func, default: str):
     func = click.option("--time-limit", type=click.FloatRange(min=0.1), default=10.0,
                         show_default=True, metavar="SECONDS",
                         help="Budget of the MILP (and of 'auto') per situation.")(func)
+    func = click.option("--work-limit", type=click.FloatRange(min=0.01), default=None,
+                        metavar="WORK",
+                        help="Budget of the CP engine in CP-SAT's deterministic seconds (about "
+                             "CPU seconds): the same plan on every machine (default: the time "
+                             "limit; plan-all: 1).")(func)
     func = click.option("--solver", type=click.Choice(SOLVERS), default=default,
                         show_default=True,
                         help="heuristic: list scheduling (fast, any size); dp: dynamic programs "
                              "that pack re-routed work into idle time; milp: exact model with a "
-                             "time limit; auto: the best that fits the time budget.")(func)
+                             "time limit; cp: the constraint-programming engine (OR-Tools CP-SAT) "
+                             "with a work limit; auto: the fast solvers, then the engines that "
+                             "fit the budget while a gap is left.")(func)
     return func
 
 
@@ -155,11 +162,14 @@ def make_policy(schedule: str, decouple: bool, stagger: bool):
               help="A dead worker; repeat for several.")
 @policy_options
 @solver_options(default="heuristic")
+@click.option("--prove", is_flag=True,
+              help="With --solver cp or auto: spend the CP engine's work limit on closing the "
+                   "gap to the lower bound (bisection with 'is there a schedule under X?').")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the plan here (JSON; .json.gz is compressed).")
 def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagger: bool,
          solver: str, time_limit: float, node_limit: int | None, backend: str,
-         output: Path | None) -> None:
+         work_limit: float | None, prove: bool, output: Path | None) -> None:
     """Plan one failure situation of the job in SPEC and print its figures.
 
     With no --fail, the plan is the fault-free schedule. The summary gives the period
@@ -177,7 +187,8 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     policy = make_policy(schedule, decouple, stagger)
     failed = [parse_worker(f) for f in fail]
     result = plan_situation(job, policy, failed, solver=solver, time_limit=time_limit,
-                            backend=backend, node_limit=node_limit)
+                            backend=backend, node_limit=node_limit, work_limit=work_limit,
+                            prove=prove)
     click.echo(plan_summary(result))
     if output is not None:
         write_plan(result, output)
@@ -293,9 +304,17 @@ def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
               help="Ways to line up the holes across logical pipelines to try per situation.")
 @click.option("--force", is_flag=True, help="Rebuild even if the folder holds a library for "
                                             "another spec, or a corrupted index.")
+@click.option("--prove", is_flag=True,
+              help="Spend more time to close gaps: every situation whose plan is not proven "
+                   "optimal gets the CP engine with --prove-work of budget (bisection with "
+                   "'is there a schedule under X?'); entries already proven optimal are kept. "
+                   "Resumable like plan-all.")
+@click.option("--prove-work", type=click.FloatRange(min=0.01), default=None, metavar="WORK",
+              help="The CP engine's budget per situation in --prove mode (default 30).")
 def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decouple: bool,
              stagger: bool, solver: str, time_limit: float, node_limit: int | None, backend: str,
-             jobs: int | None, max_placements: int, force: bool) -> None:
+             work_limit: float | None, jobs: int | None, max_placements: int, force: bool,
+             prove: bool, prove_work: float | None) -> None:
     """Precompute the best plan for every failure situation with up to F dead workers.
 
     Workers of a stage are interchangeable, so a situation is the number of dead workers per
@@ -304,7 +323,7 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
     """
     from tqdm import tqdm
 
-    from recycle_planner.library import PlanLibrary, Settings, build_library
+    from recycle_planner.library import PROVE_WORK, PlanLibrary, Settings, build_library
     from recycle_planner.report import library_text
     from recycle_planner.spec import load_spec
 
@@ -312,7 +331,10 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
     policy = make_policy(schedule, decouple, stagger)
     settings = Settings(solver=solver, time_limit=time_limit, backend=backend,
                         max_placements=max_placements,
-                        node_limit=500 if node_limit is None else node_limit)
+                        node_limit=500 if node_limit is None else node_limit,
+                        work_limit=Settings.work_limit if work_limit is None else work_limit,
+                        prove_work=(PROVE_WORK if prove_work is None else prove_work)
+                        if prove else None)
     bar = tqdm(total=None, unit="situation", desc="planning", file=sys.stderr, disable=None)
 
     def progress(done: int, total: int) -> None:

@@ -41,9 +41,11 @@ from recycle_planner.normalize import (Mapping, Placement, canonical, check_thre
                                        placements, situations)
 from recycle_planner.plan import Plan
 from recycle_planner.planfile import read_json, read_plan, write_json, write_plan
-from recycle_planner.planner import plan_situation
+from recycle_planner.planner import finish_plan, plan_situation
 from recycle_planner.policy import Policy
 from recycle_planner.simulate import simulate
+from recycle_planner.solvers.bounds import Bound
+from recycle_planner.solvers.cp import cp_prove
 from recycle_planner.solvers.heuristic import list_schedule
 from recycle_planner.spec import JobSpec
 
@@ -63,6 +65,9 @@ def spec_hash(spec: JobSpec, policy: Policy) -> str:
     return _digest({"spec": spec.to_dict(), "policy": policy.to_dict()})
 
 
+PROVE_WORK = 30.0  # plan-all --prove: the CP engine's deterministic seconds per situation
+
+
 @dataclass(frozen=True)
 class Settings:
     """How plans are computed; a change makes entries stale."""
@@ -72,15 +77,22 @@ class Settings:
     backend: str = "highs"
     max_placements: int = 4
     node_limit: int | None = 500   # the MILP's deterministic budget; the time limit is a net
+    work_limit: float = 1.0        # the CP engine's deterministic budget per situation
+    prove_work: float | None = None  # --prove: the CP engine's budget to close a gap
 
     def to_dict(self) -> dict[str, Any]:
         return {"solver": self.solver, "time_limit": self.time_limit, "backend": self.backend,
                 "max_placements": self.max_placements, "node_limit": self.node_limit,
+                "work_limit": self.work_limit, "prove_work": self.prove_work,
                 "planner": __version__}
 
     @property
     def hash(self) -> str:
-        return _digest(self.to_dict())
+        """What makes an entry stale. Not the prove budget: a proven entry stays valid for a
+        build without --prove (its plan is at least as good)."""
+        data = self.to_dict()
+        del data["prove_work"]
+        return _digest(data)
 
 
 def situation_file(counts: tuple[int, ...]) -> str:
@@ -107,17 +119,45 @@ def plan_best_placement(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
     for placement in options:
         plan = plan_situation(spec, policy, logical_failed(placement), settings.solver,
                               settings.time_limit, settings.backend, reference=reference,
-                              node_limit=settings.node_limit, reference_bound=reference_bound)
+                              node_limit=settings.node_limit, reference_bound=reference_bound,
+                              work_limit=settings.work_limit)
         if best is None or plan.metrics["period"] < best[0].metrics["period"] - 1e-9:
             best = (plan, placement)
     assert best is not None
     return best
 
 
+def prove_plan(plan: Plan, reference: float, work: float,
+               reference_bound: float | None = None) -> Plan:
+    """The plan after the CP engine's prove mode, warm-started from it: a shorter plan if one
+    is found, and the best bound proven (the plan's own bounds kept)."""
+    sim = simulate(plan.schedule)
+    new, info, bound = cp_prove(plan.spec, plan.policy, plan.failed, work, sim)
+    bounds = [Bound(plan.metrics["lower_bound"], plan.metrics.get("lower_bound_reason", ""))]
+    if bound is not None:
+        bounds.append(Bound(bound, "the CP engine's bound (prove mode)"))
+    if reference_bound is not None and plan.failed:
+        bounds.append(Bound(reference_bound, "the fault-free optimum's bound"))
+    solver = dict(plan.solver, prove=info)
+    if info["improved"]:
+        solver["detail"] = "cp (prove)"
+    return finish_plan(new, reference if plan.failed else new.period, solver, bounds=bounds)
+
+
 def _build_one(args: tuple) -> dict[str, Any]:
-    spec, policy, counts, settings, reference, reference_bound, folder, shash = args
-    plan, placement = plan_best_placement(spec, policy, counts, settings, reference,
-                                          reference_bound)
+    spec, policy, counts, settings, reference, reference_bound, folder, shash, old = args
+    proved = None
+    if old is not None:  # --prove on an entry already built: start from its plan
+        plan = read_plan(Path(folder) / old["file"])
+        placement = tuple(tuple(g) for g in old["placement"])
+    else:
+        plan, placement = plan_best_placement(spec, policy, counts, settings, reference,
+                                              reference_bound)
+    if settings.prove_work is not None:
+        proved = settings.prove_work
+        if not plan.metrics["optimal"]:
+            ref = plan.metrics["fault_free_period"] if reference is None else reference
+            plan = prove_plan(plan, ref, settings.prove_work, reference_bound)
     plan = Plan(plan.schedule, plan.timing, plan.metrics, plan.solver,
                 mapping={"placement": [list(g) for g in placement]})
     name = situation_file(counts)
@@ -131,7 +171,7 @@ def _build_one(args: tuple) -> dict[str, Any]:
                                           "degradation", "lower_bound", "gap", "optimal")
                         if k in m},
             "solver": plan.solver, "gap": m["gap"], "spec_hash": shash,
-            "settings_hash": settings.hash, "sha256": digest}
+            "settings_hash": settings.hash, "sha256": digest, "proved": proved}
 
 
 def file_sha256(path: Path) -> str | None:
@@ -159,12 +199,18 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
     old_entries = _reusable_entries(folder, spec, shash, force)
     wanted = situations(spec, max_failures)
     keep = {}
+    to_prove = {}  # --prove: intact entries that are not proven yet, improved from their plan
     for entry in old_entries:
         counts = tuple(entry.get("failed_per_stage", ()))
         if (entry.get("spec_hash") == shash and entry.get("settings_hash") == settings.hash
                 and entry.get("sha256") is not None
                 and file_sha256(folder / str(entry.get("file", ""))) == entry["sha256"]):
-            keep[counts] = entry  # a missing, damaged or replaced plan file is planned again
+            # a missing, damaged or replaced plan file is planned again
+            if settings.prove_work is None or entry["metrics"].get("optimal") or \
+                    (entry.get("proved") or 0) >= settings.prove_work:
+                keep[counts] = entry
+            else:
+                to_prove[counts] = entry
     todo = [k for k in wanted if k not in keep]
     log.info("library %s: %d situations, %d up to date, %d to plan", folder, len(wanted),
              len(wanted) - len(todo), len(todo))
@@ -184,7 +230,8 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
 
     # The fault-free situation first: every other entry's degradation is measured against it.
     if zero not in keep:
-        entries[zero] = _build_one((spec, policy, zero, settings, None, None, folder, shash))
+        entries[zero] = _build_one((spec, policy, zero, settings, None, None, folder, shash,
+                                    to_prove.get(zero)))
         todo.remove(zero)
         done += 1
     reference = entries[zero]["metrics"]["period"]
@@ -193,8 +240,8 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
         index = save()
     jobs = jobs or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                        else os.cpu_count() or 1)
-    tasks = [(spec, policy, k, settings, reference, reference_bound, str(folder), shash)
-             for k in todo]
+    tasks = [(spec, policy, k, settings, reference, reference_bound, str(folder), shash,
+              to_prove.get(k)) for k in todo]
     with _planning_pool(jobs if len(tasks) > 1 else 1) as run:
         for entry in run(_build_one, tasks):
             entries[tuple(entry["failed_per_stage"])] = entry

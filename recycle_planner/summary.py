@@ -33,6 +33,20 @@ def plan_summary(plan: Plan) -> str:
                      f"{size.get('binaries', '?')} binaries, {size.get('constraints', '?')} "
                      f"constraints, {milp.get('seconds', 0):.1f} s ({milp.get('backend')}, "
                      f"warm start {milp.get('warm_start')})")
+    cp = plan.solver.get("cp")
+    if cp:
+        obj = "none" if cp.get("objective") is None else f"{cp['objective']:.4g}"
+        bnd = "none" if cp.get("best_bound") is None else f"{cp['best_bound']:.4g}"
+        gap = "" if cp.get("gap") is None else f", gap {cp['gap']:.1%}"
+        probes = len(cp.get("probes", ()))
+        lines.append(f"  cp              {cp['status']}: objective {obj}, best bound {bnd}{gap}; "
+                     f"{cp.get('seconds', 0):.1f} s (work limit {cp.get('work_limit')}, warm "
+                     f"start {cp.get('warm_start')}" + (f", {probes} probes" if probes else "")
+                     + ")")
+    budget = plan.solver.get("budget")
+    if budget:
+        lines.append(f"  auto budget     {budget['time_limit']:g} s MILP, {budget['work_limit']:g} "
+                     f"CP work; spent {budget['seconds']:.1f} s")
     if "bubble_rate" in m:
         lines.append(f"  bubble rate     {m['bubble_rate']:.1%} mean, "
                      f"{m.get('max_bubble_rate', m['bubble_rate']):.1%} worst worker")
