@@ -52,9 +52,10 @@ CP_SEED = 0
 # The wall-time safety net is this many times the deterministic limit (in seconds) plus slack.
 WALL_FACTOR = 10.0
 MAX_SCALE_DIGITS = 4
-# `auto` runs the engine on jobs up to this many intervals (8x8x16 with 3 dead workers has
-# about 4,100; building the model takes about 1 s per 10,000 on this machine).
-CP_MAX_INTERVALS = 20_000
+# `auto` runs the engine on jobs up to this many intervals: the GPT example (8x4x8, about
+# 1,100-1,600) but not the 8x8x16 job (4,100 and more), where on this machine a few seconds of
+# work neither shortened a plan nor raised a bound (benchmarks/README.md).
+CP_MAX_INTERVALS = 2_000
 
 
 @dataclass
@@ -141,6 +142,7 @@ class CpModel:
                 if (d, s) in dead else [d * S + s]
         self.start: dict[tuple, Any] = {}
         self.presence: dict[tuple, Any] = {}
+        self.helpers: list[tuple] = []  # in-flight intervals' end and size, for the hint
         on: dict[int, list] = {w: [] for w in self.live}         # intervals per worker
         held: dict[int, list] = {w: [] for w in self.live}       # in-flight intervals
         count: dict[int, int] = {w: 0 for w in self.live}
@@ -212,6 +214,15 @@ class CpModel:
                 f = m.NewIntVar(0, horizon, "")
                 self.first[w] = f
                 m.Add(self.z >= self.t_ar[s] + tail[s] - f)
+                # The span holds every op the worker runs (a valid cut the no-overlap alone
+                # does not give a relational bound for).
+                load = []
+                for u in self.units:
+                    if w in self.cands[u]:
+                        work_u = sum(self.dur[k][s] for k in self.kinds)
+                        load.append(work_u if (u, w) not in self.presence
+                                    else work_u * self.presence[u, w])
+                m.Add(self.t_ar[s] - f >= sum(load))
                 for u in self.units:
                     if w not in self.cands[u]:
                         continue
@@ -231,6 +242,7 @@ class CpModel:
         end = m.NewIntVar(0, self.horizon + self.dur[rel][s], "")
         m.Add(end == self.start[u, rel] + self.dur[rel][s])
         size = m.NewIntVar(0, self.horizon + self.dur[rel][s], "")
+        self.helpers.append((u, rel, s, end, size))
         if lit is None:
             into.append(m.NewIntervalVar(self.start[u, F], size, end, ""))
         else:
@@ -278,6 +290,9 @@ class CpModel:
             m.AddHint(var, values[u, k])
         for (u, w), lit in self.presence.items():
             m.AddHint(lit, where[self.space.compute(F, *u)] == w)
+        for u, rel, s, end, size in self.helpers:  # a complete hint needs no search to repair
+            m.AddHint(end, values[u, rel] + self.dur[rel][s])
+            m.AddHint(size, values[u, rel] + self.dur[rel][s] - values[u, F])
         rel = self.kinds[-1]
         ar = {}
         for s, var in self.t_ar.items():

@@ -95,16 +95,18 @@ def test_no_schedule_under_x_is_a_bound():
 
 
 def test_prove_mode_bisects_the_gap():
-    """3x2x4 with p2p, staggered: the fast plan is 26.6 above a bound of 24.4; prove mode
-    finds shorter plans and raises the bound above the analytic one, and every probe says
-    what it proved."""
+    """3x2x4 with p2p, split, barrier: the fast plan is 26.6 above a bound of 25.6; prove mode
+    finds a shorter plan, keeps a bound between the analytic one and the plan, and records
+    each "schedule under X?" probe it ran."""
     spec = make_spec(stages=3, pipelines=2, microbatches=4, p2p=0.2)
     failed = ((1, 1),)
-    warm = warm_of(spec, Policy(), failed)
-    sim, info, bound = cp_prove(spec, Policy(), failed, 2, warm)
-    floor = lower_bound(spec, Policy(), failed).value
-    assert sim.period < warm.period and bound is not None and floor <= bound <= sim.period
-    assert info["probes"] and all(p["status"] for p in info["probes"])
+    warm = warm_of(spec, SPLIT, failed)
+    sim, info, bound = cp_prove(spec, SPLIT, failed, 2, warm)
+    floor = lower_bound(spec, SPLIT, failed).value
+    assert sim.period < warm.period - 0.5 and floor <= bound <= sim.period
+    assert info["improved"] and info["probes"]
+    for probe in info["probes"]:
+        assert bound < probe["under"] < warm.period and probe["status"]
 
 
 def test_costs_off_the_grid_round_down_and_say_so():
