@@ -148,8 +148,8 @@ def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: in
       recycle-planner profile examples/tiny_mlp.py:make_job -d 2 -m 4 -o tiny.toml
     """
     from recycle_planner.executor.job import load_job
-    from recycle_planner.profiler import profile_job, write_spec
-    from recycle_planner.spec import JobSpec
+    from recycle_planner.job.profiler import profile_job, write_spec
+    from recycle_planner.job.spec import JobSpec
 
     budget = None
     if memory_budget is not None:

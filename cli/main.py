@@ -11,8 +11,10 @@ import click
 
 from recycle_planner import __version__
 from recycle_planner.errors import RecycleError
-from recycle_planner.policy import SCHEDULES
-from recycle_planner.solvers import SOLVERS
+from recycle_planner.job.policy import SCHEDULES
+from recycle_planner.library import Settings
+from recycle_planner.solvers.milp import BACKENDS
+from recycle_planner.solvers.registry import PROVE_WORK, SOLVERS, SolverSettings, solver_help
 
 log = logging.getLogger("recycle_planner")
 
@@ -41,6 +43,7 @@ PLAN_EPILOG = examples(
     "recycle-planner plan examples/gpt.toml --fail 1:3 -o fail.json",
     "recycle-planner plan examples/gpt.toml --fail 1:3 --no-decouple --no-stagger",
     "recycle-planner plan examples/small.toml --fail 0:1 --fail 1:2 --solver milp",
+    "recycle-planner plan examples/small.toml --fail 0:1 --fail 1:2 --no-stagger --solver cp",
     note="A worker is PIPELINE:STAGE, both counted from 0. Times are in milliseconds. "
          "--no-decouple --no-stagger is plain re-routing, the baseline.")
 SHOW_EPILOG = examples("recycle-planner show fail.json",
@@ -59,6 +62,7 @@ EXPORT_EPILOG = examples(
 PLAN_ALL_EPILOG = examples(
     "recycle-planner plan-all examples/gpt.toml --max-failures 2 -o plans/",
     "recycle-planner plan-all examples/gpt.toml -f 3 -o plans/ -j 8   # resumes plans/",
+    "recycle-planner plan-all examples/gpt.toml -f 3 -o plans/ --prove   # closes gaps",
     "recycle-planner plan-all big.toml -f 2 --solver heuristic -o big-plans/")
 LOOKUP_EPILOG = examples(
     "recycle-planner lookup plans/ --failed 2:5 --failed 0:1",
@@ -113,35 +117,32 @@ def solver_options(default: str):
 
 
 def _solver_options(func, default: str):
-    func = click.option("--backend", type=click.Choice(["highs", "pulp-cbc", "pulp-highs"]),
-                        default="highs", show_default=True,
+    defaults = SolverSettings()
+    func = click.option("--backend", type=click.Choice(list(BACKENDS)), default=defaults.backend,
+                        show_default=True,
                         help="MILP backend: highspy directly, or PuLP with CBC or HiGHS.")(func)
     func = click.option("--node-limit", type=click.IntRange(1), default=None, metavar="NODES",
                         help="Also stop the MILP after this many branch-and-bound nodes: the "
-                             "same answer on every machine (plan-all defaults to 500).")(func)
-    func = click.option("--time-limit", type=click.FloatRange(min=0.1), default=10.0,
-                        show_default=True, metavar="SECONDS",
+                             "same answer on every machine (plan-all defaults to "
+                             f"{Settings().node_limit}).")(func)
+    func = click.option("--time-limit", type=click.FloatRange(min=0.1),
+                        default=defaults.time_limit, show_default=True, metavar="SECONDS",
                         help="Budget of the MILP (and of 'auto') per situation.")(func)
     func = click.option("--work-limit", type=click.FloatRange(min=0.01), default=None,
                         metavar="WORK",
                         help="Budget of the CP engine in CP-SAT's deterministic seconds (about "
-                             "CPU seconds): the same plan on every machine (default: the time "
-                             "limit; plan-all: 1).")(func)
-    func = click.option("--solver", type=click.Choice(SOLVERS), default=default,
-                        show_default=True,
-                        help="heuristic: list scheduling (fast, any size); dp: dynamic programs "
-                             "that pack re-routed work into idle time; milp: exact model with a "
-                             "time limit; cp: the constraint-programming engine (OR-Tools CP-SAT) "
-                             "with a work limit; auto: the fast solvers, then the engines that "
-                             "fit the budget while a gap is left.")(func)
+                             "CPU seconds), the same plan on every machine (default: the time "
+                             f"limit; plan-all: {Settings().work_limit:g}).")(func)
+    func = click.option("--solver", type=click.Choice(list(SOLVERS)), default=default,
+                        show_default=True, help=solver_help())(func)
     return func
 
 
 def check_output(path: Path | None, picture: bool = False) -> None:
     """Fail before any work on an output that cannot be written (no such folder, or a
     picture name without .png/.svg/.pdf)."""
-    from recycle_planner.figures import picture_format
-    from recycle_planner.planfile import output_folder
+    from recycle_planner.io import output_folder
+    from recycle_planner.views.figures import picture_format
 
     if path is None:
         return
@@ -151,7 +152,7 @@ def check_output(path: Path | None, picture: bool = False) -> None:
 
 
 def make_policy(schedule: str, decouple: bool, stagger: bool):
-    from recycle_planner.policy import Policy
+    from recycle_planner.job.policy import Policy
 
     return Policy(schedule=schedule, decouple=decouple, stagger=stagger)
 
@@ -161,10 +162,10 @@ def make_policy(schedule: str, decouple: bool, stagger: bool):
 @click.option("--fail", "fail", multiple=True, metavar="PIPELINE:STAGE",
               help="A dead worker; repeat for several.")
 @policy_options
-@solver_options(default="heuristic")
+@solver_options(default=SolverSettings().solver)
 @click.option("--prove", is_flag=True,
-              help="With --solver cp or auto: spend the CP engine's work limit on closing the "
-                   "gap to the lower bound (bisection with 'is there a schedule under X?').")
+              help="With --solver cp: spend the work limit on closing the gap to the lower "
+                   "bound (bisection with 'is there a schedule under X?').")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the plan here (JSON; .json.gz is compressed).")
 def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagger: bool,
@@ -176,19 +177,19 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     (steady-state time per iteration), the degradation against the fault-free plan of the
     same policy, and a lower bound that no plan can beat.
     """
-    from recycle_planner.failures import parse_worker
-    from recycle_planner.planfile import write_plan
+    from recycle_planner.files.planfile import write_plan
+    from recycle_planner.job.spec import load_spec
+    from recycle_planner.job.workers import parse_worker
     from recycle_planner.planner import plan_situation
-    from recycle_planner.spec import load_spec
-    from recycle_planner.summary import plan_summary
+    from recycle_planner.views.summary import plan_summary
 
     check_output(output)
     job = load_spec(spec)
     policy = make_policy(schedule, decouple, stagger)
     failed = [parse_worker(f) for f in fail]
-    result = plan_situation(job, policy, failed, solver=solver, time_limit=time_limit,
-                            backend=backend, node_limit=node_limit, work_limit=work_limit,
-                            prove=prove)
+    settings = SolverSettings(solver=solver, time_limit=time_limit, backend=backend,
+                              node_limit=node_limit, work_limit=work_limit, prove=prove)
+    result = plan_situation(job, policy, failed, settings)
     click.echo(plan_summary(result))
     if output is not None:
         write_plan(result, output)
@@ -206,18 +207,18 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
                    "20,000 ops).")
 def show(plan_file: Path, width: int, max_workers: int, critical_path: bool) -> None:
     """Print a plan's summary, a text timeline of one iteration and its critical path."""
-    from recycle_planner.planfile import read_plan
-    from recycle_planner.summary import plan_summary
-    from recycle_planner.timeline import text_timeline
+    from recycle_planner.files.planfile import read_plan
+    from recycle_planner.views.summary import plan_summary
+    from recycle_planner.views.timeline import text_timeline
 
     p = read_plan(plan_file)
     click.echo(plan_summary(p))
     click.echo()
     click.echo(text_timeline(p, width=width, max_workers=max_workers))
     if critical_path and p.schedule.n_ops <= 20_000:
-        from recycle_planner.dag import critical_path as chain_of
-        from recycle_planner.dag import describe_critical_path, plan_graph
-        from recycle_planner.validate import validate
+        from recycle_planner.timing.dag import critical_path as chain_of
+        from recycle_planner.timing.dag import describe_critical_path, plan_graph
+        from recycle_planner.timing.validate import validate
 
         click.echo()
         problems = validate(p)
@@ -241,8 +242,8 @@ def show(plan_file: Path, width: int, max_workers: int, critical_path: bool) -> 
               help="Rows per plan at most (pipelines with failures first).")
 def gantt(plan_file: Path, output: Path, compare: Path | None, max_workers: int) -> None:
     """Draw a plan as a Gantt chart: one row per worker, grouped by pipeline."""
-    from recycle_planner.gantt import draw_gantt
-    from recycle_planner.planfile import read_plan
+    from recycle_planner.files.planfile import read_plan
+    from recycle_planner.views.gantt import draw_gantt
 
     check_output(output, picture=True)
     plans = [read_plan(plan_file)]
@@ -261,8 +262,8 @@ def validate(plan_file: Path) -> None:
     """Check every rule a plan must keep: each op once on a live worker of its stage,
     dependencies with p2p latency, no overlap, memory, no deadlock. Exit status 1 when a rule
     is broken."""
-    from recycle_planner.planfile import read_plan
-    from recycle_planner.validate import validate as check
+    from recycle_planner.files.planfile import read_plan
+    from recycle_planner.timing.validate import validate as check
 
     problems = check(read_plan(plan_file))
     if not problems:
@@ -282,8 +283,8 @@ def validate(plan_file: Path) -> None:
 def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
     """Write a fault-free plan as torch.distributed.pipelining's compute-only CSV, for
     _PipelineScheduleRuntime._load_csv(path, format="compute_only")."""
-    from recycle_planner.export_torch import export_torch_csv
-    from recycle_planner.planfile import read_plan
+    from recycle_planner.files.export_torch import export_torch_csv
+    from recycle_planner.files.planfile import read_plan
 
     check_output(output)
     export_torch_csv(read_plan(plan_file), output, pipeline)
@@ -297,7 +298,7 @@ def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Library folder (created; index.json plus one plan per situation).")
 @policy_options
-@solver_options(default="auto")
+@solver_options(default=Settings.solver)
 @click.option("--jobs", "-j", type=click.IntRange(1), default=None,
               help="Processes (default: every core).")
 @click.option("--max-placements", type=click.IntRange(1), default=4, show_default=True,
@@ -306,15 +307,16 @@ def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
                                             "another spec, or a corrupted index.")
 @click.option("--prove", is_flag=True,
               help="Spend more time to close gaps: every situation whose plan is not proven "
-                   "optimal gets the CP engine with --prove-work of budget (bisection with "
-                   "'is there a schedule under X?'); entries already proven optimal are kept. "
-                   "Resumable like plan-all.")
-@click.option("--prove-work", type=click.FloatRange(min=0.01), default=None, metavar="WORK",
-              help="The CP engine's budget per situation in --prove mode (default 30).")
+                   "optimal gets the CP engine with --prove-work of budget, warm-started from "
+                   "its plan (bisection with 'is there a schedule under X?'); entries already "
+                   "proven optimal are kept. Resumable like plan-all.")
+@click.option("--prove-work", type=click.FloatRange(min=0.01), default=PROVE_WORK,
+              show_default=True, metavar="WORK",
+              help="The CP engine's deterministic seconds per situation with --prove.")
 def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decouple: bool,
              stagger: bool, solver: str, time_limit: float, node_limit: int | None, backend: str,
              work_limit: float | None, jobs: int | None, max_placements: int, force: bool,
-             prove: bool, prove_work: float | None) -> None:
+             prove: bool, prove_work: float) -> None:
     """Precompute the best plan for every failure situation with up to F dead workers.
 
     Workers of a stage are interchangeable, so a situation is the number of dead workers per
@@ -323,18 +325,17 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
     """
     from tqdm import tqdm
 
-    from recycle_planner.library import PROVE_WORK, PlanLibrary, Settings, build_library
-    from recycle_planner.report import library_text
-    from recycle_planner.spec import load_spec
+    from recycle_planner.job.spec import load_spec
+    from recycle_planner.library import PlanLibrary, build_library
+    from recycle_planner.views.report import library_text
 
     job = load_spec(spec)
     policy = make_policy(schedule, decouple, stagger)
     settings = Settings(solver=solver, time_limit=time_limit, backend=backend,
                         max_placements=max_placements,
-                        node_limit=500 if node_limit is None else node_limit,
-                        work_limit=Settings.work_limit if work_limit is None else work_limit,
-                        prove_work=(PROVE_WORK if prove_work is None else prove_work)
-                        if prove else None)
+                        node_limit=Settings().node_limit if node_limit is None else node_limit,
+                        work_limit=Settings().work_limit if work_limit is None else work_limit,
+                        prove_work=prove_work if prove else None)
     bar = tqdm(total=None, unit="situation", desc="planning", file=sys.stderr, disable=None)
 
     def progress(done: int, total: int) -> None:
@@ -365,7 +366,7 @@ def lookup(library: Path, failed: tuple[str, ...], as_json: bool) -> None:
     physical worker plays in it."""
     import json
 
-    from recycle_planner.failures import format_workers, parse_worker
+    from recycle_planner.job.workers import format_workers, parse_worker
     from recycle_planner.library import PlanLibrary
 
     lib = PlanLibrary.open(library)
@@ -393,7 +394,7 @@ def report(library: Path, output: Path | None) -> None:
     """Summarize a plan library: situations, worst and mean degradation, gaps to the lower
     bounds."""
     from recycle_planner.library import PlanLibrary
-    from recycle_planner.report import library_text, plot_library
+    from recycle_planner.views.report import library_text, plot_library
 
     check_output(output, picture=True)
     lib = PlanLibrary.open(library)

@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,19 +36,22 @@ from typing import Any, Callable, Iterable, Iterator
 
 from recycle_planner import __version__
 from recycle_planner.errors import FailureSetError, PlanFileError, RecycleError
-from recycle_planner.failures import check_failed, dead_per_stage
-from recycle_planner.normalize import (Mapping, Placement, canonical, check_threshold,
-                                       counts_of, failure_sets, logical_failed, map_failure,
-                                       placements, situations)
-from recycle_planner.plan import Plan
-from recycle_planner.planfile import read_json, read_plan, write_json, write_plan
+from recycle_planner.files.planfile import read_plan, write_plan
+from recycle_planner.io import read_json, write_json
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.situations import (Mapping, Placement, canonical, check_threshold,
+                                            counts_of, failure_sets, logical_failed, map_failure,
+                                            placements, situations)
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.job.workers import check_failed, dead_per_stage
 from recycle_planner.planner import finish_plan, plan_situation, solve
-from recycle_planner.policy import Policy
-from recycle_planner.simulate import simulate
+from recycle_planner.solvers.heuristic import list_schedule
 from recycle_planner.solvers.bounds import Bound
 from recycle_planner.solvers.cp import cp_prove
-from recycle_planner.solvers.heuristic import list_schedule
-from recycle_planner.spec import JobSpec
+from recycle_planner.solvers.registry import (LIBRARY_NODE_LIMIT, LIBRARY_WORK_LIMIT,
+                                              SolverSettings)
+from recycle_planner.timing.plan import Plan
+from recycle_planner.timing.simulate import simulate
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +69,15 @@ def spec_hash(spec: JobSpec, policy: Policy) -> str:
     return _digest({"spec": spec.to_dict(), "policy": policy.to_dict()})
 
 
-PROVE_WORK = 30.0  # plan-all --prove: the CP engine's deterministic seconds per situation
-
-
 @dataclass(frozen=True)
-class Settings:
-    """How plans are computed; a change makes entries stale."""
+class Settings(SolverSettings):
+    """How a library's plans are computed (a change makes entries stale): the solver settings,
+    with the library's defaults, and how many placements of the holes to try."""
 
     solver: str = "auto"
-    time_limit: float = 10.0
-    backend: str = "highs"
+    node_limit: int | None = LIBRARY_NODE_LIMIT  # deterministic; the time limit is a safety net
+    work_limit: float | None = LIBRARY_WORK_LIMIT  # the CP engine's, deterministic too
     max_placements: int = 4
-    node_limit: int | None = 500   # the MILP's deterministic budget; the time limit is a net
-    work_limit: float = 1.0        # the CP engine's deterministic budget per situation
     prove_work: float | None = None  # --prove: the CP engine's budget to close a gap
 
     def to_dict(self) -> dict[str, Any]:
@@ -122,10 +122,8 @@ def plan_best_placement(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
         options = [options[min(range(len(options)), key=lambda i: (periods[i], i))]]
     best: tuple[Plan, Placement] | None = None
     for placement in options:
-        plan = plan_situation(spec, policy, logical_failed(placement), settings.solver,
-                              settings.time_limit, settings.backend, reference=reference,
-                              node_limit=settings.node_limit, reference_bound=reference_bound,
-                              work_limit=settings.work_limit)
+        plan = plan_situation(spec, policy, logical_failed(placement), settings,
+                              reference=reference, reference_bound=reference_bound)
         if best is None or plan.metrics["period"] < best[0].metrics["period"] - 1e-9:
             best = (plan, placement)
     assert best is not None
@@ -258,6 +256,9 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
     return index
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextmanager
 def _planning_pool(jobs: int) -> Iterator[Callable[[Callable, list], Iterable]]:
     """`run(fn, tasks)` yields results in task order, over `jobs` processes. However the
@@ -267,9 +268,21 @@ def _planning_pool(jobs: int) -> Iterator[Callable[[Callable, list], Iterable]]:
         yield lambda fn, tasks: map(fn, tasks)
         return
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    pool = multiprocessing.get_context(method).Pool(jobs, initializer=_worker_setup,
-                                                   initargs=(os.getpid(),))
+    # A stop signal that lands during a fork has its handler run in an at-fork hook, which
+    # drops the exception: while the pool starts, signals are only noted, then raised again.
+    noted: list[int] = []
+    main = threading.current_thread() is threading.main_thread()  # handlers live there only
+    previous = {sig: signal.signal(sig, lambda signum, frame: noted.append(signum))
+                for sig in STOP_SIGNALS} if main else {}
     try:
+        pool = multiprocessing.get_context(method).Pool(jobs, initializer=_worker_setup,
+                                                       initargs=(os.getpid(),))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    try:
+        for sig in noted[:1]:
+            signal.raise_signal(sig)
         yield lambda fn, tasks: pool.imap(fn, tasks, chunksize=1)
         pool.close()
     except BaseException:

@@ -3,113 +3,46 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Iterable
 
-from recycle_planner.errors import RecycleError
-from recycle_planner.failures import check_failed
-from recycle_planner.plan import Plan, worker_stats
-from recycle_planner.policy import Policy
-from recycle_planner.simulate import Simulation
-from recycle_planner.solvers import SOLVERS, Solution
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.job.workers import check_failed
+from recycle_planner.solvers import Solution
 from recycle_planner.solvers.bounds import Bound, lower_bound
-from recycle_planner.solvers.cp import cp_fits, cp_prove, cp_solution
-from recycle_planner.solvers.dp import dp_plan
-from recycle_planner.solvers.heuristic import Candidate, heuristic
-from recycle_planner.solvers.milp import BACKENDS, estimated_pairs, milp_solution
-from recycle_planner.spec import JobSpec
+from recycle_planner.solvers.registry import SolverSettings
+from recycle_planner.timing.plan import Plan, worker_stats
+from recycle_planner.timing.simulate import Simulation
 
 log = logging.getLogger(__name__)
 
 
-# Order variables the MILP can handle per second of budget, for `auto` (measured on the
-# benchmark instances: beyond this HiGHS rarely improves on the warm start in time).
-MILP_PAIRS_PER_SECOND = 400
-
-
-def solve(spec: JobSpec, policy: Policy, failed: tuple, solver: str = "heuristic",
-          time_limit: float | None = None, backend: str = "highs",
-          node_limit: int | None = None, work_limit: float | None = None,
-          prove: bool = False) -> Solution:
-    """Run one solver on one failure set (already checked).
-
-    heuristic: list scheduling; dp: the slot-matching DP (with no failures there is nothing to
-    match and the heuristic's fault-free plan is returned); milp: the MILP warm-started from
-    the better of the two; cp: the CP-SAT model warm-started the same way, within `work_limit`
-    seconds of CP-SAT's deterministic time (default: the time limit); auto: heuristic and dp,
-    then, while a gap to the analytic bound is left, the CP engine if the job is small enough
-    for it and the MILP if its model fits the time budget; the shortest period wins and the
-    best bound of any engine certifies it. `prove` gives the CP engine's whole budget to
-    closing the gap (bisection with "is there a schedule under X?")."""
-    if solver not in SOLVERS:
-        raise RecycleError(f"unknown solver {solver!r} (expected one of: {', '.join(SOLVERS)})")
-    if backend not in BACKENDS:
-        raise RecycleError(f"unknown MILP backend {backend!r} (expected one of: "
-                           f"{', '.join(BACKENDS)})")
-    time_limit = 10.0 if time_limit is None else float(time_limit)
-    work_limit = time_limit if work_limit is None else float(work_limit)
-    t0 = time.perf_counter()
-    found: list[Candidate] = []
-    if solver in ("heuristic", "milp", "cp", "auto") or not failed:
-        found.append(heuristic(spec, policy, failed))
-    if solver in ("dp", "milp", "cp", "auto") and failed:
-        found.append(dp_plan(spec, policy, failed))
-    best = min(found, key=lambda c: c.simulation.period)  # first wins ties
-    info: dict[str, Any] = {"name": solver, "detail": best.name,
-                            "candidates": {c.name: c.simulation.period for c in found}}
-    sim = best.simulation
-    bounds: list[Bound] = []
-    floor = lower_bound(spec, policy, failed).value
-
-    def open_gap() -> bool:
-        proven = max([floor] + [b.value for b in bounds])
-        return sim.period > proven * (1 + 1e-6)
-
-    if solver == "cp" or (solver == "auto" and open_gap() and cp_fits(spec, policy, failed)):
-        engine = cp_prove if prove else cp_solution
-        new, cp_info, cp_bound = engine(spec, policy, failed, work_limit, sim)
-        info["cp"] = cp_info
-        if cp_bound is not None:
-            bounds.append(Bound(cp_bound, "the CP engine's bound"))
-        if cp_info["improved"]:
-            sim, info["detail"] = new, "cp"
-    run = solver == "milp" or (solver == "auto" and open_gap() and estimated_pairs(
-        spec, policy, failed) <= MILP_PAIRS_PER_SECOND * time_limit)
-    if run:
-        new, milp_info, milp_bound = milp_solution(spec, policy, failed, time_limit, backend,
-                                                   sim, node_limit)
-        info["milp"] = milp_info
-        if milp_bound is not None:
-            bounds.append(Bound(milp_bound, "the MILP's best bound"))
-        if milp_info["improved"]:
-            sim, info["detail"] = new, "milp"
-    if solver == "auto":
-        info["budget"] = {"time_limit": time_limit, "work_limit": work_limit,
-                          "node_limit": node_limit, "seconds": round(time.perf_counter() - t0, 3)}
-    bound = max(bounds, key=lambda b: b.value) if bounds else None
-    return Solution(sim, info, bound.value if bound else None,
-                    bound.reason if bound else None)
+def solve(spec: JobSpec, policy: Policy, failed: tuple,
+          solver: str | SolverSettings | None = None, **options: Any) -> Solution:
+    """Run one registered solver (solvers/registry.py) on one failure set (already checked).
+    `solver` is a name or settings; `options` change settings (time_limit=..., backend=...,
+    node_limit=...; None keeps the default)."""
+    settings = SolverSettings.of(solver, **options)
+    return settings.entry.run(spec, policy, failed, settings)
 
 
 def plan_situation(spec: JobSpec, policy: Policy, failed: Iterable[Iterable[int]] = (),
-                   solver: str = "heuristic", time_limit: float | None = None,
-                   backend: str = "highs", reference: float | None = None,
-                   node_limit: int | None = None, reference_bound: float | None = None,
-                   work_limit: float | None = None, prove: bool = False) -> Plan:
+                   solver: str | SolverSettings | None = None, reference: float | None = None,
+                   reference_bound: float | None = None, **options: Any) -> Plan:
     """The plan for one failure set, with its figures. `reference` is the fault-free period and
     `reference_bound` a proven lower bound of the fault-free situation (both computed when not
     given; pass them to save the work for many situations). A failure plan is also a valid
     fault-free plan (the dead workers just idle), so the fault-free bound bounds it too."""
+    settings = SolverSettings.of(solver, **options)
     failed = check_failed(spec, failed)
-    solution = solve(spec, policy, failed, solver, time_limit, backend, node_limit, work_limit,
-                     prove)
+    solution = solve(spec, policy, failed, settings)
     bounds = []
     if solution.bound is not None:
         bounds.append(Bound(solution.bound, solution.bound_reason or "a solver's bound"))
     if not failed:
         reference = solution.simulation.period
     elif reference is None:
-        ff = solve(spec, policy, (), solver, time_limit, backend, node_limit, work_limit)
+        ff = solve(spec, policy, (), settings)
         reference = ff.simulation.period
         if reference_bound is None:
             reference_bound = max(lower_bound(spec, policy, ()).value, ff.bound or 0.0)

@@ -7,6 +7,8 @@
 - auto: heuristic and dp always; while a gap to the analytic bound is left, cp when the job is
   small enough for it and milp when its model fits the time budget; the best plan wins, and
   the best bound of any of them certifies it.
+
+`registry.py` lists them by name with their settings; `portfolio.py` says what each runs.
 """
 
 from __future__ import annotations
@@ -14,10 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from recycle_planner.simulate import Simulation
-
-SOLVERS = ("heuristic", "dp", "milp", "cp", "auto")
-
+from recycle_planner.timing.simulate import Simulation
 
 @dataclass(frozen=True, eq=False)
 class Solution:

@@ -5,15 +5,15 @@ import json
 
 import pytest
 
+from recycle_planner.job.policy import BASELINE, Policy
 from recycle_planner.library import PlanLibrary, Settings, build_library
 from recycle_planner.planner import plan_situation, solve
-from recycle_planner.policy import BASELINE, Policy
 from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers.cp import cp_prove, intervals, run_cp, time_scale
 from recycle_planner.solvers.exhaustive import exhaustive
 from recycle_planner.solvers.heuristic import heuristic
 from recycle_planner.solvers.milp import run_milp
-from recycle_planner.validate import validate
+from recycle_planner.timing.validate import validate
 
 from conftest import make_spec
 from test_solvers import TINY

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from recycle_planner.errors import ScheduleError
-from recycle_planner.ops import AR, B, COMPUTE_KINDS, F, I, W
-from recycle_planner.plan import Plan, peak_inflight
-from recycle_planner.policy import budget_caps
-from recycle_planner.simulate import DependencyGraph, cost_table, data_edges
+from recycle_planner.job.policy import budget_caps
+from recycle_planner.schedules.ops import AR, B, COMPUTE_KINDS, F, I, W
+from recycle_planner.timing.plan import Plan, peak_inflight
+from recycle_planner.timing.simulate import DependencyGraph, cost_table, data_edges
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from recycle_planner.failures import format_workers
-from recycle_planner.plan import Plan
+from recycle_planner.job.workers import format_workers
+from recycle_planner.timing.plan import Plan
 
 
 def plan_summary(plan: Plan) -> str:
