@@ -42,6 +42,7 @@ from recycle_planner.job.spec import JobSpec
 from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker
 from recycle_planner.schedules.schedule import Schedule, with_collectives
 from recycle_planner.solvers.bounds import lower_bound
+from recycle_planner.solvers.milp import MilpResult
 from recycle_planner.timing.simulate import Simulation, simulate
 
 # CP-SAT's search: one worker (deterministic; on the benchmark instances eight interleaved
@@ -59,15 +60,9 @@ CP_MAX_INTERVALS = 2_000
 
 
 @dataclass
-class CpResult:
-    schedule: Schedule | None
-    status: str
-    objective: float | None
-    bound: float | None
-    gap: float | None
-    seconds: float
-    size: dict[str, int]
-    warm_start: str
+class CpResult(MilpResult):
+    """The MILP's result, plus the time scale the engine used."""
+
     scale: int
     exact: bool  # costs scaled without rounding: the bound is the model's, not a relaxation's
 
@@ -403,18 +398,7 @@ def cp_solution(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_
     """The CP engine's plan (or the warm start when it found nothing shorter), its report and
     its proven bound."""
     res = run_cp(spec, policy, failed, work_limit, warm)
-    info: dict[str, Any] = {"engine": "cp-sat", "status": res.status,
-                            "objective": res.objective, "best_bound": res.bound, "gap": res.gap,
-                            "seconds": round(res.seconds, 3), "work_limit": work_limit,
-                            "model": res.size, "warm_start": res.warm_start,
-                            "time_scale": res.scale}
-    best = warm
-    if res.schedule is not None:
-        sim = simulate(res.schedule)
-        if sim.period < warm.period - 1e-9:
-            best = sim
-    info["improved"] = best is not warm
-    return best, info, res.bound
+    return res.against(warm, engine="cp-sat", work_limit=work_limit, time_scale=res.scale)
 
 
 def cp_prove(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit: float,
