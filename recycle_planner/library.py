@@ -218,7 +218,7 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
     log.info("library %s: %d situations, %d up to date, %d to plan", folder, len(wanted),
              len(wanted) - len(todo), len(todo))
     zero = (0,) * spec.stages
-    entries = dict(keep)
+    entries = {**keep, **to_prove}  # an interrupted --prove keeps the plans it has not reached
     done = len(wanted) - len(todo)
     if progress:
         progress(done, len(wanted))
