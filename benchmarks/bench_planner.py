@@ -2,9 +2,10 @@
 examples, and the speed of whole libraries.
 
 Usage:
-  python benchmarks/bench_planner.py optimality [--node-limit N] [--time-limit S]
+  python benchmarks/bench_planner.py optimality [--node-limit N] [--time-limit S] [--work-limit W]
   python benchmarks/bench_planner.py quality
-  python benchmarks/bench_planner.py speed [--big]
+  python benchmarks/bench_planner.py speed [--big] [--prove]
+  python benchmarks/bench_planner.py library [--prove]
 Each prints a markdown table and writes JSON next to it under benchmarks/results/.
 """
 
@@ -29,7 +30,8 @@ from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers.dp import dp_plan
 from recycle_planner.solvers.exhaustive import exhaustive
 from recycle_planner.solvers.heuristic import heuristic
-from recycle_planner.solvers.milp import run_milp
+from recycle_planner.solvers.cp import run_cp
+from recycle_planner.solvers.milp import estimated_pairs, run_milp
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -61,18 +63,42 @@ OPTIMALITY = [
     ("4x4x8 uniform", spec(4, 4, 8), Policy(), ((1, 2),)),
     ("4x4x8 non-uniform", spec(4, 4, 8, **NON_UNIFORM), Policy(), ((2, 3),)),
     ("4x4x8 p2p, 2 failures", spec(4, 4, 8, p2p=0.5), Policy(), ((0, 1), (2, 2))),
+    # Issue 13's instances (costs as the issue gives them; where it does not, as noted).
+    ("issue: 4x2x8 unit", spec(4, 2, 8), SPLIT, ((0, 1), (1, 2))),
+    ("issue: 4x4x16 F=I=W=20", spec(4, 4, 16, forward=20, backward_input=20,
+                                    backward_weight=20), Policy(), ((1, 2),)),
+    ("issue: 3x3x4 (test library's job)", spec(3, 3, 4, p2p=0.1, allreduce=0.5), Policy(),
+     ((1, 1),)),
+    ("issue: 4x4x16 unit, barrier", spec(4, 4, 16), SPLIT, ((1, 2),)),
+    ("issue: 4x2x8 unit, plain", spec(4, 2, 8), BASELINE, ((0, 1), (1, 2))),
+    ("issue: GPT example, M=16", None, SPLIT, ((1, 3),)),
 ]
 
 
-def optimality(node_limit: int, time_limit: float) -> dict:
+MILP_MAX_PAIRS = 200_000  # beyond this the big-M model takes minutes just to build
+
+
+def gpt16() -> JobSpec:
+    return load_spec(ROOT / "examples" / "gpt.toml").with_changes(microbatches=16)
+
+
+def optimality(node_limit: int, time_limit: float, work_limit: float) -> dict:
     rows = []
     for name, job, policy, failed in OPTIMALITY:
+        job = job or gpt16()
         h = heuristic(job, policy, failed).simulation
         d = dp_plan(job, policy, failed).simulation
         warm = h if h.period <= d.period else d
         t0 = time.perf_counter()
-        res = run_milp(job, policy, failed, time_limit, "highs", warm, node_limit=node_limit)
+        res = None
+        if estimated_pairs(job, policy, failed) <= MILP_MAX_PAIRS:
+            res = run_milp(job, policy, failed, time_limit, "highs", warm, node_limit=node_limit)
         secs = time.perf_counter() - t0
+        print(f"{name}: MILP {res and res.status} {res and res.objective} in {secs:.1f} s",
+              file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        cp = run_cp(job, policy, failed, work_limit, warm)
+        cp_secs = time.perf_counter() - t0
         exact = None
         try:
             t1 = time.perf_counter()
@@ -81,27 +107,43 @@ def optimality(node_limit: int, time_limit: float) -> dict:
                      "seconds": time.perf_counter() - t1}
         except RecycleError:
             pass
-        best = min(res.objective, warm.period)
+        milp = {"objective": None, "status": "not run (model too large)", "bound": None,
+                "size": {}} if res is None else vars(res)
+        best = min(x for x in (milp["objective"], cp.objective, warm.period) if x is not None)
+        proven = max(x for x in (milp["bound"], cp.bound, lower_bound(job, policy, failed).value)
+                     if x is not None)
         rows.append({"instance": name, "policy": policy.label, "failed": failed,
                      "lower_bound": lower_bound(job, policy, failed).value,
-                     "heuristic": h.period, "dp": d.period, "milp": res.objective,
-                     "milp_status": res.status, "milp_bound": res.bound, "milp_seconds": secs,
-                     "binaries": res.size["binaries"], "constraints": res.size["constraints"],
+                     "heuristic": h.period, "dp": d.period, "milp": milp["objective"],
+                     "milp_status": milp["status"], "milp_bound": milp["bound"],
+                     "milp_seconds": secs,
+                     "cp": cp.objective, "cp_status": cp.status, "cp_bound": cp.bound,
+                     "cp_seconds": cp_secs, "best": best, "best_bound": proven,
+                     "gap": best / proven - 1,
+                     "binaries": milp["size"].get("binaries"),
                      "exhaustive": exact,
                      "heuristic_gap": h.period / best - 1, "dp_gap": d.period / best - 1})
     lines = ["| instance | policy | lower bound | heuristic | DP | MILP (status) | MILP bound | "
-             "exhaustive | heuristic gap | DP gap | binaries | MILP time |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "MILP time | CP (status) | CP bound | CP time | exhaustive | best / proven gap |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def num(x):
+        return "-" if x is None else f"{x:.4g}"
+
     for r in rows:
         ex = "-" if r["exhaustive"] is None else \
             f"{r['exhaustive']['period']:.4g} ({r['exhaustive']['plans']} plans)"
-        status = "optimal" if r["milp_status"] == "Optimal" else "stopped"
+        status = "optimal" if r["milp_status"] == "Optimal" else \
+            "not run" if r["milp"] is None and r["milp_status"].startswith("not") else "stopped"
+        cp_status = "optimal" if r["cp_status"].startswith("Optimal") else "stopped"
         lines.append(f"| {r['instance']} | {r['policy']} | {r['lower_bound']:.4g} | "
-                     f"{r['heuristic']:.4g} | {r['dp']:.4g} | {r['milp']:.4g} ({status}) | "
-                     f"{r['milp_bound']:.4g} | {ex} | {r['heuristic_gap']:.1%} | "
-                     f"{r['dp_gap']:.1%} | {r['binaries']} | {r['milp_seconds']:.1f} s |")
+                     f"{r['heuristic']:.4g} | {r['dp']:.4g} | {num(r['milp'])} ({status}) | "
+                     f"{num(r['milp_bound'])} | {r['milp_seconds']:.1f} s | {num(r['cp'])} "
+                     f"({cp_status}) | {num(r['cp_bound'])} | {r['cp_seconds']:.1f} s | {ex} | "
+                     f"{num(r['best'])} / {num(r['best_bound'])} ({r['gap']:.1%}) |")
     return {"rows": rows, "table": "\n".join(lines),
-            "settings": {"node_limit": node_limit, "time_limit": time_limit}}
+            "settings": {"node_limit": node_limit, "time_limit": time_limit,
+                         "work_limit": work_limit}}
 
 
 def quality() -> dict:
@@ -189,10 +231,12 @@ def main() -> None:
     parser.add_argument("which", choices=["optimality", "quality", "speed"])
     parser.add_argument("--node-limit", type=int, default=20_000)
     parser.add_argument("--time-limit", type=float, default=120.0)
+    parser.add_argument("--work-limit", type=float, default=30.0,
+                        help="the CP engine's deterministic seconds per instance")
     parser.add_argument("--big", action="store_true", help="also the 1,024-worker library")
     args = parser.parse_args()
     if args.which == "optimality":
-        out = optimality(args.node_limit, args.time_limit)
+        out = optimality(args.node_limit, args.time_limit, args.work_limit)
     elif args.which == "quality":
         out = quality()
     else:

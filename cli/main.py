@@ -14,7 +14,7 @@ from recycle_planner.errors import RecycleError
 from recycle_planner.job.policy import SCHEDULES
 from recycle_planner.library import Settings
 from recycle_planner.solvers.milp import BACKENDS
-from recycle_planner.solvers.registry import SOLVERS, SolverSettings, solver_help
+from recycle_planner.solvers.registry import PROVE_WORK, SOLVERS, SolverSettings, solver_help
 
 log = logging.getLogger("recycle_planner")
 
@@ -43,6 +43,7 @@ PLAN_EPILOG = examples(
     "recycle-planner plan examples/gpt.toml --fail 1:3 -o fail.json",
     "recycle-planner plan examples/gpt.toml --fail 1:3 --no-decouple --no-stagger",
     "recycle-planner plan examples/small.toml --fail 0:1 --fail 1:2 --solver milp",
+    "recycle-planner plan examples/small.toml --fail 0:1 --fail 1:2 --no-stagger --solver cp",
     note="A worker is PIPELINE:STAGE, both counted from 0. Times are in milliseconds. "
          "--no-decouple --no-stagger is plain re-routing, the baseline.")
 SHOW_EPILOG = examples("recycle-planner show fail.json",
@@ -61,6 +62,7 @@ EXPORT_EPILOG = examples(
 PLAN_ALL_EPILOG = examples(
     "recycle-planner plan-all examples/gpt.toml --max-failures 2 -o plans/",
     "recycle-planner plan-all examples/gpt.toml -f 3 -o plans/ -j 8   # resumes plans/",
+    "recycle-planner plan-all examples/gpt.toml -f 3 -o plans/ --prove   # closes gaps",
     "recycle-planner plan-all big.toml -f 2 --solver heuristic -o big-plans/")
 LOOKUP_EPILOG = examples(
     "recycle-planner lookup plans/ --failed 2:5 --failed 0:1",
@@ -126,6 +128,11 @@ def _solver_options(func, default: str):
     func = click.option("--time-limit", type=click.FloatRange(min=0.1),
                         default=defaults.time_limit, show_default=True, metavar="SECONDS",
                         help="Budget of the MILP (and of 'auto') per situation.")(func)
+    func = click.option("--work-limit", type=click.FloatRange(min=0.01), default=None,
+                        metavar="WORK",
+                        help="Budget of the CP engine in CP-SAT's deterministic seconds (about "
+                             "CPU seconds), the same plan on every machine (default: the time "
+                             f"limit; plan-all: {Settings().work_limit:g}).")(func)
     func = click.option("--solver", type=click.Choice(list(SOLVERS)), default=default,
                         show_default=True, help=solver_help())(func)
     return func
@@ -156,11 +163,14 @@ def make_policy(schedule: str, decouple: bool, stagger: bool):
               help="A dead worker; repeat for several.")
 @policy_options
 @solver_options(default=SolverSettings().solver)
+@click.option("--prove", is_flag=True,
+              help="With --solver cp: spend the work limit on closing the gap to the lower "
+                   "bound (bisection with 'is there a schedule under X?').")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the plan here (JSON; .json.gz is compressed).")
 def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagger: bool,
          solver: str, time_limit: float, node_limit: int | None, backend: str,
-         output: Path | None) -> None:
+         work_limit: float | None, prove: bool, output: Path | None) -> None:
     """Plan one failure situation of the job in SPEC and print its figures.
 
     With no --fail, the plan is the fault-free schedule. The summary gives the period
@@ -178,7 +188,7 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     policy = make_policy(schedule, decouple, stagger)
     failed = [parse_worker(f) for f in fail]
     settings = SolverSettings(solver=solver, time_limit=time_limit, backend=backend,
-                              node_limit=node_limit)
+                              node_limit=node_limit, work_limit=work_limit, prove=prove)
     result = plan_situation(job, policy, failed, settings)
     click.echo(plan_summary(result))
     if output is not None:
@@ -295,9 +305,18 @@ def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
               help="Ways to line up the holes across logical pipelines to try per situation.")
 @click.option("--force", is_flag=True, help="Rebuild even if the folder holds a library for "
                                             "another spec, or a corrupted index.")
+@click.option("--prove", is_flag=True,
+              help="Spend more time to close gaps: every situation whose plan is not proven "
+                   "optimal gets the CP engine with --prove-work of budget, warm-started from "
+                   "its plan (bisection with 'is there a schedule under X?'); entries already "
+                   "proven optimal are kept. Resumable like plan-all.")
+@click.option("--prove-work", type=click.FloatRange(min=0.01), default=PROVE_WORK,
+              show_default=True, metavar="WORK",
+              help="The CP engine's deterministic seconds per situation with --prove.")
 def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decouple: bool,
              stagger: bool, solver: str, time_limit: float, node_limit: int | None, backend: str,
-             jobs: int | None, max_placements: int, force: bool) -> None:
+             work_limit: float | None, jobs: int | None, max_placements: int, force: bool,
+             prove: bool, prove_work: float) -> None:
     """Precompute the best plan for every failure situation with up to F dead workers.
 
     Workers of a stage are interchangeable, so a situation is the number of dead workers per
@@ -314,7 +333,9 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
     policy = make_policy(schedule, decouple, stagger)
     settings = Settings(solver=solver, time_limit=time_limit, backend=backend,
                         max_placements=max_placements,
-                        node_limit=Settings().node_limit if node_limit is None else node_limit)
+                        node_limit=Settings().node_limit if node_limit is None else node_limit,
+                        work_limit=Settings().work_limit if work_limit is None else work_limit,
+                        prove_work=prove_work if prove else None)
     bar = tqdm(total=None, unit="situation", desc="planning", file=sys.stderr, disable=None)
 
     def progress(done: int, total: int) -> None:

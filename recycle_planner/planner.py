@@ -38,7 +38,7 @@ def plan_situation(spec: JobSpec, policy: Policy, failed: Iterable[Iterable[int]
     solution = solve(spec, policy, failed, settings)
     bounds = []
     if solution.bound is not None:
-        bounds.append(Bound(solution.bound, "the MILP's best bound"))
+        bounds.append(Bound(solution.bound, solution.bound_reason or "a solver's bound"))
     if not failed:
         reference = solution.simulation.period
     elif reference is None:

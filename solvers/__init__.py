@@ -3,8 +3,10 @@
 - heuristic: list scheduling guided by the fault-free schedule (fast, any size);
 - dp: dynamic programs that place re-routed micro-batches into the peers' idle time;
 - milp: the exact model (peer assignment, op order, start times) with HiGHS or PuLP;
-- auto: heuristic and dp always, milp as well when the model is small enough for the time
-  budget; the best plan wins, and the best bound of any of them certifies it.
+- cp: the same problem as a constraint program (OR-Tools CP-SAT), deterministic;
+- auto: heuristic and dp always; while a gap to the analytic bound is left, cp when the job is
+  small enough for it and milp when its model fits the time budget; the best plan wins, and
+  the best bound of any of them certifies it.
 
 `registry.py` lists them by name with their settings; `portfolio.py` says what each runs.
 """
@@ -21,3 +23,4 @@ class Solution:
     simulation: Simulation
     info: dict[str, Any] = field(default_factory=dict)
     bound: float | None = None  # a proven lower bound on the period, beyond the analytic ones
+    bound_reason: str | None = None  # which engine proved it

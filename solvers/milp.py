@@ -62,6 +62,22 @@ class MilpResult:
     size: dict[str, int]
     warm_start: str
 
+    def against(self, warm: Simulation, **extra: Any
+                ) -> tuple[Simulation, dict[str, Any], float | None]:
+        """The engine's plan (or `warm` when it found nothing shorter), its report (with
+        `extra`) and its proven bound."""
+        info: dict[str, Any] = {"status": self.status, "objective": self.objective,
+                                "best_bound": self.bound, "gap": self.gap, **extra,
+                                "seconds": round(self.seconds, 3), "model": self.size,
+                                "warm_start": self.warm_start}
+        best = warm
+        if self.schedule is not None:
+            sim = simulate(self.schedule)
+            if sim.period < warm.period - 1e-9:
+                best = sim
+        info["improved"] = best is not warm
+        return best, info, self.bound
+
 
 class ReroutingModel:
     """Builds the MILP for one failure situation and turns solutions back into schedules."""
@@ -443,17 +459,7 @@ def milp_solution(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], tim
     """The MILP's plan (or the warm start when the MILP found nothing better), its report and
     its proven bound."""
     res = run_milp(spec, policy, failed, time_limit, backend, warm, node_limit)
-    info: dict[str, Any] = {"status": res.status, "objective": res.objective,
-                            "best_bound": res.bound, "gap": res.gap, "backend": backend,
-                            "seconds": round(res.seconds, 3), "model": res.size,
-                            "warm_start": res.warm_start}
-    best = warm
-    if res.schedule is not None:
-        sim = simulate(res.schedule)
-        if sim.period < warm.period - 1e-9:
-            best = sim
-    info["improved"] = best is not warm
-    return best, info, res.bound
+    return res.against(warm, backend=backend)
 
 
 def estimated_pairs(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> int:

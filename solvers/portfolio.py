@@ -2,18 +2,24 @@
 
 heuristic: list scheduling; dp: the slot-matching DP (with no failures there is nothing to
 match and the heuristic's fault-free plan is returned); milp: the MILP warm-started from the
-better of the two; auto: heuristic and dp, plus the MILP when its model fits the time budget.
-The shortest period wins; the first candidate wins ties.
+better of the two; cp: the CP-SAT engine warm-started the same way, within its work limit
+(deterministic); auto: heuristic and dp, then, while a gap to the analytic bound is left, the CP
+engine if the job is small enough for it and the MILP if its model fits the time budget, and
+it reports that budget. The shortest period wins; the first candidate wins ties; the best
+bound of any engine certifies the plan.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.schedules.ops import Worker
 from recycle_planner.solvers import Solution
+from recycle_planner.solvers.bounds import lower_bound
+from recycle_planner.solvers.cp import cp_fits, cp_prove, cp_solution
 from recycle_planner.solvers.dp import dp_plan
 from recycle_planner.solvers.heuristic import Candidate, heuristic
 from recycle_planner.solvers.milp import estimated_pairs, milp_solution
@@ -42,12 +48,30 @@ def solve_milp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
     return with_milp(spec, policy, failed, settings, best_of(settings, _both(spec, policy, failed)))
 
 
+def solve_cp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
+             settings: SolverSettings) -> Solution:
+    return with_cp(spec, policy, failed, settings, best_of(settings, _both(spec, policy, failed)))
+
+
 def solve_auto(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                settings: SolverSettings) -> Solution:
+    t0 = time.perf_counter()
     found = best_of(settings, _both(spec, policy, failed))
-    if estimated_pairs(spec, policy, failed) > MILP_PAIRS_PER_SECOND * settings.time_limit:
-        return found
-    return with_milp(spec, policy, failed, settings, found)
+    if _open_gap(spec, policy, failed, found) and cp_fits(spec, policy, failed):
+        found = with_cp(spec, policy, failed, settings, found)
+    if _open_gap(spec, policy, failed, found) and estimated_pairs(
+            spec, policy, failed) <= MILP_PAIRS_PER_SECOND * settings.time_limit:
+        found = with_milp(spec, policy, failed, settings, found)
+    found.info["budget"] = {"time_limit": settings.time_limit, "work_limit": settings.cp_work,
+                            "node_limit": settings.node_limit,
+                            "seconds": round(time.perf_counter() - t0, 3)}
+    return found
+
+
+def _open_gap(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], found: Solution) -> bool:
+    """Whether the plan is above every bound proven so far."""
+    proven = max(lower_bound(spec, policy, failed).value, found.bound or 0.0)
+    return found.simulation.period > proven * (1 + 1e-6)
 
 
 def _both(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> list[Candidate]:
@@ -67,8 +91,26 @@ def with_milp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
     """The MILP warm-started from `warm`: its plan if shorter, and its bound either way."""
     sim, milp_info, bound = milp_solution(spec, policy, failed, settings.time_limit,
                                           settings.backend, warm.simulation, settings.node_limit)
-    info = {**warm.info, "milp": milp_info}
-    if milp_info["improved"]:
-        info["detail"] = "milp"
-        return Solution(sim, info, bound)
-    return Solution(warm.simulation, info, bound)
+    return _merge(warm, "milp", milp_info, sim, bound, "the MILP's best bound")
+
+
+def with_cp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
+            settings: SolverSettings, warm: Solution) -> Solution:
+    """The CP engine (its prove mode if asked) warm-started from `warm`: its plan if shorter,
+    and its bound either way."""
+    engine = cp_prove if settings.prove else cp_solution
+    sim, cp_info, bound = engine(spec, policy, failed, settings.cp_work, warm.simulation)
+    return _merge(warm, "cp", cp_info, sim, bound, "the CP engine's bound")
+
+
+def _merge(warm: Solution, name: str, report: dict[str, Any], sim: Any, bound: float | None,
+           reason: str) -> Solution:
+    """`warm` with an engine's report, plan (if shorter) and bound (if higher)."""
+    info = {**warm.info, name: report}
+    if report["improved"]:
+        info["detail"] = name
+    else:
+        sim = warm.simulation
+    if warm.bound is not None and (bound is None or warm.bound >= bound):
+        bound, reason = warm.bound, warm.bound_reason
+    return Solution(sim, info, bound, reason if bound is not None else None)

@@ -5,8 +5,7 @@ read `SOLVERS`. Adding a solver is one entry there: a function
 `run(spec, policy, failed, settings) -> Solution` (see `portfolio.py`) and the settings it
 reads, for example
 
-    "cp": SolverEntry(solve_cp, "constraint programming with a time limit",
-                      ("time_limit",)),
+    "tabu": SolverEntry(solve_tabu, "tabu search with a time limit", ("time_limit",)),
 
 `SolverSettings` is how one situation is solved; it checks the solver and MILP backend names
 (the only place they are checked) and travels in library indexes as `to_dict()`.
@@ -20,10 +19,13 @@ from typing import Any, Callable
 from recycle_planner.errors import RecycleError
 from recycle_planner.solvers import Solution
 from recycle_planner.solvers.milp import BACKENDS
-from recycle_planner.solvers.portfolio import solve_auto, solve_dp, solve_heuristic, solve_milp
+from recycle_planner.solvers.portfolio import (solve_auto, solve_cp, solve_dp, solve_heuristic,
+                                               solve_milp)
 
 TIME_LIMIT = 10.0       # seconds per situation for the solvers with a budget
 LIBRARY_NODE_LIMIT = 500  # the MILP's deterministic budget in a library (the time limit is a net)
+LIBRARY_WORK_LIMIT = 1.0  # the CP engine's deterministic seconds per situation in a library
+PROVE_WORK = 30.0       # plan-all --prove: the CP engine's deterministic seconds per situation
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,11 @@ SOLVERS: dict[str, SolverEntry] = {
     "dp": SolverEntry(solve_dp, "dynamic programs that pack re-routed work into idle time"),
     "milp": SolverEntry(solve_milp, "exact model with a time limit",
                         ("time_limit", "backend", "node_limit")),
-    "auto": SolverEntry(solve_auto, "the best that fits the time budget",
-                        ("time_limit", "backend", "node_limit")),
+    "cp": SolverEntry(solve_cp, "the constraint-programming engine (OR-Tools CP-SAT) with a "
+                      "work limit, the same plan on every machine", ("work_limit", "prove")),
+    "auto": SolverEntry(solve_auto, "the fast solvers, then the exact engines that fit the "
+                        "budget while a gap is left",
+                        ("time_limit", "backend", "node_limit", "work_limit")),
 }
 
 
@@ -56,6 +61,8 @@ class SolverSettings:
     time_limit: float = TIME_LIMIT
     backend: str = "highs"
     node_limit: int | None = None  # also stop the MILP after this many nodes (reproducible)
+    work_limit: float | None = None  # the CP engine's deterministic seconds (None: time_limit)
+    prove: bool = False  # the CP engine spends its budget on closing the gap (bisection)
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
@@ -74,6 +81,11 @@ class SolverSettings:
         if solver is not None:
             changes["solver"] = solver
         return cls(**changes)
+
+    @property
+    def cp_work(self) -> float:
+        """The CP engine's budget in CP-SAT's deterministic seconds (about CPU seconds)."""
+        return self.time_limit if self.work_limit is None else float(self.work_limit)
 
     @property
     def entry(self) -> SolverEntry:

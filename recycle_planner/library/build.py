@@ -32,17 +32,23 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
     old_entries = reusable_entries(folder, spec, shash, force)
     wanted = situations(spec, max_failures)
     keep = {}
+    to_prove = {}  # --prove: intact entries that are not proven yet, improved from their plan
     for entry in old_entries:
         counts = tuple(entry.get("failed_per_stage", ()))
         if (entry.get("spec_hash") == shash and entry.get("settings_hash") == settings.hash
                 and entry.get("sha256") is not None
                 and file_sha256(folder / str(entry.get("file", ""))) == entry["sha256"]):
-            keep[counts] = entry  # a missing, damaged or replaced plan file is planned again
+            # a missing, damaged or replaced plan file is planned again
+            if settings.prove_work is None or entry["metrics"].get("optimal") or \
+                    (entry.get("proved") or 0) >= settings.prove_work:
+                keep[counts] = entry
+            else:
+                to_prove[counts] = entry
     todo = [k for k in wanted if k not in keep]
     log.info("library %s: %d situations, %d up to date, %d to plan", folder, len(wanted),
              len(wanted) - len(todo), len(todo))
     zero = (0,) * spec.stages
-    entries = dict(keep)
+    entries = {**keep, **to_prove}  # an interrupted --prove keeps the plans it has not reached
     done = len(wanted) - len(todo)
     if progress:
         progress(done, len(wanted))
@@ -57,7 +63,8 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
 
     # The fault-free situation first: every other entry's degradation is measured against it.
     if zero not in keep:
-        entries[zero] = build_entry((spec, policy, zero, settings, None, None, folder, shash))
+        entries[zero] = build_entry((spec, policy, zero, settings, None, None, folder, shash,
+                                     to_prove.get(zero)))
         todo.remove(zero)
         done += 1
     reference = entries[zero]["metrics"]["period"]
@@ -66,8 +73,8 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
         index = save()
     jobs = jobs or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                        else os.cpu_count() or 1)
-    tasks = [(spec, policy, k, settings, reference, reference_bound, str(folder), shash)
-             for k in todo]
+    tasks = [(spec, policy, k, settings, reference, reference_bound, str(folder), shash,
+              to_prove.get(k)) for k in todo]
     with planning_pool(jobs if len(tasks) > 1 else 1) as run:
         for entry in run(build_entry, tasks):
             entries[tuple(entry["failed_per_stage"])] = entry

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from recycle_planner.errors import PlanFileError
-from recycle_planner.files.planfile import write_plan
+from recycle_planner.files.planfile import read_plan, write_plan
 from recycle_planner.job.situations import counts_of, failure_sets
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.library.placement import plan_best_placement
+from recycle_planner.library.prove import prove_plan
 from recycle_planner.timing.plan import Plan
 
 
@@ -41,10 +42,11 @@ class LibraryEntry:
     spec_hash: str | None = None
     settings_hash: str | None = None
     sha256: str | None = None
+    proved: float | None = None             # the --prove budget this entry's plan has had
 
     def to_dict(self) -> dict[str, Any]:
         order = ("failed_per_stage", "file", "placement", "failed", "failure_sets", "metrics",
-                 "solver", "gap", "spec_hash", "settings_hash", "sha256")
+                 "solver", "gap", "spec_hash", "settings_hash", "sha256", "proved")
         return {k: getattr(self, k) for k in order if getattr(self, k) is not None}
 
     @classmethod
@@ -82,9 +84,16 @@ class LibraryEntry:
 
 def build_entry(args: tuple) -> dict[str, Any]:
     """Plan one situation (the best placement), write its plan file; its index entry."""
-    spec, policy, counts, settings, reference, reference_bound, folder, shash = args
-    plan, placement = plan_best_placement(spec, policy, counts, settings, reference,
-                                          reference_bound)
+    spec, policy, counts, settings, reference, reference_bound, folder, shash, old = args
+    if old is not None:  # --prove on an entry already built: start from its plan
+        plan = read_plan(Path(folder) / old["file"])
+        placement = tuple(tuple(g) for g in old["placement"])
+    else:
+        plan, placement = plan_best_placement(spec, policy, counts, settings, reference,
+                                              reference_bound)
+    if settings.prove_work is not None and not plan.metrics["optimal"]:
+        ref = plan.metrics["fault_free_period"] if reference is None else reference
+        plan = prove_plan(plan, ref, settings.prove_work, reference_bound)
     plan = Plan(plan.schedule, plan.timing, plan.metrics, plan.solver,
                 mapping={"placement": [list(g) for g in placement]})
     name = situation_file(counts)
@@ -94,4 +103,5 @@ def build_entry(args: tuple) -> dict[str, Any]:
         failed_per_stage=list(counts), file=name, placement=[list(g) for g in placement],
         failed=[list(w) for w in plan.failed], failure_sets=failure_sets(spec, counts),
         metrics={k: m[k] for k in ENTRY_METRICS if k in m}, solver=plan.solver, gap=m["gap"],
-        spec_hash=shash, settings_hash=settings.hash, sha256=digest).to_dict()
+        spec_hash=shash, settings_hash=settings.hash, sha256=digest,
+        proved=settings.prove_work).to_dict()

@@ -7,8 +7,11 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextmanager
@@ -20,9 +23,21 @@ def planning_pool(jobs: int) -> Iterator[Callable[[Callable, list], Iterable]]:
         yield lambda fn, tasks: map(fn, tasks)
         return
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    pool = multiprocessing.get_context(method).Pool(jobs, initializer=_worker_setup,
-                                                   initargs=(os.getpid(),))
+    # A stop signal that lands during a fork has its handler run in an at-fork hook, which
+    # drops the exception: while the pool starts, signals are only noted, then raised again.
+    noted: list[int] = []
+    main = threading.current_thread() is threading.main_thread()  # handlers live there only
+    previous = {sig: signal.signal(sig, lambda signum, frame: noted.append(signum))
+                for sig in STOP_SIGNALS} if main else {}
     try:
+        pool = multiprocessing.get_context(method).Pool(jobs, initializer=_worker_setup,
+                                                       initargs=(os.getpid(),))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    try:
+        for sig in noted[:1]:
+            signal.raise_signal(sig)
         yield lambda fn, tasks: pool.imap(fn, tasks, chunksize=1)
         pool.close()
     except BaseException:

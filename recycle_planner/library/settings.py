@@ -7,7 +7,8 @@ from typing import Any
 
 from recycle_planner import __version__
 from recycle_planner.library.hashing import digest
-from recycle_planner.solvers.registry import LIBRARY_NODE_LIMIT, SolverSettings
+from recycle_planner.solvers.registry import (LIBRARY_NODE_LIMIT, LIBRARY_WORK_LIMIT,
+                                              SolverSettings)
 
 
 @dataclass(frozen=True)
@@ -17,13 +18,20 @@ class Settings(SolverSettings):
 
     solver: str = "auto"
     node_limit: int | None = LIBRARY_NODE_LIMIT  # deterministic; the time limit is a safety net
+    work_limit: float | None = LIBRARY_WORK_LIMIT  # the CP engine's, deterministic too
     max_placements: int = 4
+    prove_work: float | None = None  # --prove: the CP engine's budget to close a gap
 
     def to_dict(self) -> dict[str, Any]:
         return {"solver": self.solver, "time_limit": self.time_limit, "backend": self.backend,
                 "max_placements": self.max_placements, "node_limit": self.node_limit,
+                "work_limit": self.work_limit, "prove_work": self.prove_work,
                 "planner": __version__}
 
     @property
     def hash(self) -> str:
-        return digest(self.to_dict())
+        """What makes an entry stale. Not the prove budget: a proven entry stays valid for a
+        build without --prove (its plan is at least as good)."""
+        data = self.to_dict()
+        del data["prove_work"]
+        return digest(data)

@@ -25,14 +25,22 @@ def plan_summary(plan: Plan) -> str:
     ]
     milp = plan.solver.get("milp")
     if milp:
-        obj = "none" if milp.get("objective") is None else f"{milp['objective']:.4g}"
-        bnd = "none" if milp.get("best_bound") is None else f"{milp['best_bound']:.4g}"
-        gap = "" if milp.get("gap") is None else f", gap {milp['gap']:.1%}"
         size = milp.get("model", {})
-        lines.append(f"  milp            {milp['status']}: objective {obj}, best bound {bnd}{gap}; "
-                     f"{size.get('binaries', '?')} binaries, {size.get('constraints', '?')} "
-                     f"constraints, {milp.get('seconds', 0):.1f} s ({milp.get('backend')}, "
-                     f"warm start {milp.get('warm_start')})")
+        lines.append(_engine_line("milp", milp, f"{size.get('binaries', '?')} binaries, "
+                                  f"{size.get('constraints', '?')} constraints, "
+                                  f"{milp.get('seconds', 0):.1f} s ({milp.get('backend')}, "
+                                  f"warm start {milp.get('warm_start')})"))
+    for name in ("cp", "prove"):  # the CP engine, and plan-all --prove's run of it
+        cp = plan.solver.get(name)
+        if cp:
+            probes = len(cp.get("probes", ()))
+            lines.append(_engine_line(name, cp, f"{cp.get('seconds', 0):.1f} s (work limit "
+                                      f"{cp.get('work_limit')}, warm start {cp.get('warm_start')}"
+                                      + (f", {probes} probes" if probes else "") + ")"))
+    budget = plan.solver.get("budget")
+    if budget:
+        lines.append(f"  auto budget     {budget['time_limit']:g} s MILP, {budget['work_limit']:g} "
+                     f"CP work; spent {budget['seconds']:.1f} s")
     if "bubble_rate" in m:
         lines.append(f"  bubble rate     {m['bubble_rate']:.1%} mean, "
                      f"{m.get('max_bubble_rate', m['bubble_rate']):.1%} worst worker")
@@ -43,3 +51,11 @@ def plan_summary(plan: Plan) -> str:
     if "throughput" in m:
         lines.append(f"  throughput      {m['throughput']:.5g} samples/s")
     return "\n".join(lines)
+
+
+def _engine_line(name: str, report: dict, tail: str) -> str:
+    """An exact engine's status, objective, bound and gap, then `tail`."""
+    obj = "none" if report.get("objective") is None else f"{report['objective']:.4g}"
+    bnd = "none" if report.get("best_bound") is None else f"{report['best_bound']:.4g}"
+    gap = "" if report.get("gap") is None else f", gap {report['gap']:.1%}"
+    return f"  {name:<16}{report['status']}: objective {obj}, best bound {bnd}{gap}; {tail}"

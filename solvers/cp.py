@@ -1,0 +1,433 @@
+"""The exact re-routing model as a constraint program, solved by OR-Tools CP-SAT.
+
+The same problem as the MILP (milp.py), written the way CP-SAT reasons best about schedules:
+- every op (F, I, W or fused B of one micro-batch at one stage) is an interval; a re-routed
+  micro-batch has one optional interval per live peer for each of its ops, and exactly one
+  peer is present (the peer choice);
+- one no-overlap per live worker over every interval that may run there;
+- the memory cap: per worker, a cumulative of capacity cap over one "in flight" interval per
+  micro-batch, from its forward's start to its weight-gradient (or fused backward) end;
+- data dependencies with the p2p latency; the all-reduce of a stage after every backward of
+  the stage, on all its workers at once, then the optimizer step;
+- objective: with a barrier the iteration time; with the staggered optimizer the period,
+  which must hold each worker's span from its first forward to its optimizer step (iteration
+  i+1 is iteration i shifted by the period);
+- the analytic lower bound (bounds.py) bounds the objective from below, so a warm start that
+  meets it is proven at once.
+Only true symmetries are broken: the forwards of a pipeline's micro-batches start in index
+order at stage 0 (micro-batches are interchangeable), and interchangeable peers take the first
+failed stage's re-routed work in index order. Unlike the MILP, nothing fixes the order of
+micro-batches on a worker, so CP-SAT's optimum is over every schedule (the tests compare it with
+exhaustive search).
+
+Times are integers in CP-SAT: costs are scaled by the smallest power of ten (up to 10^4) that
+makes them whole; where none does they are rounded down, so the engine's bound stays a valid
+lower bound (its plans are re-timed by the simulator in any case, never taken from the model).
+Deterministic: a fixed seed and worker count (interleaved search) and a limit in CP-SAT's
+deterministic time; the wall-time limit is only a safety net that a normal run does not reach.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from recycle_planner.errors import RecycleError
+from recycle_planner.job.policy import Policy, budget_caps
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker
+from recycle_planner.schedules.schedule import Schedule, with_collectives
+from recycle_planner.solvers.bounds import lower_bound
+from recycle_planner.solvers.milp import MilpResult
+from recycle_planner.timing.simulate import Simulation, simulate
+
+# CP-SAT's search: one worker (deterministic; on the benchmark instances eight interleaved
+# workers proved nothing more for twice the CPU) without the LP relaxation (its bound is the
+# analytic one here, and it cost up to ten times the CPU per conflict), and the seed.
+CP_WORKERS = 1
+CP_SEED = 0
+# The wall-time safety net is this many times the deterministic limit (in seconds) plus slack.
+WALL_FACTOR = 10.0
+MAX_SCALE_DIGITS = 4
+# `auto` runs the engine on jobs up to this many intervals: the GPT example (8x4x8, about
+# 1,100-1,600) but not the 8x8x16 job (4,100 and more), where on this machine a few seconds of
+# work neither shortened a plan nor raised a bound (benchmarks/README.md).
+CP_MAX_INTERVALS = 2_000
+
+
+@dataclass
+class CpResult(MilpResult):
+    """The MILP's result, plus the time scale the engine used."""
+
+    scale: int
+    exact: bool  # costs scaled without rounding: the bound is the model's, not a relaxation's
+
+
+def intervals(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> int:
+    """How many intervals the model has, without building it."""
+    kinds = 3 if policy.decouple else 2
+    S, D, M = spec.stages, spec.pipelines, spec.microbatches
+    dead = set(failed)
+    total = 0
+    for s in range(S):
+        live = sum((d, s) not in dead for d in range(D))
+        total += (live + (D - live) * live) * M * (kinds + 1)  # ops, plus the in-flight one
+    return total
+
+
+def cp_fits(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> bool:
+    """Whether `auto` should run the engine on this job."""
+    return intervals(spec, policy, failed) <= CP_MAX_INTERVALS
+
+
+def time_scale(values: list[float]) -> tuple[int, bool]:
+    """The smallest power of ten that makes every value whole, and whether one exists (else
+    10^MAX_SCALE_DIGITS, with values rounded down)."""
+    for digits in range(MAX_SCALE_DIGITS + 1):
+        scale = 10 ** digits
+        if all(abs(v * scale - round(v * scale)) <= 1e-6 * max(1.0, abs(v * scale))
+               for v in values):
+            return scale, True
+    return 10 ** MAX_SCALE_DIGITS, False
+
+
+class CpModel:
+    """Builds the CP-SAT model of one failure situation and decodes its solutions."""
+
+    def __init__(self, spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
+                 warm: Simulation | None = None, below: float | None = None):
+        from ortools.sat.python import cp_model
+
+        self.spec, self.policy, self.failed = spec, policy, tuple(failed)
+        S, D, M = spec.stages, spec.pipelines, spec.microbatches
+        self.space = OpSpace(S, D, M)
+        self.kinds = (F, I, W) if policy.decouple else (F, B)
+        costs = {F: spec.forward, I: spec.backward_input, W: spec.backward_weight,
+                 B: spec.backward}
+        raw = [c for k in self.kinds for c in costs[k]] + list(spec.p2p) + \
+            list(spec.allreduce) + list(spec.optimizer)
+        self.scale, self.exact = time_scale(raw)
+
+        def ticks(v: float) -> int:
+            return int(math.floor(v * self.scale + 1e-6))
+
+        self.dur = {k: [ticks(c) for c in costs[k]] for k in self.kinds}
+        p2p = [ticks(v) for v in spec.p2p]
+        tail = [ticks(spec.allreduce[s]) + ticks(spec.optimizer[s]) for s in range(S)]
+        dead = set(self.failed)
+        self.live = [d * S + s for d in range(D) for s in range(S) if (d, s) not in dead]
+        work = sum(self.dur[k][s] for k in self.kinds for s in range(S)) * M * D
+        horizon = work + sum(tail) + sum(p2p) * M * D + 1
+        if warm is not None:
+            ref = warm.steady if policy.stagger else warm.timing
+            horizon = min(horizon, int(math.ceil(max(2 * warm.iteration_time,
+                                                     float(np.nanmax(ref.end))) * self.scale)) + 1)
+        self.horizon = horizon
+        m = cp_model.CpModel()
+        self.model = m
+        # Units: (d, s, mb) -> candidate workers.
+        self.units = [(d, s, mb) for d in range(D) for s in range(S) for mb in range(M)]
+        self.cands = {}
+        for d, s, mb in self.units:
+            self.cands[d, s, mb] = [p * S + s for p in range(D) if (p, s) not in dead] \
+                if (d, s) in dead else [d * S + s]
+        self.start: dict[tuple, Any] = {}
+        self.presence: dict[tuple, Any] = {}
+        self.helpers: list[tuple] = []  # in-flight intervals' end and size, for the hint
+        on: dict[int, list] = {w: [] for w in self.live}         # intervals per worker
+        held: dict[int, list] = {w: [] for w in self.live}       # in-flight intervals
+        count: dict[int, int] = {w: 0 for w in self.live}
+        for u in self.units:
+            d, s, mb = u
+            for k in self.kinds:
+                self.start[u, k] = m.NewIntVar(0, horizon, "")
+            cands = self.cands[u]
+            rel = self.kinds[-1]
+            if len(cands) == 1:
+                w = cands[0]
+                count[w] += 1
+                for k in self.kinds:
+                    on[w].append(m.NewFixedSizeIntervalVar(self.start[u, k], self.dur[k][s], ""))
+                self._held(held[w], u, rel, s, None)
+                continue
+            lits = []
+            for w in cands:
+                lit = m.NewBoolVar("")
+                self.presence[u, w] = lit
+                lits.append(lit)
+                count[w] += 1
+                for k in self.kinds:
+                    on[w].append(m.NewOptionalFixedSizeIntervalVar(
+                        self.start[u, k], self.dur[k][s], lit, ""))
+                self._held(held[w], u, rel, s, lit)
+            m.AddExactlyOne(lits)
+        for w in self.live:
+            m.AddNoOverlap(on[w])
+        caps = budget_caps(spec, policy)
+        for w in self.live:
+            if count[w] > caps[w % S]:
+                m.AddCumulative(held[w], [1] * len(held[w]), caps[w % S])
+        # Dependencies.
+        bwd = self.kinds[1]
+        for d, s, mb in self.units:
+            u = (d, s, mb)
+            st = self.start
+            if s > 0:
+                m.Add(st[u, F] >= st[(d, s - 1, mb), F] + self.dur[F][s - 1] + p2p[s - 1])
+            m.Add(st[u, bwd] >= st[u, F] + self.dur[F][s])
+            if s < S - 1:
+                m.Add(st[u, bwd] >= st[(d, s + 1, mb), bwd] + self.dur[bwd][s + 1] + p2p[s + 1])
+            if policy.decouple:
+                m.Add(st[u, W] >= st[u, I] + self.dur[I][s])
+        # Symmetries: micro-batch labels within a pipeline, interchangeable peers.
+        for d in range(D):
+            for mb in range(M - 1):
+                m.Add(self.start[(d, 0, mb), F] <= self.start[(d, 0, mb + 1), F])
+        self._peer_symmetry()
+        # All-reduce, optimizer, objective.
+        rel = self.kinds[-1]
+        self.t_ar = {}
+        for s in range(S):
+            self.t_ar[s] = m.NewIntVar(0, horizon, "")
+            for d in range(D):
+                for mb in range(M):
+                    m.Add(self.t_ar[s] >= self.start[(d, s, mb), rel] + self.dur[rel][s])
+        bound = lower_bound(spec, policy, self.failed).value
+        lb = int(math.floor(bound * self.scale + 1e-6))
+        ub = horizon + max(tail)
+        if below is not None:  # "is there a schedule under X?"
+            ub = min(ub, int(math.ceil(below * self.scale - 1e-6)) - 1)
+        self.z = m.NewIntVar(min(lb, max(ub, 0)), max(ub, 0), "period")
+        self.first: dict[int, Any] = {}
+        for w in self.live:
+            s = w % S
+            if policy.stagger:
+                f = m.NewIntVar(0, horizon, "")
+                self.first[w] = f
+                m.Add(self.z >= self.t_ar[s] + tail[s] - f)
+                # The span holds every op the worker runs (a valid cut the no-overlap alone
+                # does not give a relational bound for).
+                load = []
+                for u in self.units:
+                    if w in self.cands[u]:
+                        work_u = sum(self.dur[k][s] for k in self.kinds)
+                        load.append(work_u if (u, w) not in self.presence
+                                    else work_u * self.presence[u, w])
+                m.Add(self.t_ar[s] - f >= sum(load))
+                for u in self.units:
+                    if w not in self.cands[u]:
+                        continue
+                    c = m.Add(f <= self.start[u, F])
+                    if (u, w) in self.presence:
+                        c.OnlyEnforceIf(self.presence[u, w])
+            else:
+                m.Add(self.z >= self.t_ar[s] + tail[s])
+        m.Minimize(self.z)
+        self.warm_state = "none"
+        if warm is not None:
+            self.warm_state = "used" if self._hint(warm) else "not representable"
+
+    def _held(self, into: list, u: tuple, rel: int, s: int, lit: Any) -> None:
+        """A micro-batch's in-flight interval: forward start to release end."""
+        m = self.model
+        end = m.NewIntVar(0, self.horizon + self.dur[rel][s], "")
+        m.Add(end == self.start[u, rel] + self.dur[rel][s])
+        size = m.NewIntVar(0, self.horizon + self.dur[rel][s], "")
+        self.helpers.append((u, rel, s, end, size))
+        if lit is None:
+            into.append(m.NewIntervalVar(self.start[u, F], size, end, ""))
+        else:
+            into.append(m.NewOptionalIntervalVar(self.start[u, F], size, end, lit, ""))
+
+    def _peer_symmetry(self) -> None:
+        """Interchangeable peers (their pipelines have the same holes) take the re-routed
+        micro-batches of the first failed stage in order: peer j only after peer j-1."""
+        S, D = self.spec.stages, self.spec.pipelines
+        dead = set(self.failed)
+        holes = {d: tuple(sorted(s for dd, s in self.failed if dd == d)) for d in range(D)}
+        stages = sorted({s for _, s in self.failed})
+        if not stages:
+            return
+        s = stages[0]
+        rer = [u for u in self.units if u[1] == s and (u[0], s) in dead]
+        classes: dict[tuple, list[int]] = {}
+        for d in range(D):
+            if (d, s) not in dead:
+                classes.setdefault(holes[d], []).append(d * S + s)
+        for members in classes.values():
+            for prev, cur in zip(members, members[1:]):
+                for j, u in enumerate(rer):
+                    earlier = [self.presence[v, prev] for v in rer[:j]]
+                    if not earlier:
+                        self.model.Add(self.presence[u, cur] == 0)
+                    else:
+                        self.model.AddBoolOr(earlier).OnlyEnforceIf(self.presence[u, cur])
+
+    def _hint(self, sim: Simulation) -> bool:
+        """Hint every variable with the warm plan's values; False if it is not in the model
+        (times off the integer grid, or it breaks a symmetry the model fixes)."""
+        timing = sim.steady if self.policy.stagger else sim.timing
+        sched = sim.schedule
+        S = self.spec.stages
+        where = {}
+        for w, order in enumerate(sched.orders):
+            for op in order.tolist():
+                where[op] = w
+        m = self.model
+        values = {}
+        for (u, k), var in self.start.items():
+            t = float(timing.start[self.space.compute(k, *u)]) * self.scale
+            values[u, k] = int(round(t))
+            m.AddHint(var, values[u, k])
+        for (u, w), lit in self.presence.items():
+            m.AddHint(lit, where[self.space.compute(F, *u)] == w)
+        for u, rel, s, end, size in self.helpers:  # a complete hint needs no search to repair
+            m.AddHint(end, values[u, rel] + self.dur[rel][s])
+            m.AddHint(size, values[u, rel] + self.dur[rel][s] - values[u, F])
+        rel = self.kinds[-1]
+        ar = {}
+        for s, var in self.t_ar.items():
+            ar[s] = max(values[u, rel] + self.dur[rel][s] for u in self.units if u[1] == s)
+            m.AddHint(var, ar[s])
+        tail = {s: int(round((self.spec.allreduce[s] + self.spec.optimizer[s]) * self.scale))
+                for s in range(S)}
+        z = 0
+        for w in self.live:
+            s = w % S
+            if self.policy.stagger:
+                first = min(values[u, F] for u in self.units if w in self.cands[u]
+                            and (len(self.cands[u]) == 1
+                                 or where[self.space.compute(F, *u)] == w))
+                m.AddHint(self.first[w], first)
+                z = max(z, ar[s] + tail[s] - first)
+            else:
+                z = max(z, ar[s] + tail[s])
+        m.AddHint(self.z, z)
+        on_grid = bool(np.allclose(
+            [float(timing.start[self.space.compute(k, *u)]) * self.scale for u, k in values],
+            list(values.values()), atol=1e-6))
+        ordered = all(values[(d, 0, mb), F] <= values[(d, 0, mb + 1), F]
+                      for d in range(self.spec.pipelines)
+                      for mb in range(self.spec.microbatches - 1))
+        return on_grid and ordered
+
+    def decode(self, solver: Any) -> Schedule:
+        """Each worker's ops sorted by start time."""
+        S = self.spec.stages
+        per_worker: dict[int, list] = {w: [] for w in self.live}
+        for u in self.units:
+            cands = self.cands[u]
+            w = cands[0] if len(cands) == 1 else \
+                next(p for p in cands if solver.BooleanValue(self.presence[u, p]))
+            for rank, k in enumerate(self.kinds):
+                per_worker[w].append((solver.Value(self.start[u, k]), rank, u[2],
+                                      self.space.compute(k, *u)))
+        orders = []
+        for w in range(self.spec.workers):
+            if w not in per_worker:
+                orders.append(np.zeros(0, dtype=np.int64))
+                continue
+            d, s = divmod(w, S)
+            orders.append(with_collectives(self.space, d, s,
+                                           [op for *_, op in sorted(per_worker[w])]))
+        return Schedule(self.spec, self.policy, self.failed, tuple(orders))
+
+    def size(self) -> dict[str, int]:
+        proto = self.model.Proto()
+        return {"variables": len(proto.variables), "constraints": len(proto.constraints),
+                "optional_peers": len(self.presence)}
+
+
+STATUS = {"OPTIMAL": "Optimal", "FEASIBLE": "Feasible (stopped at the work limit)",
+          "INFEASIBLE": "Infeasible", "UNKNOWN": "No solution (stopped at the work limit)",
+          "MODEL_INVALID": "Model invalid"}
+
+
+def run_cp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit: float,
+           warm: Simulation | None = None, below: float | None = None,
+           workers: int = CP_WORKERS) -> CpResult:
+    """Build, hint and solve the model within `work_limit` seconds of CP-SAT's deterministic
+    time (the same answer on every machine).
+
+    With `below`, only schedules shorter than it are sought: "Infeasible" then proves that none
+    exists, which makes `below` a lower bound."""
+    from ortools.sat.python import cp_model
+
+    if work_limit <= 0:
+        raise RecycleError(f"the CP engine's work limit must be positive, got {work_limit}")
+    t0 = time.perf_counter()
+    model = CpModel(spec, policy, failed, warm, below)
+    solver = cp_model.CpSolver()
+    p = solver.parameters
+    p.random_seed = CP_SEED
+    p.num_workers = workers
+    p.interleave_search = workers > 1
+    p.linearization_level = 0
+    p.max_deterministic_time = float(work_limit)
+    p.max_time_in_seconds = WALL_FACTOR * float(work_limit) + 30.0
+    p.log_search_progress = False
+    code = solver.Solve(model.model)
+    name = solver.StatusName(code)
+    status = STATUS.get(name, name)
+    has = name in ("OPTIMAL", "FEASIBLE")
+    scale = model.scale
+    objective = solver.ObjectiveValue() / scale if has else None
+    bound = None
+    if name == "OPTIMAL":
+        bound = objective
+    elif name == "FEASIBLE":
+        bound = solver.BestObjectiveBound() / scale
+    elif name == "INFEASIBLE" and below is not None:
+        bound = below
+    if bound is not None and not model.exact and name != "INFEASIBLE":
+        status += " (costs rounded down: the bound is a relaxation's)"
+    schedule = model.decode(solver) if has else None
+    gap = None
+    if objective and bound is not None:
+        gap = max(0.0, (objective - bound) / objective)
+    return CpResult(schedule, status, objective, bound, gap, time.perf_counter() - t0,
+                    model.size(), model.warm_state, scale, model.exact)
+
+
+def cp_solution(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit: float,
+                warm: Simulation) -> tuple[Simulation, dict[str, Any], float | None]:
+    """The CP engine's plan (or the warm start when it found nothing shorter), its report and
+    its proven bound."""
+    res = run_cp(spec, policy, failed, work_limit, warm)
+    return res.against(warm, engine="cp-sat", work_limit=work_limit, time_scale=res.scale)
+
+
+def cp_prove(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit: float,
+             warm: Simulation, steps: int = 4) -> tuple[Simulation, dict[str, Any], float | None]:
+    """Prove mode: the CP engine with half the work limit, then, while a gap is left, a
+    bisection of it with "is there a schedule under X?" (a quarter of the rest each): an
+    infeasible X raises the bound, a schedule found under X is the new plan."""
+    best, info, bound = cp_solution(spec, policy, failed, work_limit / 2, warm)
+    probes = []
+    step_work = work_limit / 2 / steps
+    for _ in range(steps):
+        low = bound if bound is not None else lower_bound(spec, policy, failed).value
+        high = best.period
+        if high <= low * (1 + 1e-6):
+            break
+        scale, _ = time_scale([high, low])
+        mid = round((low + high) / 2 * scale * 100) / (scale * 100)
+        res = run_cp(spec, policy, failed, step_work, best, below=mid)
+        probes.append({"under": mid, "status": res.status, "seconds": round(res.seconds, 3)})
+        if res.status == "Infeasible":
+            bound = mid
+        elif res.schedule is not None:
+            sim = simulate(res.schedule)
+            if sim.period < best.period - 1e-9:
+                best = sim
+                info["improved"] = True
+        else:
+            break  # the probe ran out of work: a narrower one would not do better
+    info["probes"] = probes
+    if bound is not None:
+        info["best_bound"] = bound
+    return best, info, bound

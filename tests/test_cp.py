@@ -1,0 +1,171 @@
+"""The CP-SAT engine: exactness against exhaustive search, the MILP cross-check, determinism,
+the bounds it proves, `auto` and `--prove`."""
+
+import json
+
+import pytest
+
+from recycle_planner.job.policy import BASELINE, Policy
+from recycle_planner.library import PlanLibrary, Settings, build_library
+from recycle_planner.planner import plan_situation, solve
+from recycle_planner.solvers.bounds import lower_bound
+from recycle_planner.solvers.cp import cp_prove, intervals, run_cp, time_scale
+from recycle_planner.solvers.exhaustive import exhaustive
+from recycle_planner.solvers.heuristic import heuristic
+from recycle_planner.solvers.milp import run_milp
+from recycle_planner.timing.validate import validate
+
+from conftest import make_spec
+from test_solvers import TINY
+
+SPLIT = Policy("1f1b", decouple=True, stagger=False)
+
+
+def warm_of(spec, policy, failed):
+    return heuristic(spec, policy, failed).simulation
+
+
+@pytest.mark.parametrize("kw, policy, failed", TINY)
+def test_cp_matches_exhaustive_search(kw, policy, failed):
+    spec = make_spec(**kw)
+    truth = exhaustive(spec, policy, failed)
+    res = run_cp(spec, policy, failed, 10, warm_of(spec, policy, failed))
+    assert res.status == "Optimal" and res.exact
+    assert res.objective == pytest.approx(truth.best.period, abs=1e-6)
+    assert res.bound == pytest.approx(truth.best.period, abs=1e-6)
+
+
+CROSS = [
+    (dict(stages=3, pipelines=2, microbatches=3, p2p=0.25), BASELINE, ((0, 0),)),
+    (dict(stages=2, pipelines=2, microbatches=2, p2p=0.5), BASELINE, ((1, 1),)),
+    (dict(stages=4, pipelines=2, microbatches=4), BASELINE, ((0, 2),)),
+    (dict(stages=3, pipelines=3, microbatches=2, p2p=0.25), SPLIT, ((1, 0), (0, 2))),
+    (dict(stages=2, pipelines=3, microbatches=2, p2p=0.25, memory={"max_inflight": 2}),
+     Policy(), ((1, 0),)),
+]
+
+
+@pytest.mark.parametrize("kw, policy, failed", CROSS)
+def test_cp_and_milp_cross_check(kw, policy, failed):
+    """Each engine's bound holds against the other's plan; where both prove optimality, the CP
+    optimum (over every schedule) is at most the MILP's (over index-ordered ones) and here they
+    agree; and every CP plan is valid once re-timed by the simulator."""
+    spec = make_spec(**kw)
+    warm = warm_of(spec, policy, failed)
+    cp = run_cp(spec, policy, failed, 10, warm)
+    milp = run_milp(spec, policy, failed, 120, "highs", warm, node_limit=5000)
+    assert cp.bound <= milp.objective + 1e-6 and milp.bound <= cp.objective + 1e-6
+    assert cp.status == "Optimal" and milp.status == "Optimal"
+    assert cp.objective == pytest.approx(milp.objective, abs=1e-6)
+    plan = plan_situation(spec, policy, failed, solver="cp", time_limit=10)
+    assert validate(plan) == [] and plan.metrics["optimal"]
+    assert plan.metrics["period"] == pytest.approx(cp.objective)
+
+
+def test_the_issues_example_is_proven_optimal():
+    """4x2x8 unit costs, workers 0:1 and 1:2 dead, split, barrier: the fast solvers find 51,
+    the engine 50 and proves it."""
+    spec = make_spec(stages=4, pipelines=2, microbatches=8)
+    failed = ((0, 1), (1, 2))
+    plan = plan_situation(spec, SPLIT, failed, solver="cp", time_limit=10)
+    assert plan.solver["candidates"]["template order"] == pytest.approx(51)
+    cp = plan.solver["cp"]
+    assert cp["engine"] == "cp-sat" and cp["status"] == "Optimal" and cp["improved"]
+    assert cp["best_bound"] == pytest.approx(50) and cp["seconds"] >= 0
+    assert plan.metrics["period"] == pytest.approx(50) and plan.metrics["optimal"]
+    assert plan.solver["detail"] == "cp" and validate(plan) == []
+
+
+def test_the_engine_is_deterministic():
+    spec = make_spec(stages=3, pipelines=3, microbatches=4, p2p=0.1, allreduce=0.5)
+    failed = ((1, 1),)
+    warm = warm_of(spec, Policy(), failed)
+    a = run_cp(spec, Policy(), failed, 0.5, warm)
+    b = run_cp(spec, Policy(), failed, 0.5, warm)
+    assert a.status == b.status and a.objective == b.objective and a.bound == b.bound
+    assert all((x == y).all() for x, y in zip(a.schedule.orders, b.schedule.orders))
+
+
+def test_no_schedule_under_x_is_a_bound():
+    spec = make_spec(stages=4, pipelines=2, microbatches=8)
+    failed = ((0, 1), (1, 2))
+    warm = warm_of(spec, SPLIT, failed)
+    res = run_cp(spec, SPLIT, failed, 10, warm, below=50)
+    assert res.status == "Infeasible" and res.bound == 50 and res.schedule is None
+
+
+def test_prove_mode_bisects_the_gap():
+    """3x2x4 with p2p, split, barrier: the fast plan is 26.6 above a bound of 25.6; prove mode
+    finds a shorter plan, keeps a bound between the analytic one and the plan, and records
+    each "schedule under X?" probe it ran."""
+    spec = make_spec(stages=3, pipelines=2, microbatches=4, p2p=0.2)
+    failed = ((1, 1),)
+    warm = warm_of(spec, SPLIT, failed)
+    sim, info, bound = cp_prove(spec, SPLIT, failed, 2, warm)
+    floor = lower_bound(spec, SPLIT, failed).value
+    assert sim.period < warm.period - 0.5 and floor <= bound <= sim.period
+    assert info["improved"] and info["probes"]
+    for probe in info["probes"]:
+        assert bound < probe["under"] < warm.period and probe["status"]
+
+
+def test_costs_off_the_grid_round_down_and_say_so():
+    assert time_scale([1, 0.5, 0.25]) == (100, True)
+    assert time_scale([1, 1 / 3]) == (10_000, False)
+    spec = make_spec(stages=2, pipelines=2, microbatches=1, p2p=1 / 3)
+    res = run_cp(spec, Policy(), ((1, 1),), 5, warm_of(spec, Policy(), ((1, 1),)))
+    assert not res.exact and "rounded down" in res.status
+    truth = exhaustive(spec, Policy(), ((1, 1),)).best.period
+    assert res.bound <= truth + 1e-9  # still a valid lower bound
+
+
+def test_auto_reports_its_budget_and_uses_the_winner():
+    spec = make_spec(stages=3, pipelines=2, microbatches=3, p2p=0.25)
+    sol = solve(spec, BASELINE, ((0, 0),), "auto", time_limit=5, node_limit=200)
+    assert sol.simulation.period == pytest.approx(26.0) and sol.info["detail"] == "cp"
+    assert sol.bound == pytest.approx(26.0) and "milp" not in sol.info  # proven: MILP skipped
+    assert sol.info["budget"]["work_limit"] == 5 and sol.info["budget"]["seconds"] > 0
+    closed = solve(make_spec(stages=2, pipelines=2, microbatches=2), Policy(), ((1, 1),), "auto")
+    assert "cp" not in closed.info  # the fast plan meets the analytic bound: nothing to run
+    assert intervals(make_spec(16, 64, 64), Policy(), ((0, 0),)) > 100_000
+
+
+def test_plan_all_prove_closes_gaps_and_resumes(tmp_path):
+    spec = make_spec(stages=3, pipelines=3, microbatches=3, p2p=0.2)
+    folder = tmp_path / "lib"
+    fast = Settings(solver="heuristic", max_placements=1)
+    build_library(spec, Policy(), 1, folder, fast, jobs=1)
+    before = {tuple(e["failed_per_stage"]): e for e in PlanLibrary.open(folder).entries()}
+    proving = Settings(solver="heuristic", max_placements=1, prove_work=2)
+    index = build_library(spec, Policy(), 1, folder, proving, jobs=1)
+    after = {tuple(e["failed_per_stage"]): e for e in index["entries"]}
+    assert set(after) == set(before)
+    for k, e in after.items():
+        m, old = e["metrics"], before[k]["metrics"]
+        assert m["period"] <= old["period"] + 1e-9
+        assert m["lower_bound"] >= old["lower_bound"] - 1e-9
+        assert e["proved"] == 2 or old["optimal"]
+    assert sum(e["metrics"]["gap"] for e in after.values()) < \
+        sum(e["metrics"]["gap"] for e in before.values())
+    lib = PlanLibrary.open(folder)
+    for e in lib.entries():
+        assert validate(lib.lookup([tuple(w) for w in e["failed"]]).plan()) == []
+    stamp = (folder / "index.json").stat().st_mtime_ns
+    mtimes = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    build_library(spec, Policy(), 1, folder, proving, jobs=1)  # resumes: nothing to redo
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.name != "index.json"} \
+        == {k: v for k, v in mtimes.items() if k != "index.json"}
+    assert json.loads((folder / "index.json").read_text())["complete"] and stamp
+
+
+@pytest.mark.parametrize("first", ["highspy", "ortools.sat.python.cp_model"])
+def test_highspy_and_ortools_load_in_one_process(first):
+    """Both ship libhighs.so.1: whichever loads first must serve the other (pinned together)."""
+    import subprocess
+    import sys
+
+    code = (f"import {first}; import highspy; from ortools.sat.python import cp_model; "
+            "h = highspy.Highs(); h.setOptionValue('output_flag', False); h.run(); "
+            "print(cp_model.CpSolver().Solve(cp_model.CpModel()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-500:]
