@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -68,7 +69,9 @@ def launch(target: str, args: tuple[str, ...], nproc: int, library: Path | None,
     """
     from recycle_planner.executor.agent import LaunchConfig, launch as run_launch
     from recycle_planner.executor.faults import parse_fault
+    from recycle_planner.planfile import check_writable
 
+    check_writable(run_dir, folder=True)
     config = LaunchConfig(nproc=nproc, run_dir=str(run_dir), backend=backend,
                           master_addr=master_addr, master_port=master_port,
                           heartbeat=heartbeat, hang_timeout=hang_timeout, pg_timeout=pg_timeout,
@@ -148,8 +151,11 @@ def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: in
       recycle-planner profile examples/tiny_mlp.py:make_job -d 2 -m 4 -o tiny.toml
     """
     from recycle_planner.executor.job import load_job
+    from recycle_planner.planfile import check_writable, is_stdout
     from recycle_planner.profiler import profile_job, write_spec
     from recycle_planner.spec import JobSpec
+
+    check_writable(output)  # before minutes of measuring
 
     budget = None
     if memory_budget is not None:
@@ -168,10 +174,12 @@ def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: in
     header = (f"Profiled by recycle-planner profile {target} on {device}\n"
               f"({sys.platform}, {repeats} repeats); times in ms, memory in bytes")
     write_spec(spec, output, header)
-    click.echo(f"{'stage':>5} {'F ms':>9} {'I ms':>9} {'W ms':>9} {'opt ms':>9} "
-               f"{'p2p ms':>8} {'ar ms':>8} {'activation':>11}")
+    echo = functools.partial(click.echo, err=is_stdout(output))  # '-o -': the spec on stdout
+    echo(f"{'stage':>5} {'F ms':>9} {'I ms':>9} {'W ms':>9} {'opt ms':>9} "
+         f"{'p2p ms':>8} {'ar ms':>8} {'activation':>11}")
     for s, st in enumerate(stages):
-        click.echo(f"{s:>5} {st.forward:9.4f} {st.backward_input:9.4f} "
-                   f"{st.backward_weight:9.4f} {st.optimizer:9.4f} {spec.p2p[s]:8.4f} "
-                   f"{spec.allreduce[s]:8.4f} {st.activation:>11}")
-    click.echo(f"wrote {output}")
+        echo(f"{s:>5} {st.forward:9.4f} {st.backward_input:9.4f} "
+             f"{st.backward_weight:9.4f} {st.optimizer:9.4f} {spec.p2p[s]:8.4f} "
+             f"{spec.allreduce[s]:8.4f} {st.activation:>11}")
+    if not is_stdout(output):
+        echo(f"wrote {output}")

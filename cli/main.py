@@ -13,6 +13,7 @@ from recycle_planner import __version__
 from recycle_planner.errors import RecycleError
 from recycle_planner.policy import SCHEDULES
 from recycle_planner.solvers import SOLVERS
+from recycle_planner.words import plural
 
 log = logging.getLogger("recycle_planner")
 
@@ -25,7 +26,7 @@ Typical session:
   recycle-planner validate fail.json
   recycle-planner export-torch ff.json -o schedule.csv
   recycle-planner plan-all examples/gpt.toml --max-failures 2 -o plans/
-  recycle-planner lookup plans/ --failed 3:1 --failed 0:5
+  recycle-planner lookup plans/ --fail 3:1 --fail 0:5
   recycle-planner report plans/ -o degradation.png
 """
 
@@ -61,15 +62,17 @@ PLAN_ALL_EPILOG = examples(
     "recycle-planner plan-all examples/gpt.toml -f 3 -o plans/ -j 8   # resumes plans/",
     "recycle-planner plan-all big.toml -f 2 --solver heuristic -o big-plans/")
 LOOKUP_EPILOG = examples(
-    "recycle-planner lookup plans/ --failed 2:5 --failed 0:1",
-    "recycle-planner lookup plans/ --failed 2:5 --json | jq .file",
+    "recycle-planner lookup plans/ --fail 2:5 --fail 0:1",
+    "recycle-planner lookup plans/ --fail 2:5 --json | jq .file",
     note="In Python: PlanLibrary.open('plans/').lookup([(2, 5), (0, 1)]).")
 REPORT_EPILOG = examples("recycle-planner report plans/ -o degradation.png")
 
 
 class Cli(click.Group):
-    """Bad input (a wrong spec, an impossible failure set, a corrupted plan) is one line on
-    stderr and exit status 2, like click's own usage errors; a bug still shows its traceback."""
+    """Bad input (a wrong spec, an impossible failure set, a corrupted plan) and an output that
+    cannot be written (no such folder, read-only, full disk, no permission) are one line on
+    stderr and exit status 2, like click's own usage errors; Ctrl-C stops at once with status
+    130; a bug still shows its traceback."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -77,22 +80,72 @@ class Cli(click.Group):
         except RecycleError as exc:
             click.echo(f"error: {exc}", err=True)
             ctx.exit(2)
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            click.echo(f"error: {where}{exc.strerror or exc}", err=True)
+            ctx.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        """Every subcommand also takes -v/--verbose, after its name as well as before."""
+        cmd.params.append(click.Option(["-v", "--verbose"], count=True, expose_value=False,
+                                       callback=set_verbosity, help=VERBOSE_HELP))
+        super().add_command(cmd, name)
+
+
+class AliasOption(click.Option):
+    """An option whose first name is shown in --help; later names are old spellings that still
+    work (lookup's --failed is plan's --fail)."""
+
+    def get_help_record(self, ctx: click.Context):
+        opts = self.opts
+        self.opts = opts[:1]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = opts
+
+
+VERBOSE_HELP = "More log output on stderr (-vv for debug)."
+
+
+class EchoHandler(logging.Handler):
+    """Log records as lines on the current stderr (click's, so that tests see them too)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(self.format(record), err=True)
+
+
+def set_verbosity(ctx: click.Context, param: click.Parameter, verbose: int) -> int:
+    """-v: info, -vv: debug; without it, warnings only. The last -v given wins when it
+    raises the level."""
+    if verbose or param.name == "verbose" and ctx.parent is None:
+        log.setLevel(logging.WARNING - 10 * min(verbose, 2))
+    if not any(isinstance(h, EchoHandler) for h in log.handlers):
+        handler = EchoHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    return verbose
 
 
 @click.group(cls=Cli, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="recycle-planner")
-@click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
-def main(verbose: int) -> None:
+@click.option("-v", "--verbose", count=True, expose_value=False, callback=set_verbosity,
+              help=VERBOSE_HELP)
+def main() -> None:
     """Plan, inspect and export re-routing schedules for hybrid-parallel training.
 
     When a pipeline-stage worker dies, its micro-batches are re-routed to the data-parallel
     peers that hold the same stage, and the extra work is packed into the pipeline's idle
     time (ReCycle, SOSP 2024). A job is described in a TOML spec (see examples/); plans are
-    JSON files that a launcher reads.
+    JSON files that a launcher reads. An output named '-' is standard output.
+
+    Exit status: 0 done; 1 a check failed (validate); 2 bad input or an output that cannot
+    be written (one line on stderr, nothing half-written left behind); 130 interrupted.
     """
-    level = logging.WARNING - 10 * min(verbose, 2)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
 
 
 def policy_options(func):
@@ -130,17 +183,25 @@ def _solver_options(func, default: str):
     return func
 
 
-def check_output(path: Path | None, picture: bool = False) -> None:
-    """Fail before any work on an output that cannot be written (no such folder, or a
-    picture name without .png/.svg/.pdf)."""
+def check_output(path: Path | None, picture: bool = False, folder: bool = False) -> None:
+    """Fail before any work on an output that cannot be written (no such folder, read-only,
+    no permission, or a picture name without .png/.svg/.pdf)."""
     from recycle_planner.figures import picture_format
-    from recycle_planner.planfile import output_folder
+    from recycle_planner.planfile import check_writable
 
     if path is None:
         return
     if picture:
         picture_format(path)
-    output_folder(path)
+    check_writable(path, folder=folder)
+
+
+def wrote(path: Path | None) -> None:
+    """Say what was written, unless it went to standard output."""
+    from recycle_planner.planfile import is_stdout
+
+    if path is not None and not is_stdout(path):
+        click.echo(f"wrote {path}")
 
 
 def make_policy(schedule: str, decouple: bool, stagger: bool):
@@ -151,15 +212,17 @@ def make_policy(schedule: str, decouple: bool, stagger: bool):
 
 @main.command(epilog=PLAN_EPILOG)
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--fail", "fail", multiple=True, metavar="PIPELINE:STAGE",
-              help="A dead worker; repeat for several.")
+@click.option("--fail", "--failed", "fail", cls=AliasOption, multiple=True,
+              metavar="PIPELINE:STAGE", help="A dead worker; repeat for several.")
 @policy_options
 @solver_options(default="heuristic")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the plan here (JSON; .json.gz is compressed).")
+              help="Write the plan here (JSON; .json.gz is compressed; '-' is standard output, "
+                   "the summary then goes to stderr).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagger: bool,
          solver: str, time_limit: float, node_limit: int | None, backend: str,
-         output: Path | None) -> None:
+         output: Path | None, as_json: bool) -> None:
     """Plan one failure situation of the job in SPEC and print its figures.
 
     With no --fail, the plan is the fault-free schedule. The summary gives the period
@@ -167,10 +230,9 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     same policy, and a lower bound that no plan can beat.
     """
     from recycle_planner.failures import parse_worker
-    from recycle_planner.planfile import write_plan
+    from recycle_planner.planfile import is_stdout, write_plan
     from recycle_planner.planner import plan_situation
     from recycle_planner.spec import load_spec
-    from recycle_planner.summary import plan_summary
 
     check_output(output)
     job = load_spec(spec)
@@ -178,10 +240,30 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     failed = [parse_worker(f) for f in fail]
     result = plan_situation(job, policy, failed, solver=solver, time_limit=time_limit,
                             backend=backend, node_limit=node_limit)
-    click.echo(plan_summary(result))
+    print_summary(result, as_json, err=is_stdout(output))
     if output is not None:
         write_plan(result, output)
-        click.echo(f"wrote {output}")
+        wrote(output)
+
+
+def print_summary(p, as_json: bool, err: bool = False) -> None:
+    """The plan's summary, as text or as JSON (format recycle-plan-summary)."""
+    import json
+
+    from recycle_planner.summary import plan_summary, summary_dict
+
+    click.echo(json.dumps(summary_dict(p), indent=2) if as_json else plan_summary(p), err=err)
+
+
+def broken(plan_file: Path, p, what: str) -> str | None:
+    """The one-line refusal for a plan that breaks a rule (None when it keeps them all)."""
+    from recycle_planner.validate import validate
+
+    problems = validate(p)
+    if not problems:
+        return None
+    return (f"{plan_file}: {what}, the plan breaks {plural(len(problems), 'rule')}, first "
+            f"{problems[0]} (see 'recycle-planner validate')")
 
 
 @main.command(epilog=SHOW_EPILOG)
@@ -193,36 +275,55 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
 @click.option("--critical-path/--no-critical-path", default=True, show_default=True,
               help="List the chain of ops that decides the iteration time (plans of up to "
                    "20,000 ops).")
-def show(plan_file: Path, width: int, max_workers: int, critical_path: bool) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the summary (and the critical path) as JSON, without the timeline.")
+def show(plan_file: Path, width: int, max_workers: int, critical_path: bool,
+         as_json: bool) -> None:
     """Print a plan's summary, a text timeline of one iteration and its critical path."""
+    import json
+
     from recycle_planner.planfile import read_plan
-    from recycle_planner.summary import plan_summary
+    from recycle_planner.summary import plan_summary, summary_dict
     from recycle_planner.timeline import text_timeline
 
     p = read_plan(plan_file)
-    click.echo(plan_summary(p))
-    click.echo()
-    click.echo(text_timeline(p, width=width, max_workers=max_workers))
+    chain = None
     if critical_path and p.schedule.n_ops <= 20_000:
         from recycle_planner.dag import critical_path as chain_of
-        from recycle_planner.dag import describe_critical_path, plan_graph
-        from recycle_planner.validate import validate
+        from recycle_planner.dag import plan_graph
 
+        problem = broken(plan_file, p, "no critical path")
+        if problem is None:  # an op listed twice or out of order has no critical path
+            chain = chain_of(plan_graph(p.schedule))
+    else:
+        problem = None
+    if as_json:
+        out = summary_dict(p)
+        if chain is not None:
+            out["critical_path"] = [
+                {"kind": op.kind, "pipeline": op.pipeline, "stage": op.stage,
+                 "microbatch": op.microbatch, "worker": list(worker), "start": a, "end": b}
+                for op, worker, a, b in chain]
+        click.echo(json.dumps(out, indent=2))
+    else:
+        click.echo(plan_summary(p))
         click.echo()
-        problems = validate(p)
-        if problems:  # an op listed twice or out of order has no well-defined critical path
-            click.echo(f"error: {plan_file}: no critical path, the plan breaks "
-                       f"{len(problems)} rule(s), first {problems[0]} (see 'recycle-planner "
-                       f"validate')", err=True)
-            sys.exit(1)
-        click.echo("critical path (first iteration, from an idle start):")
-        click.echo(describe_critical_path(chain_of(plan_graph(p.schedule))))
+        click.echo(text_timeline(p, width=width, max_workers=max_workers))
+        if chain is not None:
+            from recycle_planner.dag import describe_critical_path
+
+            click.echo()
+            click.echo("critical path (first iteration, from an idle start):")
+            click.echo(describe_critical_path(chain))
+    if problem is not None:
+        click.echo(f"error: {problem}", err=True)
+        sys.exit(1)
 
 
 @main.command(epilog=GANTT_EPILOG)
 @click.argument("plan_file", metavar="PLAN.json", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Picture to write: .png, .svg or .pdf.")
+              help="Picture to write: .png, .svg or .pdf ('-': PNG on standard output).")
 @click.option("--compare", type=click.Path(dir_okay=False, path_type=Path), metavar="OTHER.json",
               help="Draw another plan below, on the same time scale (for example the "
                    "fault-free plan).")
@@ -241,42 +342,56 @@ def gantt(plan_file: Path, output: Path, compare: Path | None, max_workers: int)
             log.warning("%s and %s are plans of different jobs: the comparison is of shapes "
                         "only", plan_file, compare)
     draw_gantt(plans, output, max_workers=max_workers)
-    click.echo(f"wrote {output}")
+    wrote(output)
 
 
 @main.command(epilog=VALIDATE_EPILOG)
 @click.argument("plan_file", metavar="PLAN.json", type=click.Path(dir_okay=False, path_type=Path))
-def validate(plan_file: Path) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"file", "valid", "problems": [{"rule", "message"}]} as JSON.')
+def validate(plan_file: Path, as_json: bool) -> None:
     """Check every rule a plan must keep: each op once on a live worker of its stage,
-    dependencies with p2p latency, no overlap, memory, no deadlock. Exit status 1 when a rule
-    is broken."""
+    dependencies with p2p latency, no overlap, memory, no deadlock, and metrics that the ops
+    give (the period re-simulated). Exit status 1 when a rule is broken."""
+    import json
+
     from recycle_planner.planfile import read_plan
     from recycle_planner.validate import validate as check
 
     problems = check(read_plan(plan_file))
-    if not problems:
+    if as_json:
+        click.echo(json.dumps({"file": str(plan_file), "valid": not problems,
+                               "problems": [{"rule": p.rule, "message": p.message}
+                                            for p in problems]}, indent=2))
+    elif not problems:
         click.echo(f"{plan_file}: valid")
-        return
-    for problem in problems:
+    for problem in problems if not as_json else ():
         click.echo(f"{plan_file}: {problem}")
-    sys.exit(1)
+    if problems:
+        sys.exit(1)
 
 
 @main.command("export-torch", epilog=EXPORT_EPILOG)
 @click.argument("plan_file", metavar="PLAN.json", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="CSV file to write.")
+              help="CSV file to write ('-': standard output).")
 @click.option("--pipeline", default=0, show_default=True, type=click.IntRange(0),
               help="Which pipeline's rows to export (all are the same without failures).")
 def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
     """Write a fault-free plan as torch.distributed.pipelining's compute-only CSV, for
-    _PipelineScheduleRuntime._load_csv(path, format="compute_only")."""
+    _PipelineScheduleRuntime._load_csv(path, format="compute_only"). The plan is validated
+    first: a plan that breaks a rule is refused (exit status 2)."""
+    from recycle_planner.errors import PlanFileError
     from recycle_planner.export_torch import export_torch_csv
     from recycle_planner.planfile import read_plan
 
     check_output(output)
-    export_torch_csv(read_plan(plan_file), output, pipeline)
-    click.echo(f"wrote {output}")
+    p = read_plan(plan_file)
+    problem = broken(plan_file, p, "not exported")
+    if problem is not None:
+        raise PlanFileError(problem)
+    export_torch_csv(p, output, pipeline)
+    wrote(output)
 
 
 @main.command("plan-all", epilog=PLAN_ALL_EPILOG)
@@ -292,7 +407,8 @@ def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
 @click.option("--max-placements", type=click.IntRange(1), default=4, show_default=True,
               help="Ways to line up the holes across logical pipelines to try per situation.")
 @click.option("--force", is_flag=True, help="Rebuild even if the folder holds a library for "
-                                            "another spec, or a corrupted index.")
+                                            "another spec, a corrupted index, or one for more "
+                                            "failures (which is then shrunk to F).")
 def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decouple: bool,
              stagger: bool, solver: str, time_limit: float, node_limit: int | None, backend: str,
              jobs: int | None, max_placements: int, force: bool) -> None:
@@ -308,6 +424,7 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
     from recycle_planner.report import library_text
     from recycle_planner.spec import load_spec
 
+    check_output(output, folder=True)
     job = load_spec(spec)
     policy = make_policy(schedule, decouple, stagger)
     settings = Settings(solver=solver, time_limit=time_limit, backend=backend,
@@ -315,28 +432,34 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
                         node_limit=500 if node_limit is None else node_limit)
     bar = tqdm(total=None, unit="situation", desc="planning", file=sys.stderr, disable=None)
 
+    stopping: list[int] = []
+
     def progress(done: int, total: int) -> None:
+        if stopping:  # the interrupt was swallowed (it hit a fork handler): stop now
+            raise KeyboardInterrupt
         bar.total = total
         bar.n = done
         bar.refresh()
 
     def stop(signum: int, frame: object) -> None:  # SIGTERM (a supervisor) is like Ctrl-C:
-        raise KeyboardInterrupt  # the worker processes are stopped, the index stays whole
+        stopping.append(signum)  # the worker processes are stopped, the index stays whole
+        raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         index = build_library(job, policy, max_failures, output, settings, jobs=jobs,
                               force=force, progress=progress)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         bar.close()
     click.echo(library_text(PlanLibrary(output, index)))
 
 
 @main.command(epilog=LOOKUP_EPILOG)
 @click.argument("library", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--failed", "failed", multiple=True, metavar="PIPELINE:STAGE",
-              help="A dead physical worker; repeat for several.")
+@click.option("--fail", "--failed", "failed", cls=AliasOption, multiple=True,
+              metavar="PIPELINE:STAGE", help="A dead physical worker; repeat for several.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def lookup(library: Path, failed: tuple[str, ...], as_json: bool) -> None:
     """Find the plan for the workers that are actually dead, and which logical pipeline each
@@ -367,18 +490,25 @@ def lookup(library: Path, failed: tuple[str, ...], as_json: bool) -> None:
 @click.argument("library", type=click.Path(file_okay=False, path_type=Path))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Also plot degradation against the number of failures (.png/.svg/.pdf).")
-def report(library: Path, output: Path | None) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the report as JSON: one row per number of failures, and every "
+                   "situation.")
+def report(library: Path, output: Path | None, as_json: bool) -> None:
     """Summarize a plan library: situations, worst and mean degradation, gaps to the lower
     bounds."""
+    import json
+
     from recycle_planner.library import PlanLibrary
-    from recycle_planner.report import library_text, plot_library
+    from recycle_planner.report import library_dict, library_text, plot_library
 
     check_output(output, picture=True)
     lib = PlanLibrary.open(library)
-    click.echo(library_text(lib))
+    click.echo(json.dumps(library_dict(lib), indent=2) if as_json else library_text(lib))
     if output is not None:
         plot_library(lib, output)
-        click.echo(f"wrote {output}")
+        if not as_json:
+            wrote(output)
+
 
 from recycle_planner.cli.executor import launch, profile  # noqa: E402
 from recycle_planner.cli.whatif import simulate_trace  # noqa: E402

@@ -83,6 +83,7 @@ def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str
     through the planner; each strategy's assumptions are printed with the results.
     """
     from recycle_planner.library import PlanLibrary
+    from recycle_planner.planfile import check_writable
     from recycle_planner.spec import load_spec
     from recycle_planner.whatif.durations import parse_duration, parse_durations
     from recycle_planner.whatif.engine import simulate
@@ -93,6 +94,8 @@ def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str
     if (trace_file is None) == (mtbf is None):
         raise RecycleError("give either --trace TRACE.csv or --mtbf DURATIONS (to sample "
                            "traces), " + ("not both" if mtbf is not None else "one of them"))
+    if output is not None:
+        check_writable(output, folder=True)
     job = load_spec(spec)
     lib = PlanLibrary.open(library, spec=job)
     if not lib.index.get("complete", True):

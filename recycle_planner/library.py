@@ -26,6 +26,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import signal
 import sys
 from contextlib import contextmanager
@@ -46,12 +47,14 @@ from recycle_planner.policy import Policy
 from recycle_planner.simulate import simulate
 from recycle_planner.solvers.heuristic import list_schedule
 from recycle_planner.spec import JobSpec
+from recycle_planner.words import plural
 
 log = logging.getLogger(__name__)
 
 LIBRARY_FORMAT = "recycle-plan-library"
 LIBRARY_VERSION = 1
 INDEX = "index.json"
+LIBRARY_FILE = re.compile(r"k[0-9]+(-[0-9]+)*\.json\.gz")  # situation_file's names
 
 
 def _digest(data: Any) -> str:
@@ -156,7 +159,7 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     shash = spec_hash(spec, policy)
-    old_entries = _reusable_entries(folder, spec, shash, force)
+    old_entries = _reusable_entries(folder, spec, shash, force, max_failures)
     wanted = situations(spec, max_failures)
     keep = {}
     for entry in old_entries:
@@ -203,6 +206,11 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
     if index is None:  # nothing was planned: the index still records this build's threshold
         index = _write_index(folder, spec, policy, max_failures, settings, shash, reference,
                              entries, wanted)
+    listed = {e["file"] for e in index["entries"]}
+    for entry in old_entries:  # a --force rebuild leaves no plan file outside its index
+        name = str(entry.get("file", ""))
+        if name and name not in listed and "/" not in name and (folder / name).is_file():
+            (folder / name).unlink()
     return index
 
 
@@ -246,7 +254,8 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _reusable_entries(folder: Path, spec: JobSpec, shash: str, force: bool) -> list[dict]:
+def _reusable_entries(folder: Path, spec: JobSpec, shash: str, force: bool,
+                      max_failures: int) -> list[dict]:
     path = folder / INDEX
     if not path.exists():
         return []
@@ -383,6 +392,28 @@ class PlanLibrary:
                                f"plan-all' for this one")
         return lib
 
+    def _check_folder_is_ours(self) -> None:
+        """A folder whose plan files are none of those its index lists holds another library's
+        index (copied or moved there): say so rather than call one plan file missing."""
+        listed = {str(e["file"]) for e in self.index["entries"]}
+        here = {p.name for p in self.folder.iterdir() if LIBRARY_FILE.fullmatch(p.name)}
+        if here and not here & {name for name in listed
+                                if file_sha256(self.folder / name) is not None}:
+            name = self.spec.name or "a job"
+            raise PlanFileError(f"{self.folder / INDEX}: this index is another library's "
+                                f"({name}, {self.spec.stages}x{self.spec.pipelines}): none of its "
+                                f"{plural(len(listed), 'plan file')} is in the folder, which "
+                                f"holds {plural(len(here), 'other plan file')}; run plan-all "
+                                f"for this folder's job to rebuild its index")
+        for name in sorted(listed & here)[:1]:
+            data = read_json(self.folder / name)
+            other = data.get("spec") if isinstance(data, dict) else None
+            if isinstance(other, dict) and other != self.index["spec"]:
+                raise PlanFileError(f"{self.folder / INDEX}: this index is another library's: "
+                                    f"its plan file {name} is of another job "
+                                    f"({other.get('name') or 'unnamed'}); run plan-all for "
+                                    f"this folder's job to rebuild its index")
+
     @property
     def fault_free_period(self) -> float:
         return float(self.index["fault_free_period"])
@@ -410,6 +441,8 @@ class PlanLibrary:
         mapping = map_failure(self.spec, dead, placement)
         path = self.folder / entry["file"]
         digest = file_sha256(path)
+        if digest is None or digest != entry.get("sha256", digest):
+            self._check_folder_is_ours()
         if digest is None:
             raise PlanFileError(f"{path}: the library's plan file for {list(counts)} is missing "
                                 f"(run plan-all again to restore it)")

@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from recycle_planner.failures import format_workers
 from recycle_planner.plan import Plan
+from recycle_planner.words import grid, number, plural
+
+SUMMARY_FORMAT = "recycle-plan-summary"
+SUMMARY_VERSION = 1
+
+
+def summary_dict(plan: Plan) -> dict[str, Any]:
+    """What `plan --json` and `show --json` print: the job, dead workers, policy, solver and
+    metrics of a plan, without its ops (the plan file has those)."""
+    return {"format": SUMMARY_FORMAT, "version": SUMMARY_VERSION,
+            "name": plan.spec.name, "stages": plan.spec.stages,
+            "pipelines": plan.spec.pipelines, "microbatches": plan.spec.microbatches,
+            "failed": [list(w) for w in plan.failed], "policy": plan.policy.to_dict(),
+            "solver": dict(plan.solver), "metrics": dict(plan.metrics)}
 
 
 def plan_summary(plan: Plan) -> str:
@@ -13,20 +29,19 @@ def plan_summary(plan: Plan) -> str:
     solver = plan.solver.get("name", "?")
     detail = plan.solver.get("detail")
     lines = [
-        f"{name}: {spec.stages} stages x {spec.pipelines} pipelines x {spec.microbatches} "
-        f"micro-batches, failed: {format_workers(plan.failed)}",
+        f"{name}: {grid(spec)}, failed: {format_workers(plan.failed)}",
         f"  policy          {plan.policy.label}   solver {solver}"
         + (f" ({detail})" if detail else ""),
-        f"  period          {m['period']:.4g} ms   (fault-free {m['fault_free_period']:.4g} ms, "
+        f"  period          {number(m['period'])} ms   (fault-free {number(m['fault_free_period'])} ms, "
         f"degradation {m['degradation']:+.1%})",
-        f"  iteration time  {m['iteration_time']:.4g} ms",
-        f"  lower bound     {m['lower_bound']:.4g} ms   (gap {m.get('gap', 0.0):.1%}"
+        f"  iteration time  {number(m['iteration_time'])} ms",
+        f"  lower bound     {number(m['lower_bound'])} ms   (gap {m.get('gap', 0.0):.1%}"
         + (f": {m['lower_bound_reason']}" if m.get("lower_bound_reason") else "") + ")",
     ]
     milp = plan.solver.get("milp")
     if milp:
-        obj = "none" if milp.get("objective") is None else f"{milp['objective']:.4g}"
-        bnd = "none" if milp.get("best_bound") is None else f"{milp['best_bound']:.4g}"
+        obj = "none" if milp.get("objective") is None else number(milp["objective"])
+        bnd = "none" if milp.get("best_bound") is None else number(milp["best_bound"])
         gap = "" if milp.get("gap") is None else f", gap {milp['gap']:.1%}"
         size = milp.get("model", {})
         lines.append(f"  milp            {milp['status']}: objective {obj}, best bound {bnd}{gap}; "
@@ -37,9 +52,9 @@ def plan_summary(plan: Plan) -> str:
         lines.append(f"  bubble rate     {m['bubble_rate']:.1%} mean, "
                      f"{m.get('max_bubble_rate', m['bubble_rate']):.1%} worst worker")
     if "peak_inflight" in m:
-        lines.append(f"  peak in-flight  {m['peak_inflight']} micro-batches per worker")
+        lines.append(f"  peak in-flight  {plural(m['peak_inflight'], 'micro-batch')} per worker")
     if "rerouted_ops" in m:
-        lines.append(f"  re-routed ops   {m['rerouted_ops']} of {m.get('ops', '?')}")
+        lines.append(f"  re-routed ops   {m['rerouted_ops']:,} of {m.get('ops', 0):,}")
     if "throughput" in m:
-        lines.append(f"  throughput      {m['throughput']:.5g} samples/s")
+        lines.append(f"  throughput      {number(m['throughput'], 5)} samples/s")
     return "\n".join(lines)

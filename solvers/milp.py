@@ -523,7 +523,7 @@ def solve_highs(model: LinearModel, time_limit: float, warm: list[float] | None,
         sol.col_value = list(warm)
         sol.value_valid = True
         h.setSolution(sol)
-    h.run()
+    _run_interruptibly(h)
     status = h.modelStatusToString(h.getModelStatus())
     info = h.getInfo()
     has = info.primal_solution_status == 2  # feasible
@@ -535,6 +535,21 @@ def solve_highs(model: LinearModel, time_limit: float, warm: list[float] | None,
     bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else None
     values = list(h.getSolution().col_value) if has else None
     return status, objective, bound, values
+
+
+def _run_interruptibly(h) -> None:
+    """Solve in HiGHS's own thread and wait in short steps, so that Ctrl-C reaches Python at
+    once: HiGHS is told to stop, and KeyboardInterrupt goes on (h.run() would hold it until the
+    time limit)."""
+    h.HandleUserInterrupt = True  # lets cancelSolve() stop the solver at its next check
+    h.startSolve()
+    try:
+        while not h.wait(0.1)[0]:
+            pass
+    except KeyboardInterrupt:
+        h.cancelSolve()
+        h.wait()
+        raise
 
 
 PULP_STATUS = {1: "Optimal", 2: "Feasible (stopped at the time limit)", 0: "Not solved",
@@ -631,6 +646,10 @@ def run_milp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], time_lim
     warm_state = "none" if warm is None else ("used" if values0 is not None else
                                               "not in the model's shape (index order)")
     remaining = max(0.1, time_limit - (time.perf_counter() - t0))
+    size = model.model.size()
+    log.info("solving the MILP with %s: %d binaries, %d constraints, warm start %s, at most "
+             "%.1f s%s", backend, size.get("binaries", 0), size.get("constraints", 0),
+             warm_state, remaining, "" if node_limit is None else f" or {node_limit} nodes")
     if backend == "highs":
         status, obj, bound, values = solve_highs(model.model, remaining, values0, node_limit)
     else:
@@ -640,8 +659,8 @@ def run_milp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], time_lim
     gap = None
     if obj is not None and bound is not None and obj > 0:
         gap = max(0.0, (obj - bound) / obj)
-    return MilpResult(schedule, status, obj, bound, gap, time.perf_counter() - t0,
-                      model.model.size(), warm_state)
+    return MilpResult(schedule, status, obj, bound, gap, time.perf_counter() - t0, size,
+                      warm_state)
 
 
 def milp_solution(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], time_limit: float,
