@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.whatif.engine import STRATEGIES
@@ -32,7 +33,7 @@ Examples:
               help="Sample traces instead: mean time between failures of the whole job; "
                    "several, comma-separated (6h,2h,30min), give one run each.")
 @click.option("--repair", default="1h", show_default=True, metavar="DURATION",
-              help="Mean repair time of a worker (sampled traces).")
+              help="Mean repair time of a worker (sampled traces; more than 0).")
 @click.option("--duration", metavar="DURATION",
               help="Length of the trace [default: 7d when sampling, the last event of a trace "
                    "file].")
@@ -41,7 +42,8 @@ Examples:
               show_default=True, help="Distribution of the times between failures.")
 @click.option("--shape", default=0.7, show_default=True, type=click.FloatRange(min=0.0,
                                                                                 min_open=True),
-              help="Weibull shape (below 1: failures come in bursts).")
+              help="Weibull shape, with --distribution weibull (below 1: failures come in "
+                   "bursts).")
 @click.option("--sampling", type=click.Choice(SAMPLINGS), default="worker", show_default=True,
               help="worker: each worker fails on its own (MTBF x workers each); fleet: one "
                    "failure process for the job, hitting a uniformly chosen live worker.")
@@ -107,12 +109,19 @@ def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str
                                                      "--checkpoint-interval", allow_zero=False),
                   restart=parse_duration(restart, "--restart"), spares=spares)
     names = [n.strip() for n in strategies.split(",") if n.strip()]
+    if not names:
+        raise RecycleError(f"--strategies names none: give one or more of "
+                           f"{', '.join(STRATEGIES)}, comma-separated")
+    source = click.get_current_context().get_parameter_source("shape")
+    if distribution != "weibull" and source is not ParameterSource.DEFAULT:
+        raise RecycleError(f"--shape is the Weibull shape: add --distribution weibull (the "
+                           f"{distribution} distribution has no shape)")
     if trace_file is not None:
         length = parse_duration(duration, "--duration", allow_zero=False) if duration else None
         traces = [(trace_file.name, read_trace(trace_file, job, length))]
     else:
         length = parse_duration(duration or "7d", "--duration", allow_zero=False)
-        mean_repair = parse_duration(repair, "--repair")
+        mean_repair = parse_duration(repair, "--repair", allow_zero=False)
         traces = []
         for value, text in zip(parse_durations(mtbf, "--mtbf"), mtbf.split(",")):
             traces.append((f"every {text.strip()}",

@@ -270,6 +270,13 @@ def _reusable_entries(folder: Path, spec: JobSpec, shash: str, force: bool,
         raise RecycleError(f"{folder} holds a library for another spec or policy ({other}, hash "
                            f"{index['spec_hash']}, this one is {shash}); pass --force to rebuild "
                            f"it there or choose another folder")
+    if index["max_failures"] > max_failures and not force:
+        dropped = sum(sum(e.get("failed_per_stage", ())) > max_failures for e in index["entries"])
+        raise RecycleError(f"{folder} holds a library for up to {index['max_failures']} "
+                           f"failures; building it for {max_failures} would drop "
+                           f"{plural(dropped, 'situation')}: pass -f {index['max_failures']} "
+                           f"to keep it complete, --force to shrink it, or choose another "
+                           f"folder")
     return index["entries"]
 
 

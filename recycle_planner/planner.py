@@ -6,7 +6,7 @@ import logging
 from typing import Any, Iterable
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.failures import check_failed
+from recycle_planner.failures import check_failed, format_workers
 from recycle_planner.plan import Plan, worker_stats
 from recycle_planner.policy import Policy
 from recycle_planner.simulate import Simulation
@@ -40,12 +40,16 @@ def solve(spec: JobSpec, policy: Policy, failed: tuple, solver: str = "heuristic
         raise RecycleError(f"unknown MILP backend {backend!r} (expected one of: "
                            f"{', '.join(BACKENDS)})")
     time_limit = 10.0 if time_limit is None else float(time_limit)
+    log.info("planning %s with the %s solver", "dead workers " + format_workers(failed)
+             if failed else "the fault-free situation", solver)
     found: list[Candidate] = []
     if solver in ("heuristic", "milp", "auto") or not failed:
         found.append(heuristic(spec, policy, failed))
     if solver in ("dp", "milp", "auto") and failed:
         found.append(dp_plan(spec, policy, failed))
     best = min(found, key=lambda c: c.simulation.period)  # first wins ties
+    for c in found:
+        log.info("candidate %s: period %.6g ms", c.name, c.simulation.period)
     info: dict[str, Any] = {"name": solver, "detail": best.name,
                             "candidates": {c.name: c.simulation.period for c in found}}
     bound = None
@@ -55,6 +59,9 @@ def solve(spec: JobSpec, policy: Policy, failed: tuple, solver: str = "heuristic
         sim, milp_info, bound = milp_solution(spec, policy, failed, time_limit, backend,
                                               best.simulation, node_limit)
         info["milp"] = milp_info
+        log.info("milp: %s, objective %s, %s", milp_info["status"], milp_info["objective"],
+                 "an improvement" if milp_info["improved"] else "no improvement: the plan "
+                 "stays " + best.name)
         if milp_info["improved"]:
             info["detail"] = "milp"
             return Solution(sim, info, bound)
