@@ -11,8 +11,10 @@ import click
 
 from recycle_planner import __version__
 from recycle_planner.errors import RecycleError
+from recycle_planner.library import Settings
 from recycle_planner.policy import SCHEDULES
-from recycle_planner.solvers import SOLVERS
+from recycle_planner.solvers.milp import BACKENDS
+from recycle_planner.solvers.registry import SOLVERS, SolverSettings, solver_help
 from recycle_planner.words import plural
 
 log = logging.getLogger("recycle_planner")
@@ -166,20 +168,19 @@ def solver_options(default: str):
 
 
 def _solver_options(func, default: str):
-    func = click.option("--backend", type=click.Choice(["highs", "pulp-cbc", "pulp-highs"]),
-                        default="highs", show_default=True,
+    defaults = SolverSettings()
+    func = click.option("--backend", type=click.Choice(list(BACKENDS)), default=defaults.backend,
+                        show_default=True,
                         help="MILP backend: highspy directly, or PuLP with CBC or HiGHS.")(func)
     func = click.option("--node-limit", type=click.IntRange(1), default=None, metavar="NODES",
                         help="Also stop the MILP after this many branch-and-bound nodes: the "
-                             "same answer on every machine (plan-all defaults to 500).")(func)
-    func = click.option("--time-limit", type=click.FloatRange(min=0.1), default=10.0,
-                        show_default=True, metavar="SECONDS",
+                             "same answer on every machine (plan-all defaults to "
+                             f"{Settings().node_limit}).")(func)
+    func = click.option("--time-limit", type=click.FloatRange(min=0.1),
+                        default=defaults.time_limit, show_default=True, metavar="SECONDS",
                         help="Budget of the MILP (and of 'auto') per situation.")(func)
-    func = click.option("--solver", type=click.Choice(SOLVERS), default=default,
-                        show_default=True,
-                        help="heuristic: list scheduling (fast, any size); dp: dynamic programs "
-                             "that pack re-routed work into idle time; milp: exact model with a "
-                             "time limit; auto: the best that fits the time budget.")(func)
+    func = click.option("--solver", type=click.Choice(list(SOLVERS)), default=default,
+                        show_default=True, help=solver_help())(func)
     return func
 
 
@@ -215,7 +216,7 @@ def make_policy(schedule: str, decouple: bool, stagger: bool):
 @click.option("--fail", "--failed", "fail", cls=AliasOption, multiple=True,
               metavar="PIPELINE:STAGE", help="A dead worker; repeat for several.")
 @policy_options
-@solver_options(default="heuristic")
+@solver_options(default=SolverSettings().solver)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the plan here (JSON; .json.gz is compressed; '-' is standard output, "
                    "the summary then goes to stderr).")
@@ -238,8 +239,9 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     job = load_spec(spec)
     policy = make_policy(schedule, decouple, stagger)
     failed = [parse_worker(f) for f in fail]
-    result = plan_situation(job, policy, failed, solver=solver, time_limit=time_limit,
-                            backend=backend, node_limit=node_limit)
+    settings = SolverSettings(solver=solver, time_limit=time_limit, backend=backend,
+                              node_limit=node_limit)
+    result = plan_situation(job, policy, failed, settings)
     print_summary(result, as_json, err=is_stdout(output))
     if output is not None:
         write_plan(result, output)
@@ -401,7 +403,7 @@ def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Library folder (created; index.json plus one plan per situation).")
 @policy_options
-@solver_options(default="auto")
+@solver_options(default=Settings.solver)
 @click.option("--jobs", "-j", type=click.IntRange(1), default=None,
               help="Processes (default: every core).")
 @click.option("--max-placements", type=click.IntRange(1), default=4, show_default=True,
@@ -420,7 +422,7 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
     """
     from tqdm import tqdm
 
-    from recycle_planner.library import PlanLibrary, Settings, build_library
+    from recycle_planner.library import PlanLibrary, build_library
     from recycle_planner.report import library_text
     from recycle_planner.spec import load_spec
 
@@ -429,7 +431,7 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
     policy = make_policy(schedule, decouple, stagger)
     settings = Settings(solver=solver, time_limit=time_limit, backend=backend,
                         max_placements=max_placements,
-                        node_limit=500 if node_limit is None else node_limit)
+                        node_limit=Settings().node_limit if node_limit is None else node_limit)
     bar = tqdm(total=None, unit="situation", desc="planning", file=sys.stderr, disable=None)
 
     stopping: list[int] = []

@@ -46,6 +46,7 @@ from recycle_planner.planner import plan_situation
 from recycle_planner.policy import Policy
 from recycle_planner.simulate import simulate
 from recycle_planner.solvers.heuristic import list_schedule
+from recycle_planner.solvers.registry import LIBRARY_NODE_LIMIT, SolverSettings
 from recycle_planner.spec import JobSpec
 from recycle_planner.words import plural
 
@@ -67,14 +68,13 @@ def spec_hash(spec: JobSpec, policy: Policy) -> str:
 
 
 @dataclass(frozen=True)
-class Settings:
-    """How plans are computed; a change makes entries stale."""
+class Settings(SolverSettings):
+    """How a library's plans are computed (a change makes entries stale): the solver settings,
+    with the library's defaults, and how many placements of the holes to try."""
 
     solver: str = "auto"
-    time_limit: float = 10.0
-    backend: str = "highs"
+    node_limit: int | None = LIBRARY_NODE_LIMIT  # deterministic; the time limit is a safety net
     max_placements: int = 4
-    node_limit: int | None = 500   # the MILP's deterministic budget; the time limit is a net
 
     def to_dict(self) -> dict[str, Any]:
         return {"solver": self.solver, "time_limit": self.time_limit, "backend": self.backend,
@@ -108,9 +108,8 @@ def plan_best_placement(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
         options = [options[min(range(len(options)), key=lambda i: (periods[i], i))]]
     best: tuple[Plan, Placement] | None = None
     for placement in options:
-        plan = plan_situation(spec, policy, logical_failed(placement), settings.solver,
-                              settings.time_limit, settings.backend, reference=reference,
-                              node_limit=settings.node_limit, reference_bound=reference_bound)
+        plan = plan_situation(spec, policy, logical_failed(placement), settings,
+                              reference=reference, reference_bound=reference_bound)
         if best is None or plan.metrics["period"] < best[0].metrics["period"] - 1e-9:
             best = (plan, placement)
     assert best is not None

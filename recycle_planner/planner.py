@@ -5,86 +5,46 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
-from recycle_planner.errors import RecycleError
 from recycle_planner.failures import check_failed, format_workers
 from recycle_planner.plan import Plan, worker_stats
 from recycle_planner.policy import Policy
 from recycle_planner.simulate import Simulation
-from recycle_planner.solvers import SOLVERS, Solution
+from recycle_planner.solvers import Solution
 from recycle_planner.solvers.bounds import Bound, lower_bound
-from recycle_planner.solvers.dp import dp_plan
-from recycle_planner.solvers.heuristic import Candidate, heuristic
-from recycle_planner.solvers.milp import BACKENDS, estimated_pairs, milp_solution
+from recycle_planner.solvers.registry import SolverSettings
 from recycle_planner.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
 
-# Order variables the MILP can handle per second of budget, for `auto` (measured on the
-# benchmark instances: beyond this HiGHS rarely improves on the warm start in time).
-MILP_PAIRS_PER_SECOND = 400
-
-
-def solve(spec: JobSpec, policy: Policy, failed: tuple, solver: str = "heuristic",
-          time_limit: float | None = None, backend: str = "highs",
-          node_limit: int | None = None) -> Solution:
-    """Run one solver on one failure set (already checked).
-
-    heuristic: list scheduling; dp: the slot-matching DP (with no failures there is nothing to
-    match and the heuristic's fault-free plan is returned); milp: the MILP warm-started from
-    the better of the two; auto: heuristic and dp, plus the MILP when its model fits the time
-    budget; the shortest period wins."""
-    if solver not in SOLVERS:
-        raise RecycleError(f"unknown solver {solver!r} (expected one of: {', '.join(SOLVERS)})")
-    if backend not in BACKENDS:
-        raise RecycleError(f"unknown MILP backend {backend!r} (expected one of: "
-                           f"{', '.join(BACKENDS)})")
-    time_limit = 10.0 if time_limit is None else float(time_limit)
+def solve(spec: JobSpec, policy: Policy, failed: tuple,
+          solver: str | SolverSettings | None = None, **options: Any) -> Solution:
+    """Run one registered solver (solvers/registry.py) on one failure set (already checked).
+    `solver` is a name or settings; `options` change settings (time_limit=..., backend=...,
+    node_limit=...; None keeps the default)."""
+    settings = SolverSettings.of(solver, **options)
     log.info("planning %s with the %s solver", "dead workers " + format_workers(failed)
-             if failed else "the fault-free situation", solver)
-    found: list[Candidate] = []
-    if solver in ("heuristic", "milp", "auto") or not failed:
-        found.append(heuristic(spec, policy, failed))
-    if solver in ("dp", "milp", "auto") and failed:
-        found.append(dp_plan(spec, policy, failed))
-    best = min(found, key=lambda c: c.simulation.period)  # first wins ties
-    for c in found:
-        log.info("candidate %s: period %.6g ms", c.name, c.simulation.period)
-    info: dict[str, Any] = {"name": solver, "detail": best.name,
-                            "candidates": {c.name: c.simulation.period for c in found}}
-    bound = None
-    run = solver == "milp" or (solver == "auto" and estimated_pairs(spec, policy, failed)
-                               <= MILP_PAIRS_PER_SECOND * time_limit)
-    if run:
-        sim, milp_info, bound = milp_solution(spec, policy, failed, time_limit, backend,
-                                              best.simulation, node_limit)
-        info["milp"] = milp_info
-        log.info("milp: %s, objective %s, %s", milp_info["status"], milp_info["objective"],
-                 "an improvement" if milp_info["improved"] else "no improvement: the plan "
-                 "stays " + best.name)
-        if milp_info["improved"]:
-            info["detail"] = "milp"
-            return Solution(sim, info, bound)
-    return Solution(best.simulation, info, bound)
+             if failed else "the fault-free situation", settings.solver)
+    return settings.entry.run(spec, policy, failed, settings)
 
 
 def plan_situation(spec: JobSpec, policy: Policy, failed: Iterable[Iterable[int]] = (),
-                   solver: str = "heuristic", time_limit: float | None = None,
-                   backend: str = "highs", reference: float | None = None,
-                   node_limit: int | None = None, reference_bound: float | None = None) -> Plan:
+                   solver: str | SolverSettings | None = None, reference: float | None = None,
+                   reference_bound: float | None = None, **options: Any) -> Plan:
     """The plan for one failure set, with its figures. `reference` is the fault-free period and
     `reference_bound` a proven lower bound of the fault-free situation (both computed when not
     given; pass them to save the work for many situations). A failure plan is also a valid
     fault-free plan (the dead workers just idle), so the fault-free bound bounds it too."""
+    settings = SolverSettings.of(solver, **options)
     failed = check_failed(spec, failed)
-    solution = solve(spec, policy, failed, solver, time_limit, backend, node_limit)
+    solution = solve(spec, policy, failed, settings)
     bounds = []
     if solution.bound is not None:
         bounds.append(Bound(solution.bound, "the MILP's best bound"))
     if not failed:
         reference = solution.simulation.period
     elif reference is None:
-        ff = solve(spec, policy, (), solver, time_limit, backend, node_limit)
+        ff = solve(spec, policy, (), settings)
         reference = ff.simulation.period
         if reference_bound is None:
             reference_bound = max(lower_bound(spec, policy, ()).value, ff.bound or 0.0)

@@ -5,6 +5,8 @@
 - milp: the exact model (peer assignment, op order, start times) with HiGHS or PuLP;
 - auto: heuristic and dp always, milp as well when the model is small enough for the time
   budget; the best plan wins, and the best bound of any of them certifies it.
+
+`registry.py` lists them by name with their settings; `portfolio.py` says what each runs.
 """
 
 from __future__ import annotations
@@ -13,9 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recycle_planner.simulate import Simulation
-
-SOLVERS = ("heuristic", "dp", "milp", "auto")
-
 
 @dataclass(frozen=True, eq=False)
 class Solution:

@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 
-from recycle_planner.errors import RecycleError
 from recycle_planner.ops import B, F, I, W, OpSpace, Worker
 from recycle_planner.policy import Policy, budget_caps
 from recycle_planner.schedule import Schedule, with_collectives
@@ -47,7 +46,6 @@ from recycle_planner.spec import JobSpec
 log = logging.getLogger(__name__)
 
 INF = math.inf
-BACKENDS = ("highs", "pulp-cbc", "pulp-highs")
 
 
 @dataclass
@@ -630,6 +628,15 @@ def solve_pulp(model: LinearModel, time_limit: float, warm: list[float] | None, 
     return status, objective, bound, ([float(v) for v in values] if has else None)
 
 
+# The backends by name (SolverSettings checks a name against these keys).
+BACKENDS = {
+    "highs": solve_highs,
+    "pulp-cbc": lambda model, limit, warm, nodes: solve_pulp(model, limit, warm, "pulp-cbc", nodes),
+    "pulp-highs": lambda model, limit, warm, nodes: solve_pulp(model, limit, warm, "pulp-highs",
+                                                               nodes),
+}
+
+
 def run_milp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], time_limit: float,
              backend: str = "highs", warm: Simulation | None = None,
              node_limit: int | None = None) -> MilpResult:
@@ -637,9 +644,6 @@ def run_milp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], time_lim
 
     `node_limit` bounds the branch-and-bound tree: unlike the time limit it gives the same
     answer on every machine (one thread, fixed seed)."""
-    if backend not in BACKENDS:
-        raise RecycleError(f"unknown MILP backend {backend!r} (expected one of: "
-                           f"{', '.join(BACKENDS)})")
     t0 = time.perf_counter()
     model = ReroutingModel(spec, policy, failed, warm)
     values0 = model.warm_values(warm) if warm is not None else None
@@ -650,11 +654,7 @@ def run_milp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], time_lim
     log.info("solving the MILP with %s: %d binaries, %d constraints, warm start %s, at most "
              "%.1f s%s", backend, size.get("binaries", 0), size.get("constraints", 0),
              warm_state, remaining, "" if node_limit is None else f" or {node_limit} nodes")
-    if backend == "highs":
-        status, obj, bound, values = solve_highs(model.model, remaining, values0, node_limit)
-    else:
-        status, obj, bound, values = solve_pulp(model.model, remaining, values0, backend,
-                                                node_limit)
+    status, obj, bound, values = BACKENDS[backend](model.model, remaining, values0, node_limit)
     schedule = model.decode(values) if values is not None else None
     gap = None
     if obj is not None and bound is not None and obj > 0:
