@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from recycle_planner import __version__
 from recycle_planner.errors import RecycleError
@@ -184,6 +185,20 @@ def _solver_options(func, default: str):
     return func
 
 
+def check_solver_options(solver: str) -> None:
+    """An option the chosen solver does not read is an error, not silently ignored (the
+    registry says which solver reads what)."""
+    ctx = click.get_current_context()
+    for name in ("time_limit", "backend", "node_limit"):
+        if ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, None):
+            continue
+        if name not in SOLVERS[solver].options:
+            readers = [n for n, entry in SOLVERS.items() if name in entry.options]
+            raise RecycleError(f"--{name.replace('_', '-')} is not read by the {solver} "
+                               f"solver, only by {' and '.join(readers)}: add --solver "
+                               f"{readers[0]} or leave it out")
+
+
 def check_output(path: Path | None, picture: bool = False, folder: bool = False) -> None:
     """Fail before any work on an output that cannot be written (no such folder, read-only,
     no permission, or a picture name without .png/.svg/.pdf)."""
@@ -235,6 +250,7 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     from recycle_planner.planner import plan_situation
     from recycle_planner.spec import load_spec
 
+    check_solver_options(solver)
     check_output(output)
     job = load_spec(spec)
     policy = make_policy(schedule, decouple, stagger)
@@ -426,6 +442,7 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
     from recycle_planner.report import library_text
     from recycle_planner.spec import load_spec
 
+    check_solver_options(solver)
     check_output(output, folder=True)
     job = load_spec(spec)
     policy = make_policy(schedule, decouple, stagger)

@@ -28,19 +28,25 @@ def plan_summary(plan: Plan) -> str:
     name = spec.name or "job"
     solver = plan.solver.get("name", "?")
     detail = plan.solver.get("detail")
+    milp = plan.solver.get("milp")
+    if milp and not milp.get("improved") and detail:  # the plan is the warm start's, not the MILP's
+        made = f"solver {solver}: {detail}, the MILP found nothing shorter"
+    else:
+        made = f"solver {solver}" + (f" ({detail})" if detail else "")
     lines = [
         f"{name}: {grid(spec)}, failed: {format_workers(plan.failed)}",
-        f"  policy          {plan.policy.label}   solver {solver}"
-        + (f" ({detail})" if detail else ""),
+        f"  policy          {plan.policy.label}   {made}",
         f"  period          {number(m['period'])} ms   (fault-free {number(m['fault_free_period'])} ms, "
         f"degradation {m['degradation']:+.1%})",
         f"  iteration time  {number(m['iteration_time'])} ms",
         f"  lower bound     {number(m['lower_bound'])} ms   (gap {m.get('gap', 0.0):.1%}"
         + (f": {m['lower_bound_reason']}" if m.get("lower_bound_reason") else "") + ")",
     ]
-    milp = plan.solver.get("milp")
     if milp:
         obj = "none" if milp.get("objective") is None else number(milp["objective"])
+        if milp.get("objective") is not None and abs(milp["objective"] - m["period"]) > 1e-6:
+            obj += " in its model" + ("" if milp.get("improved") else
+                                      f", its own plan's; the plan kept: {number(m['period'])}")
         bnd = "none" if milp.get("best_bound") is None else number(milp["best_bound"])
         gap = "" if milp.get("gap") is None else f", gap {milp['gap']:.1%}"
         size = milp.get("model", {})

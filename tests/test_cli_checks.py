@@ -182,3 +182,32 @@ def test_numbers_and_counts_read_well(tmp_path):
     assert "peak in-flight  1 micro-batch per worker" in r.output
     throughput = next(l for l in r.output.splitlines() if "throughput" in l)
     assert "," in throughput.split()[1]  # 102,400 samples/s, not 1.024e+05
+
+
+@pytest.mark.parametrize("args, words", [
+    (["plan", SMALL, "--node-limit", "5"], ["--node-limit", "heuristic", "milp"]),
+    (["plan", SMALL, "--backend", "pulp-cbc"], ["--backend", "heuristic"]),
+    (["plan", SMALL, "--solver", "dp", "--time-limit", "3"], ["--time-limit", "dp"]),
+    (["plan-all", SMALL, "-f", "1", "-o", "lib", "--solver", "heuristic", "--node-limit", "9"],
+     ["--node-limit", "heuristic"]),
+])
+def test_solver_options_the_solver_does_not_read_are_errors(args, words, tmp_path,
+                                                           monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    one_line_error(run(*args), *words)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_milp_that_kept_the_warm_start_says_so(plans):
+    from recycle_planner.planfile import read_plan
+    from recycle_planner.summary import plan_summary
+
+    p = read_plan(plans / "fail.json")
+    period = p.metrics["period"]
+    p.solver.update(name="milp", detail="W deferred", milp={
+        "status": "Feasible (stopped at the time limit)", "objective": period + 0.25,
+        "best_bound": period - 1, "gap": 0.01, "improved": False, "model": {}})
+    text = plan_summary(p)
+    assert "solver milp: W deferred, the MILP found nothing shorter" in text
+    assert (f"objective {period + 0.25:.4g} in its model, its own plan's; the plan kept: "
+            f"{period:.4g}") in text
