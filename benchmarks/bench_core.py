@@ -12,10 +12,10 @@ import statistics
 
 from common import machine, stopwatch
 
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.spec import JobSpec
 from recycle_planner.planner import plan_situation
-from recycle_planner.policy import Policy
-from recycle_planner.spec import JobSpec
-from recycle_planner.validate import validate
+from recycle_planner.timing.validate import validate
 
 SPEC = JobSpec.from_dict({
     "stages": 16, "pipelines": 64, "microbatches": 64,

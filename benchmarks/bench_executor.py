@@ -39,8 +39,8 @@ import torch_1f1b  # noqa: E402
 
 from recycle_planner.executor import LaunchConfig, launch, load_job, parse_fault  # noqa: E402
 from recycle_planner.library import PlanLibrary, Settings, build_library  # noqa: E402
-from recycle_planner.policy import Policy  # noqa: E402
-from recycle_planner.profiler import profile_job, write_spec  # noqa: E402
+from recycle_planner.job.policy import Policy  # noqa: E402
+from recycle_planner.job.profiler import profile_job, write_spec  # noqa: E402
 
 TINY = f"{ROOT / 'examples' / 'tiny_mlp.py'}:make_job"
 D, S, M = 2, 2, 8

@@ -21,15 +21,15 @@ from pathlib import Path
 from common import machine
 
 from recycle_planner.errors import RecycleError
+from recycle_planner.job.policy import BASELINE, Policy
+from recycle_planner.job.spec import JobSpec, load_spec
 from recycle_planner.library import PlanLibrary, Settings, build_library
 from recycle_planner.planner import plan_situation
-from recycle_planner.policy import BASELINE, Policy
 from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers.dp import dp_plan
 from recycle_planner.solvers.exhaustive import exhaustive
 from recycle_planner.solvers.heuristic import heuristic
 from recycle_planner.solvers.milp import run_milp
-from recycle_planner.spec import JobSpec, load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

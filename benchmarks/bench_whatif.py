@@ -25,8 +25,8 @@ from pathlib import Path
 
 from common import machine, stopwatch
 
+from recycle_planner.job.spec import load_spec
 from recycle_planner.library import PlanLibrary, Settings, build_library
-from recycle_planner.spec import load_spec
 from recycle_planner.whatif.engine import simulate
 from recycle_planner.whatif.strategy import Context, Costs
 from recycle_planner.whatif.trace import sample_trace
@@ -38,7 +38,7 @@ FREQUENCIES = (("every 6h", 6 * 3600.0), ("every 2h", 2 * 3600.0), ("every 30min
 
 def library(spec_path: Path, max_failures: int, folder: Path, times: dict) -> PlanLibrary:
     spec = load_spec(spec_path)
-    from recycle_planner.policy import Policy
+    from recycle_planner.job.policy import Policy
 
     with stopwatch(times, f"build {folder.name}"):
         build_library(spec, Policy(), max_failures, folder, Settings(solver="heuristic"))

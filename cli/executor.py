@@ -69,7 +69,7 @@ def launch(target: str, args: tuple[str, ...], nproc: int, library: Path | None,
     """
     from recycle_planner.executor.agent import LaunchConfig, launch as run_launch
     from recycle_planner.executor.faults import parse_fault
-    from recycle_planner.planfile import check_writable
+    from recycle_planner.io import check_writable
 
     check_writable(run_dir, folder=True)
     config = LaunchConfig(nproc=nproc, run_dir=str(run_dir), backend=backend,
@@ -151,9 +151,9 @@ def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: in
       recycle-planner profile examples/tiny_mlp.py:make_job -d 2 -m 4 -o tiny.toml
     """
     from recycle_planner.executor.job import load_job
-    from recycle_planner.planfile import check_writable, is_stdout
-    from recycle_planner.profiler import profile_job, write_spec
-    from recycle_planner.spec import JobSpec
+    from recycle_planner.io import check_writable, is_stdout
+    from recycle_planner.job.profiler import profile_job, write_spec
+    from recycle_planner.job.spec import JobSpec
 
     check_writable(output)  # before minutes of measuring
 

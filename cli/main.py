@@ -12,8 +12,8 @@ from click.core import ParameterSource
 
 from recycle_planner import __version__
 from recycle_planner.errors import RecycleError
+from recycle_planner.job.policy import SCHEDULES
 from recycle_planner.library import Settings
-from recycle_planner.policy import SCHEDULES
 from recycle_planner.solvers.milp import BACKENDS
 from recycle_planner.solvers.registry import SOLVERS, SolverSettings, solver_help
 from recycle_planner.words import plural
@@ -202,8 +202,8 @@ def check_solver_options(solver: str) -> None:
 def check_output(path: Path | None, picture: bool = False, folder: bool = False) -> None:
     """Fail before any work on an output that cannot be written (no such folder, read-only,
     no permission, or a picture name without .png/.svg/.pdf)."""
-    from recycle_planner.figures import picture_format
-    from recycle_planner.planfile import check_writable
+    from recycle_planner.io import check_writable
+    from recycle_planner.views.figures import picture_format
 
     if path is None:
         return
@@ -214,14 +214,14 @@ def check_output(path: Path | None, picture: bool = False, folder: bool = False)
 
 def wrote(path: Path | None) -> None:
     """Say what was written, unless it went to standard output."""
-    from recycle_planner.planfile import is_stdout
+    from recycle_planner.io import is_stdout
 
     if path is not None and not is_stdout(path):
         click.echo(f"wrote {path}")
 
 
 def make_policy(schedule: str, decouple: bool, stagger: bool):
-    from recycle_planner.policy import Policy
+    from recycle_planner.job.policy import Policy
 
     return Policy(schedule=schedule, decouple=decouple, stagger=stagger)
 
@@ -245,10 +245,11 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     (steady-state time per iteration), the degradation against the fault-free plan of the
     same policy, and a lower bound that no plan can beat.
     """
-    from recycle_planner.failures import parse_worker
-    from recycle_planner.planfile import is_stdout, write_plan
+    from recycle_planner.files.planfile import write_plan
+    from recycle_planner.io import is_stdout
+    from recycle_planner.job.spec import load_spec
+    from recycle_planner.job.workers import parse_worker
     from recycle_planner.planner import plan_situation
-    from recycle_planner.spec import load_spec
 
     check_solver_options(solver)
     check_output(output)
@@ -268,14 +269,14 @@ def print_summary(p, as_json: bool, err: bool = False) -> None:
     """The plan's summary, as text or as JSON (format recycle-plan-summary)."""
     import json
 
-    from recycle_planner.summary import plan_summary, summary_dict
+    from recycle_planner.views.summary import plan_summary, summary_dict
 
     click.echo(json.dumps(summary_dict(p), indent=2) if as_json else plan_summary(p), err=err)
 
 
 def broken(plan_file: Path, p, what: str) -> str | None:
     """The one-line refusal for a plan that breaks a rule (None when it keeps them all)."""
-    from recycle_planner.validate import validate
+    from recycle_planner.timing.validate import validate
 
     problems = validate(p)
     if not problems:
@@ -300,15 +301,15 @@ def show(plan_file: Path, width: int, max_workers: int, critical_path: bool,
     """Print a plan's summary, a text timeline of one iteration and its critical path."""
     import json
 
-    from recycle_planner.planfile import read_plan
-    from recycle_planner.summary import plan_summary, summary_dict
-    from recycle_planner.timeline import text_timeline
+    from recycle_planner.files.planfile import read_plan
+    from recycle_planner.views.summary import plan_summary, summary_dict
+    from recycle_planner.views.timeline import text_timeline
 
     p = read_plan(plan_file)
     chain = None
     if critical_path and p.schedule.n_ops <= 20_000:
-        from recycle_planner.dag import critical_path as chain_of
-        from recycle_planner.dag import plan_graph
+        from recycle_planner.timing.dag import critical_path as chain_of
+        from recycle_planner.timing.dag import plan_graph
 
         problem = broken(plan_file, p, "no critical path")
         if problem is None:  # an op listed twice or out of order has no critical path
@@ -328,7 +329,7 @@ def show(plan_file: Path, width: int, max_workers: int, critical_path: bool,
         click.echo()
         click.echo(text_timeline(p, width=width, max_workers=max_workers))
         if chain is not None:
-            from recycle_planner.dag import describe_critical_path
+            from recycle_planner.timing.dag import describe_critical_path
 
             click.echo()
             click.echo("critical path (first iteration, from an idle start):")
@@ -349,8 +350,8 @@ def show(plan_file: Path, width: int, max_workers: int, critical_path: bool,
               help="Rows per plan at most (pipelines with failures first).")
 def gantt(plan_file: Path, output: Path, compare: Path | None, max_workers: int) -> None:
     """Draw a plan as a Gantt chart: one row per worker, grouped by pipeline."""
-    from recycle_planner.gantt import draw_gantt
-    from recycle_planner.planfile import read_plan
+    from recycle_planner.files.planfile import read_plan
+    from recycle_planner.views.gantt import draw_gantt
 
     check_output(output, picture=True)
     plans = [read_plan(plan_file)]
@@ -373,8 +374,8 @@ def validate(plan_file: Path, as_json: bool) -> None:
     give (the period re-simulated). Exit status 1 when a rule is broken."""
     import json
 
-    from recycle_planner.planfile import read_plan
-    from recycle_planner.validate import validate as check
+    from recycle_planner.files.planfile import read_plan
+    from recycle_planner.timing.validate import validate as check
 
     problems = check(read_plan(plan_file))
     if as_json:
@@ -400,8 +401,8 @@ def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
     _PipelineScheduleRuntime._load_csv(path, format="compute_only"). The plan is validated
     first: a plan that breaks a rule is refused (exit status 2)."""
     from recycle_planner.errors import PlanFileError
-    from recycle_planner.export_torch import export_torch_csv
-    from recycle_planner.planfile import read_plan
+    from recycle_planner.files.export_torch import export_torch_csv
+    from recycle_planner.files.planfile import read_plan
 
     check_output(output)
     p = read_plan(plan_file)
@@ -438,9 +439,9 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
     """
     from tqdm import tqdm
 
+    from recycle_planner.job.spec import load_spec
     from recycle_planner.library import PlanLibrary, build_library
-    from recycle_planner.report import library_text
-    from recycle_planner.spec import load_spec
+    from recycle_planner.views.report import library_text
 
     check_solver_options(solver)
     check_output(output, folder=True)
@@ -485,7 +486,7 @@ def lookup(library: Path, failed: tuple[str, ...], as_json: bool) -> None:
     physical worker plays in it."""
     import json
 
-    from recycle_planner.failures import format_workers, parse_worker
+    from recycle_planner.job.workers import format_workers, parse_worker
     from recycle_planner.library import PlanLibrary
 
     lib = PlanLibrary.open(library)
@@ -518,7 +519,7 @@ def report(library: Path, output: Path | None, as_json: bool) -> None:
     import json
 
     from recycle_planner.library import PlanLibrary
-    from recycle_planner.report import library_dict, library_text, plot_library
+    from recycle_planner.views.report import library_dict, library_text, plot_library
 
     check_output(output, picture=True)
     lib = PlanLibrary.open(library)

@@ -84,9 +84,9 @@ def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str
     Bamboo-style redundant computation (bamboo). All are costed with the same per-stage costs
     through the planner; each strategy's assumptions are printed with the results.
     """
+    from recycle_planner.job.spec import load_spec
     from recycle_planner.library import PlanLibrary
-    from recycle_planner.planfile import check_writable
-    from recycle_planner.spec import load_spec
+    from recycle_planner.io import check_writable
     from recycle_planner.whatif.durations import parse_duration, parse_durations
     from recycle_planner.whatif.engine import simulate
     from recycle_planner.whatif.output import study_dict, study_text
@@ -136,7 +136,7 @@ def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str
 def _write_outputs(study, folder: Path, fmt: str, sampled: bool, quiet: bool) -> None:
     """whatif.json, one throughput-over-time plot per trace, the across-frequencies plot when
     there are several traces, and the sampled traces as CSV."""
-    from recycle_planner.planfile import write_json
+    from recycle_planner.io import write_json
     from recycle_planner.whatif.output import study_dict
     from recycle_planner.whatif.plots import plot_frequencies, plot_over_time
     from recycle_planner.whatif.trace import write_trace

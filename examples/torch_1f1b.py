@@ -36,7 +36,7 @@ def worker(rank: int, world: int, port: int, target: str, job_args: list[str], D
     from torch.distributed.pipelining.schedules import Schedule1F1B
 
     from recycle_planner.executor.job import load_job
-    from recycle_planner.planfile import atomic_write, write_json
+    from recycle_planner.io import atomic_write, write_json
 
     torch.set_num_threads(1)
     job = load_job(target, job_args)
@@ -111,7 +111,7 @@ def train(target: str, job_args: list[str], pipelines: int, microbatches: int, s
               for i in range(len(last[0]["losses"]))]
     ends = [max(rec["ends"][i] for rec in records) for i in range(len(records[0]["ends"]))]
     result = {"losses": losses, "iteration_end": ends}
-    from recycle_planner.planfile import write_json
+    from recycle_planner.io import write_json
 
     write_json(out / "result.json", result)
     return result

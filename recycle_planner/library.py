@@ -36,18 +36,19 @@ from typing import Any, Callable, Iterable, Iterator
 
 from recycle_planner import __version__
 from recycle_planner.errors import FailureSetError, PlanFileError, RecycleError
-from recycle_planner.failures import check_failed, dead_per_stage
-from recycle_planner.normalize import (Mapping, Placement, canonical, check_threshold,
-                                       counts_of, failure_sets, logical_failed, map_failure,
-                                       placements, situations)
-from recycle_planner.plan import Plan
-from recycle_planner.planfile import read_json, read_plan, write_json, write_plan
+from recycle_planner.files.planfile import read_plan, write_plan
+from recycle_planner.io import read_json, write_json
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.situations import (Mapping, Placement, canonical, check_threshold,
+                                            counts_of, failure_sets, logical_failed, map_failure,
+                                            placements, situations)
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.job.workers import check_failed, dead_per_stage
 from recycle_planner.planner import plan_situation
-from recycle_planner.policy import Policy
-from recycle_planner.simulate import simulate
 from recycle_planner.solvers.heuristic import list_schedule
 from recycle_planner.solvers.registry import LIBRARY_NODE_LIMIT, SolverSettings
-from recycle_planner.spec import JobSpec
+from recycle_planner.timing.plan import Plan
+from recycle_planner.timing.simulate import simulate
 from recycle_planner.words import plural
 
 log = logging.getLogger(__name__)

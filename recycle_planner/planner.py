@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
-from recycle_planner.failures import check_failed, format_workers
-from recycle_planner.plan import Plan, worker_stats
-from recycle_planner.policy import Policy
-from recycle_planner.simulate import Simulation
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.job.workers import check_failed, format_workers
 from recycle_planner.solvers import Solution
 from recycle_planner.solvers.bounds import Bound, lower_bound
 from recycle_planner.solvers.registry import SolverSettings
-from recycle_planner.spec import JobSpec
+from recycle_planner.timing.plan import Plan, worker_stats
+from recycle_planner.timing.simulate import Simulation
 
 log = logging.getLogger(__name__)
 

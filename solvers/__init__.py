@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from recycle_planner.simulate import Simulation
+from recycle_planner.timing.simulate import Simulation
 
 @dataclass(frozen=True, eq=False)
 class Solution:

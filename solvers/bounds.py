@@ -33,10 +33,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from recycle_planner.failures import dead_per_stage
-from recycle_planner.ops import Worker
-from recycle_planner.policy import Policy, budget_caps
-from recycle_planner.spec import JobSpec
+from recycle_planner.job.policy import Policy, budget_caps
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.job.workers import dead_per_stage
+from recycle_planner.schedules.ops import Worker
 
 
 @dataclass(frozen=True)

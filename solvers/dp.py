@@ -38,12 +38,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from recycle_planner.ops import B, F, I, OpSpace, Worker
-from recycle_planner.policy import Policy, budget_caps
-from recycle_planner.simulate import Simulation, simulate
-from recycle_planner.spec import JobSpec
+from recycle_planner.job.policy import Policy, budget_caps
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.schedules.ops import B, F, I, OpSpace, Worker
 from recycle_planner.solvers.heuristic import (Candidate, fault_free_simulation, list_schedule,
                                                template_keys)
+from recycle_planner.timing.simulate import Simulation, simulate
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from recycle_planner.errors import RecycleError, ScheduleError
-from recycle_planner.ops import B, F, I, W, OpSpace, Worker
-from recycle_planner.policy import Policy
-from recycle_planner.schedule import Schedule, with_collectives
-from recycle_planner.simulate import Simulation, simulate
-from recycle_planner.spec import JobSpec
-from recycle_planner.validate import _memory
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker
+from recycle_planner.schedules.schedule import Schedule, with_collectives
+from recycle_planner.timing.simulate import Simulation, simulate
+from recycle_planner.timing.validate import _memory
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,6 @@ def exhaustive(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
 
 
 def _memory_ok(sim: Simulation) -> bool:
-    from recycle_planner.plan import Plan
+    from recycle_planner.timing.plan import Plan
 
     return not _memory(Plan(sim.schedule, sim.timing, {}, {}))

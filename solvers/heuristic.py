@@ -26,12 +26,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from recycle_planner.generators import fault_free
-from recycle_planner.ops import B, F, I, W, OpSpace, Worker
-from recycle_planner.policy import Policy, budget_caps
-from recycle_planner.schedule import Schedule, with_collectives
-from recycle_planner.simulate import Simulation, simulate
-from recycle_planner.spec import JobSpec
+from recycle_planner.job.policy import Policy, budget_caps
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.schedules.generators import fault_free
+from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker
+from recycle_planner.schedules.schedule import Schedule, with_collectives
+from recycle_planner.timing.simulate import Simulation, simulate
 
 KIND_TIEBREAK = {I: 0, B: 0, F: 1, W: 2}
 

@@ -36,12 +36,12 @@ from typing import Any
 
 import numpy as np
 
-from recycle_planner.ops import B, F, I, W, OpSpace, Worker
-from recycle_planner.policy import Policy, budget_caps
-from recycle_planner.schedule import Schedule, with_collectives
-from recycle_planner.simulate import Simulation, simulate
+from recycle_planner.job.policy import Policy, budget_caps
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker
+from recycle_planner.schedules.schedule import Schedule, with_collectives
 from recycle_planner.solvers.bounds import lower_bound
-from recycle_planner.spec import JobSpec
+from recycle_planner.timing.simulate import Simulation, simulate
 
 log = logging.getLogger(__name__)
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from recycle_planner.ops import Worker
-from recycle_planner.policy import Policy
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.schedules.ops import Worker
 from recycle_planner.solvers import Solution
 from recycle_planner.solvers.dp import dp_plan
 from recycle_planner.solvers.heuristic import Candidate, heuristic
 from recycle_planner.solvers.milp import estimated_pairs, milp_solution
-from recycle_planner.spec import JobSpec
 
 if TYPE_CHECKING:
     from recycle_planner.solvers.registry import SolverSettings

@@ -199,8 +199,8 @@ def test_solver_options_the_solver_does_not_read_are_errors(args, words, tmp_pat
 
 
 def test_a_milp_that_kept_the_warm_start_says_so(plans):
-    from recycle_planner.planfile import read_plan
-    from recycle_planner.summary import plan_summary
+    from recycle_planner.files.planfile import read_plan
+    from recycle_planner.views.summary import plan_summary
 
     p = read_plan(plans / "fail.json")
     period = p.metrics["period"]

@@ -2,11 +2,11 @@
 
 import pytest
 
-from recycle_planner.generators import fault_free
+from recycle_planner.job.policy import Policy
 from recycle_planner.planner import plan_situation
-from recycle_planner.policy import Policy
-from recycle_planner.simulate import simulate
+from recycle_planner.schedules.generators import fault_free
 from recycle_planner.solvers.bounds import lower_bound
+from recycle_planner.timing.simulate import simulate
 
 from conftest import make_spec
 
@@ -45,7 +45,7 @@ def test_fault_free_plan_peaks_match_the_schedules_memory():
     spec = make_spec()
     for policy, peaks in [(ONE_F_ONE_B, [4, 3, 2, 1]), (ZB_H1, [4, 4, 4, 4]), (GPIPE, [8] * 4)]:
         plan = plan_situation(spec, policy)
-        from recycle_planner.plan import worker_stats
+        from recycle_planner.timing.plan import worker_stats
 
         stats = worker_stats(plan.schedule, plan.timing, plan.metrics["period"])
         assert stats.peak_inflight[:4].tolist() == peaks

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from recycle_planner.policy import Policy
+from recycle_planner.job.policy import Policy
 
 from conftest import ROOT
 

@@ -6,8 +6,8 @@ from itertools import product
 import pytest
 
 from recycle_planner.errors import FailureSetError, RecycleError
+from recycle_planner.job.policy import Policy
 from recycle_planner.library import PlanLibrary, Settings, build_library
-from recycle_planner.policy import Policy
 
 from conftest import EXAMPLES, make_spec
 

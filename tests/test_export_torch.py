@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from recycle_planner.export_torch import export_torch_csv, torch_rows
+from recycle_planner.files.export_torch import export_torch_csv, torch_rows
+from recycle_planner.job.policy import Policy
 from recycle_planner.planner import plan_situation
-from recycle_planner.policy import Policy
 
 from conftest import make_spec
 

@@ -6,13 +6,13 @@ from click.testing import CliRunner
 
 from recycle_planner.cli.main import main
 from recycle_planner.errors import FailureSetError, PlanFileError, RecycleError
+from recycle_planner.files.planfile import read_plan
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.situations import (counts_of, failure_sets, logical_failed, map_failure,
+                                            packed, placements, situations)
 from recycle_planner.library import PlanLibrary, Settings, build_library
-from recycle_planner.normalize import (counts_of, failure_sets, logical_failed, map_failure,
-                                       packed, placements, situations)
-from recycle_planner.planfile import read_plan
-from recycle_planner.policy import Policy
-from recycle_planner.report import library_text, plot_library
-from recycle_planner.validate import validate
+from recycle_planner.timing.validate import validate
+from recycle_planner.views.report import library_text, plot_library
 
 from conftest import make_spec
 

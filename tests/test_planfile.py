@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from recycle_planner.errors import PlanFileError
-from recycle_planner.planfile import plan_to_dict, read_plan, write_plan
+from recycle_planner.files.planfile import plan_to_dict, read_plan, write_plan
+from recycle_planner.job.policy import Policy
 from recycle_planner.planner import plan_situation
-from recycle_planner.policy import Policy
-from recycle_planner.validate import validate
+from recycle_planner.timing.validate import validate
 
 from conftest import make_spec
 

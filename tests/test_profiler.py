@@ -5,9 +5,9 @@ import pytest
 from click.testing import CliRunner
 
 from recycle_planner.cli.main import main
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.spec import load_spec
 from recycle_planner.planner import plan_situation
-from recycle_planner.policy import Policy
-from recycle_planner.spec import load_spec
 
 from conftest import EXAMPLES
 
@@ -81,7 +81,7 @@ def test_launch_checks_the_library_against_the_worker_count(tmp_path):
                                              ("mps", "measures cpu or cuda")])
 def test_unusable_device_is_one_line(device, message):
     from recycle_planner.errors import RecycleError
-    from recycle_planner.profiler import usable_device
+    from recycle_planner.job.profiler import usable_device
 
     with pytest.raises(RecycleError, match=message):
         usable_device(device)

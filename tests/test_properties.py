@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, strategies as st
 
-from recycle_planner.dag import earliest_times, longest_path_length, plan_graph
 from recycle_planner.errors import SpecError
+from recycle_planner.job.policy import BASELINE, Policy
+from recycle_planner.job.spec import JobSpec
 from recycle_planner.planner import plan_situation
-from recycle_planner.policy import BASELINE, Policy
-from recycle_planner.spec import JobSpec
-from recycle_planner.validate import validate
+from recycle_planner.timing.dag import earliest_times, longest_path_length, plan_graph
+from recycle_planner.timing.validate import validate
 
 costs = st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0])
 

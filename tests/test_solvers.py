@@ -6,15 +6,15 @@ import random
 import pytest
 from hypothesis import given
 
+from recycle_planner.job.policy import BASELINE, Policy
+from recycle_planner.job.spec import load_spec
 from recycle_planner.planner import plan_situation, solve
-from recycle_planner.policy import BASELINE, Policy
 from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers.dp import Slot, dp_assignment, dp_plan, match
 from recycle_planner.solvers.exhaustive import exhaustive
 from recycle_planner.solvers.heuristic import heuristic
 from recycle_planner.solvers.milp import ReroutingModel, estimated_pairs, run_milp
-from recycle_planner.spec import load_spec
-from recycle_planner.validate import validate
+from recycle_planner.timing.validate import validate
 
 from conftest import EXAMPLES, make_spec
 from test_properties import situations

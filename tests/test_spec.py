@@ -1,7 +1,7 @@
 import pytest
 
 from recycle_planner.errors import SpecError
-from recycle_planner.spec import JobSpec, load_spec
+from recycle_planner.job.spec import JobSpec, load_spec
 
 from conftest import EXAMPLES
 

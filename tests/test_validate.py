@@ -4,13 +4,13 @@
 import numpy as np
 import pytest
 
-from recycle_planner.ops import F, I, W, Op
-from recycle_planner.plan import Plan
+from recycle_planner.job.policy import BASELINE, Policy
 from recycle_planner.planner import plan_situation
-from recycle_planner.policy import BASELINE, Policy
-from recycle_planner.schedule import Schedule
-from recycle_planner.simulate import Timing
-from recycle_planner.validate import validate
+from recycle_planner.schedules.ops import F, I, W, Op
+from recycle_planner.schedules.schedule import Schedule
+from recycle_planner.timing.plan import Plan
+from recycle_planner.timing.simulate import Timing
+from recycle_planner.timing.validate import validate
 
 from conftest import make_spec
 
@@ -170,7 +170,7 @@ def test_violation_messages_name_the_op(plan):
 
 def test_simulating_a_duplicated_op_is_a_clear_error(plan):
     from recycle_planner.errors import ScheduleError
-    from recycle_planner.simulate import simulate
+    from recycle_planner.timing.simulate import simulate
 
     orders = list(plan.schedule.orders)
     w = idx(plan, (0, 1))

@@ -6,10 +6,10 @@ import itertools
 import pytest
 from hypothesis import given, strategies as st
 
+from recycle_planner.job.policy import BASELINE, Policy
+from recycle_planner.job.spec import load_spec
 from recycle_planner.library import PlanLibrary, Settings, build_library
 from recycle_planner.planner import plan_situation
-from recycle_planner.policy import BASELINE, Policy
-from recycle_planner.spec import load_spec
 from recycle_planner.whatif.bamboo import bamboo_spec, groups_of, recoverable
 from recycle_planner.whatif.engine import STRATEGIES, replay, simulate
 from recycle_planner.whatif.oobleck import Oobleck, fits, pipeline_spec, window

@@ -24,8 +24,8 @@ iteration in progress is 5/9 done: 20 samples.
 import pytest
 
 from recycle_planner.errors import RecycleError
+from recycle_planner.job.policy import BASELINE
 from recycle_planner.library import PlanLibrary, Settings, build_library
-from recycle_planner.policy import BASELINE
 from recycle_planner.whatif.engine import STRATEGIES, replay, simulate
 from recycle_planner.whatif.strategy import Context, Costs, PeriodModel
 from recycle_planner.whatif.trace import Event, Trace
@@ -215,7 +215,7 @@ def test_bamboo_that_does_not_fit_is_reported_not_run(libraries):
 def test_bamboo_whose_schedule_cannot_run_in_the_budget_is_reported(libraries):
     """GPipe keeps both micro-batches in flight; with its successor's state a worker has room
     for one only (1 + 1 GB static, 2 GB per micro-batch, 5 GB)."""
-    from recycle_planner.policy import Policy
+    from recycle_planner.job.policy import Policy
 
     spec = SPEC.with_changes(memory={"activation": "1GB", "static": "1GB", "budget": "5GB"})
     gpipe = Policy("gpipe", decouple=False, stagger=False)

@@ -103,7 +103,7 @@ def test_empty_or_missing_trace(tmp_path):
 
 
 def test_example_trace_is_valid():
-    from recycle_planner.spec import load_spec
+    from recycle_planner.job.spec import load_spec
 
     tr = read_trace(EXAMPLES / "trace.csv", load_spec(EXAMPLES / "gpt.toml"))
     assert tr.failures >= 5 and tr.dead_counts()[0] == 3

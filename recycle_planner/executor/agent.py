@@ -44,9 +44,9 @@ from recycle_planner.executor import protocol as P
 from recycle_planner.executor.faults import Fault
 from recycle_planner.executor.state import latest_checkpoint, write_manifest
 from recycle_planner.executor.config import CONFIG_ENV, CONFIG_ERROR, WorkerConfig
-from recycle_planner.failures import format_workers
+from recycle_planner.job.workers import format_workers
 from recycle_planner.library import PlanLibrary
-from recycle_planner.planfile import write_json
+from recycle_planner.io import write_json
 
 log = logging.getLogger(__name__)
 

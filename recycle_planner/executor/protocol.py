@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.failures import format_workers
-from recycle_planner.ops import Worker
+from recycle_planner.job.workers import format_workers
+from recycle_planner.schedules.ops import Worker
 
 
 def hello_key(rank: int, incarnation: int) -> str:

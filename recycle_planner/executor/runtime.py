@@ -33,8 +33,8 @@ from recycle_planner.executor.comm import BACKWARD, FORWARD, Comm, PeerFailure, 
 from recycle_planner.executor.faults import FaultInjector
 from recycle_planner.executor.protocol import rank_of
 from recycle_planner.executor.state import StageState
-from recycle_planner.normalize import Mapping
-from recycle_planner.plan import Plan
+from recycle_planner.job.situations import Mapping
+from recycle_planner.timing.plan import Plan
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.planfile import atomic_write, write_json
+from recycle_planner.io import atomic_write, write_json
 
 
 class StageState:

@@ -50,7 +50,7 @@ from recycle_planner.executor.job import Job, load_job
 from recycle_planner.executor.runtime import StageRuntime, compile_program, pair_orders
 from recycle_planner.executor.state import (StageState, latest_checkpoint,
                                             load_stage_checkpoint, write_stage_checkpoint)
-from recycle_planner.failures import format_workers
+from recycle_planner.job.workers import format_workers
 from recycle_planner.library import PlanLibrary
 
 log = logging.getLogger(__name__)

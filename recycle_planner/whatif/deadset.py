@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recycle_planner.ops import Worker
+from recycle_planner.schedules.ops import Worker
 from recycle_planner.whatif.trace import FAIL, Trace
 
 

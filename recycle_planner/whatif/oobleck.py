@@ -15,7 +15,7 @@ from fractions import Fraction
 from typing import Any, Hashable, Sequence
 
 from recycle_planner.errors import SpecError
-from recycle_planner.spec import JobSpec
+from recycle_planner.job.spec import JobSpec
 from recycle_planner.whatif.deadset import DeadState
 from recycle_planner.whatif.durations import format_duration
 from recycle_planner.whatif.strategy import (Context, Speed, Strategy, derived_memory,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recycle_planner.figures import picture_format, pyplot, save_figure
+from recycle_planner.views.figures import picture_format, pyplot, save_figure
 from recycle_planner.whatif.durations import format_duration
 from recycle_planner.whatif.engine import Run, Study
 from recycle_planner.whatif.trace import FAIL

@@ -19,10 +19,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, ClassVar, Hashable, Iterable, Sequence
 
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.spec import JobSpec, MemorySpec
 from recycle_planner.library import PlanLibrary
 from recycle_planner.planner import plan_situation
-from recycle_planner.policy import Policy
-from recycle_planner.spec import JobSpec, MemorySpec
 from recycle_planner.whatif.deadset import DeadState
 from recycle_planner.whatif.durations import format_duration
 from recycle_planner.whatif.trace import Event

@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 
 from recycle_planner.errors import FailureSetError, RecycleError
-from recycle_planner.failures import parse_worker
-from recycle_planner.ops import Worker
-from recycle_planner.planfile import atomic_write
-from recycle_planner.spec import JobSpec
+from recycle_planner.io import atomic_write
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.job.workers import parse_worker
+from recycle_planner.schedules.ops import Worker
 from recycle_planner.whatif.durations import DurationError, format_duration, parse_duration
 
 FAIL, REPAIR = "fail", "repair"

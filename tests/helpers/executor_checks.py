@@ -10,9 +10,9 @@ import torch
 
 from recycle_planner.executor import train_reference
 from recycle_planner.executor.state import latest_checkpoint, load_stage_checkpoint
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.spec import JobSpec
 from recycle_planner.library import Settings, build_library
-from recycle_planner.policy import Policy
-from recycle_planner.spec import JobSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TINY = f"{EXAMPLES / 'tiny_mlp.py'}:make_job"

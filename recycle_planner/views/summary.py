@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from recycle_planner.failures import format_workers
-from recycle_planner.plan import Plan
+from recycle_planner.job.workers import format_workers
+from recycle_planner.timing.plan import Plan
 from recycle_planner.words import grid, number, plural
 
 SUMMARY_FORMAT = "recycle-plan-summary"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from recycle_planner.ops import KIND_NAMES
-from recycle_planner.plan import Plan
+from recycle_planner.schedules.ops import KIND_NAMES
+from recycle_planner.timing.plan import Plan
 
 LETTERS = ("F", "I", "W", "B", "A", "O")
 

@@ -6,8 +6,8 @@ import re
 from typing import Iterable
 
 from recycle_planner.errors import FailureSetError
-from recycle_planner.ops import Worker
-from recycle_planner.spec import JobSpec
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.schedules.ops import Worker
 from recycle_planner.words import plural
 
 

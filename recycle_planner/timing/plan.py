@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from recycle_planner.ops import B, F, W, Op, Worker
-from recycle_planner.policy import Policy
-from recycle_planner.schedule import Schedule
-from recycle_planner.simulate import Timing, cost_table
-from recycle_planner.spec import JobSpec
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.schedules.ops import B, F, W, Op, Worker
+from recycle_planner.schedules.schedule import Schedule
+from recycle_planner.timing.simulate import Timing, cost_table
 
 
 @dataclass(frozen=True, eq=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from recycle_planner.errors import SpecError
-from recycle_planner.spec import JobSpec
+from recycle_planner.job.spec import JobSpec
 
 SCHEDULES = ("1f1b", "zb-h1", "gpipe")
 

@@ -12,9 +12,9 @@ from functools import cached_property
 
 import numpy as np
 
-from recycle_planner.ops import COMPUTE_KINDS, Op, OpSpace, Worker
-from recycle_planner.policy import Policy
-from recycle_planner.spec import JobSpec
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.schedules.ops import COMPUTE_KINDS, Op, OpSpace, Worker
 
 
 @dataclass(frozen=True, eq=False)

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.planfile import atomic_write
-from recycle_planner.spec import JobSpec
+from recycle_planner.io import atomic_write
+from recycle_planner.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

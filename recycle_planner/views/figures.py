@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.planfile import atomic_write
+from recycle_planner.io import atomic_write
 
 FORMATS = (".png", ".svg", ".pdf")
 

@@ -15,10 +15,10 @@ import csv
 from pathlib import Path
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.failures import format_workers
-from recycle_planner.ops import KIND_CODES
-from recycle_planner.plan import Plan
-from recycle_planner.planfile import atomic_write
+from recycle_planner.io import atomic_write
+from recycle_planner.job.workers import format_workers
+from recycle_planner.schedules.ops import KIND_CODES
+from recycle_planner.timing.plan import Plan
 
 
 def torch_rows(plan: Plan, pipeline: int = 0) -> list[list[str]]:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import networkx as nx
 import numpy as np
 
-from recycle_planner.ops import Op
-from recycle_planner.schedule import Schedule
-from recycle_planner.simulate import cost_table, data_edges
+from recycle_planner.schedules.ops import Op
+from recycle_planner.schedules.schedule import Schedule
+from recycle_planner.timing.simulate import cost_table, data_edges
 
 SYNC = "sync"
 

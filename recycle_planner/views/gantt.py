@@ -13,11 +13,11 @@ from typing import Sequence
 
 import numpy as np
 
-from recycle_planner.failures import format_workers
-from recycle_planner.figures import picture_format, pyplot, save_figure
-from recycle_planner.ops import KIND_NAMES
-from recycle_planner.plan import Plan
-from recycle_planner.timeline import shown_pipelines
+from recycle_planner.job.workers import format_workers
+from recycle_planner.schedules.ops import KIND_NAMES
+from recycle_planner.timing.plan import Plan
+from recycle_planner.views.figures import picture_format, pyplot, save_figure
+from recycle_planner.views.timeline import shown_pipelines
 
 COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#3A3A3A")
 LABEL_LIMIT = 700  # above this many ops in a panel, bars are not labelled

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from recycle_planner.errors import ScheduleError
-from recycle_planner.ops import AR, B, COMPUTE_KINDS, F, I, W
-from recycle_planner.plan import Plan, peak_inflight
-from recycle_planner.policy import budget_caps
-from recycle_planner.simulate import DependencyGraph, cost_table, data_edges
+from recycle_planner.job.policy import budget_caps
+from recycle_planner.schedules.ops import AR, B, COMPUTE_KINDS, F, I, W
+from recycle_planner.timing.plan import Plan, peak_inflight
+from recycle_planner.timing.simulate import DependencyGraph, cost_table, data_edges
 from recycle_planner.words import plural
 
 
@@ -196,7 +196,7 @@ def _memory(plan: Plan) -> list[Violation]:
 def _metrics(plan: Plan) -> list[Violation]:
     """The figures a plan claims are the ones its ops give: the iteration time is the span of
     the times, and re-simulating the orders gives the period; the rest follows from those."""
-    from recycle_planner.simulate import simulate
+    from recycle_planner.timing.simulate import simulate
 
     ids, _ = plan.schedule.flat
     times = plan.timing

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from recycle_planner.errors import FailureSetError, RecycleError
-from recycle_planner.failures import check_failed, dead_per_stage
-from recycle_planner.ops import Worker
-from recycle_planner.spec import JobSpec
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.job.workers import check_failed, dead_per_stage
+from recycle_planner.schedules.ops import Worker
 
 Placement = tuple[tuple[int, ...], ...]
 

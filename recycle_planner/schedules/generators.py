@@ -19,10 +19,10 @@ from __future__ import annotations
 import numpy as np
 
 from recycle_planner.errors import SpecError
-from recycle_planner.ops import B, F, I, W, OpSpace
-from recycle_planner.policy import Policy, natural_caps
-from recycle_planner.schedule import Schedule, with_collectives
-from recycle_planner.spec import JobSpec
+from recycle_planner.job.policy import Policy, natural_caps
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.schedules.ops import B, F, I, W, OpSpace
+from recycle_planner.schedules.schedule import Schedule, with_collectives
 
 StageOrder = list[tuple[int, int]]  # (kind, microbatch)
 

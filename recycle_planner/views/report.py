@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from recycle_planner.library import PlanLibrary
-from recycle_planner.figures import picture_format, pyplot, save_figure
+from recycle_planner.views.figures import picture_format, pyplot, save_figure
 from recycle_planner.words import grid, number, plural
 
 

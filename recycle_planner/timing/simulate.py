@@ -19,9 +19,9 @@ from functools import cached_property
 import numpy as np
 
 from recycle_planner.errors import ScheduleError
-from recycle_planner.ops import AR, B, F, I, OPT, W
-from recycle_planner.schedule import Schedule
-from recycle_planner.spec import JobSpec
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.schedules.ops import AR, B, F, I, OPT, W
+from recycle_planner.schedules.schedule import Schedule
 
 def cost_table(spec: JobSpec) -> np.ndarray:
     """cost[kind, stage] in milliseconds."""
