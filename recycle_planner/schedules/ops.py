@@ -14,6 +14,9 @@ import numpy as np
 
 F, I, W, B, AR, OPT = range(6)
 KIND_NAMES = ("F", "I", "W", "B", "ALLREDUCE", "OPTIMIZER")
+# What each kind is, for legends.
+KIND_TITLES = ("forward", "input gradient", "weight gradient", "full backward (I+W)",
+               "gradient all-reduce", "optimizer step")
 KIND_CODES = {name: code for code, name in enumerate(KIND_NAMES)}
 COMPUTE_KINDS = 4
 
