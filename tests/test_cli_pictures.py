@@ -45,3 +45,28 @@ def test_labels_do_not_overlap_on_a_dense_chart(monkeypatch, tmp_path):
     for (ta, a), (tb, b) in zip(boxes, boxes[1:]):
         if abs(a.y0 - b.y0) < 1:  # same row
             assert a.x1 <= b.x0 + 0.5, (ta, tb)
+
+
+def test_throughput_plot_has_a_strip_per_strategy_and_no_offset(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from recycle_planner.cli.main import main
+    from recycle_planner.whatif import plots
+
+    small = str(EXAMPLES / "small.toml")
+    r = CliRunner().invoke(main, ["plan-all", small, "-f", "1", "-o", str(tmp_path / "lib"),
+                                  "-j", "1"])
+    assert r.exit_code == 0, r.output
+    figures = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path, fmt: figures.append(fig))
+    r = CliRunner().invoke(main, ["simulate-trace", small, "--library", str(tmp_path / "lib"),
+                                  "--mtbf", "30min", "--duration", "7d", "--json", "-o",
+                                  str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    fig = figures[0]
+    fig.canvas.draw()
+    strategies = len(__import__("json").loads(r.stdout)["strategies"])
+    assert len(fig.axes) == strategies + 2  # failure marks, one strip each, samples trained
+    for ax in fig.axes:
+        assert ax.yaxis.get_offset_text().get_text() == ""  # no "1e8" over an axis
+    assert "millions" in fig.axes[-1].get_ylabel() or "billions" in fig.axes[-1].get_ylabel()
