@@ -17,7 +17,7 @@ from pathlib import Path
 from recycle_planner.errors import RecycleError
 from recycle_planner.io import atomic_write
 from recycle_planner.job.workers import format_workers
-from recycle_planner.schedules.ops import KIND_CODES
+from recycle_planner.schedules.ops import COLLECTIVE_NAMES
 from recycle_planner.timing.plan import Plan
 
 
@@ -31,12 +31,8 @@ def torch_rows(plan: Plan, pipeline: int = 0) -> list[list[str]]:
         raise RecycleError(f"pipeline {pipeline} is outside 0..{spec.pipelines - 1}")
     rows = []
     for s in range(spec.stages):
-        row = []
-        for op in plan.schedule.ops((pipeline, s)):
-            if KIND_CODES[op.kind] >= 4:
-                continue
-            row.append(f"{op.stage}{op.kind}{op.microbatch}")
-        rows.append(row)
+        rows.append([op.torch_action() for op in plan.schedule.ops((pipeline, s))
+                     if op.kind not in COLLECTIVE_NAMES])
     return rows
 
 

@@ -17,7 +17,7 @@ from recycle_planner.io import read_json, write_json
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import check_failed
-from recycle_planner.schedules.ops import KIND_CODES, OpSpace
+from recycle_planner.schedules.ops import COLLECTIVE_NAMES, KIND_CODES, Op, OpSpace, worker_index
 from recycle_planner.schedules.schedule import Schedule
 from recycle_planner.timing.plan import Plan, worker_stats
 from recycle_planner.timing.simulate import Timing
@@ -33,7 +33,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     stats = worker_stats(sched, timing, plan.metrics["period"])
     workers = []
     for d, s in sched.live_workers():
-        w = d * S + s
+        w = worker_index(S, d, s)
         ids = sched.orders[w]
         ops = [{"kind": op.kind, "pipeline": op.pipeline, "stage": op.stage,
                 "microbatch": op.microbatch, "start": a, "end": b}
@@ -107,7 +107,7 @@ def plan_from_dict(data: Any, where: str = "plan") -> Plan:
             raise PlanFileError(f"{at}: expected an object")
         d = _index(entry, "pipeline", spec.pipelines, at)
         s = _index(entry, "stage", S, at)
-        w = d * S + s
+        w = worker_index(S, d, s)
         if w in seen:
             raise PlanFileError(f"{at}: worker {d}:{s} appears twice")
         seen.add(w)
@@ -158,13 +158,11 @@ def _op_id(op: Any, space: OpSpace, spec: JobSpec, at: str) -> int:
                             f"{', '.join(KIND_CODES)})")
     d = _index(op, "pipeline", spec.pipelines, at)
     s = _index(op, "stage", spec.stages, at)
-    code = KIND_CODES[kind]
-    if code >= 4:
+    if kind in COLLECTIVE_NAMES:
         if op.get("microbatch") is not None:
             raise PlanFileError(f"{at}: {kind} has no micro-batch")
-        return space.allreduce(d, s) if kind == "ALLREDUCE" else space.optimizer(d, s)
-    m = _index(op, "microbatch", spec.microbatches, at)
-    return space.compute(code, d, s, m)
+        return space.id_of(Op(kind, d, s, None))
+    return space.id_of(Op(kind, d, s, _index(op, "microbatch", spec.microbatches, at)))
 
 
 def _is_number(value: Any) -> bool:

@@ -4,10 +4,19 @@ An `Op` is what a plan file and a person read: (kind, pipeline, stage, micro-bat
 pipeline is the micro-batch's own pipeline (a re-routed op runs on another pipeline's worker).
 Arrays index ops by an integer id computed from those four fields, so that dependencies are
 arithmetic (the forward that feeds F(d, s, m) is F(d, s-1, m)) rather than dictionary lookups.
+
+An op has one text form, `str(op)` = `F(p0 s1 mb2)` (`ALLREDUCE(p0 s1)` for a collective),
+that `Op.parse` reads back; logs, error messages and `show` use it. torch's `_Action` form
+`1F2` (stage, kind, micro-batch) has no pipeline: `torch_action` and `from_torch_action` are
+its projection, for the CSV torch reads.
+
+Workers are numbered pipeline-major: worker (d, s) is `worker_index(S, d, s)` = d * S + s,
+and `worker_at(S, w)` is its inverse (both work on numpy arrays too).
 """
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 import numpy as np
@@ -18,7 +27,18 @@ KIND_NAMES = ("F", "I", "W", "B", "ALLREDUCE", "OPTIMIZER")
 KIND_TITLES = ("forward", "input gradient", "weight gradient", "full backward (I+W)",
                "gradient all-reduce", "optimizer step")
 KIND_CODES = {name: code for code, name in enumerate(KIND_NAMES)}
-COMPUTE_KINDS = 4
+COMPUTE_KINDS = 4  # kind codes below this are compute ops (F, I, W, B)
+COLLECTIVE_KINDS = frozenset({AR, OPT})  # one per worker and iteration, no micro-batch
+COLLECTIVE_NAMES = frozenset(KIND_NAMES[k] for k in COLLECTIVE_KINDS)
+
+
+def is_collective(kind):
+    """Whether kind code(s) `kind` (an int or a numpy array) are collectives."""
+    return kind >= COMPUTE_KINDS
+
+
+_OP_TEXT = re.compile(r"(?P<kind>[A-Z]+)\(p(?P<p>\d+) s(?P<s>\d+)(?: mb(?P<m>\d+))?\)")
+_TORCH_ACTION = re.compile(r"(?P<s>\d+)(?P<kind>[FIWB])(?P<m>\d+)")
 
 
 class Op(NamedTuple):
@@ -32,12 +52,52 @@ class Op(NamedTuple):
 
     def __str__(self) -> str:
         if self.microbatch is None:
-            return f"{self.kind}(stage {self.stage}, pipeline {self.pipeline})"
+            return f"{self.kind}(p{self.pipeline} s{self.stage})"
         return f"{self.kind}(p{self.pipeline} s{self.stage} mb{self.microbatch})"
+
+    @classmethod
+    def parse(cls, text: str) -> "Op":
+        """The op `str(op)` wrote; ValueError for anything else."""
+        m = _OP_TEXT.fullmatch(text.strip())
+        if m is None or m["kind"] not in KIND_CODES or (m["m"] is None) != (
+                m["kind"] in COLLECTIVE_NAMES):
+            raise ValueError(f"not an op: {text!r} (expected e.g. F(p0 s1 mb2) or "
+                             f"ALLREDUCE(p0 s1))")
+        return cls(m["kind"], int(m["p"]), int(m["s"]), None if m["m"] is None else int(m["m"]))
+
+    def torch_action(self) -> str:
+        """torch.distributed.pipelining's `_Action` text (`1F2`); compute ops only."""
+        if self.microbatch is None:
+            raise ValueError(f"{self} has no torch action (torch's CSV lists compute ops only)")
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @classmethod
+    def from_torch_action(cls, text: str, pipeline: int) -> "Op":
+        """The op of `pipeline` that torch's action text names."""
+        m = _TORCH_ACTION.fullmatch(text.strip())
+        if m is None:
+            raise ValueError(f"not a torch compute action: {text!r} (expected e.g. 1F2)")
+        return cls(m["kind"], pipeline, int(m["s"]), int(m["m"]))
 
 
 Worker = tuple[int, int]
 """(pipeline, stage): the unit that fails."""
+
+
+def worker_index(stages: int, pipeline, stage):
+    """The index of worker (pipeline, stage) in pipeline-major order (ints or arrays)."""
+    return pipeline * stages + stage
+
+
+def worker_at(stages: int, index):
+    """(pipeline, stage) of worker `index` in pipeline-major order (ints or arrays)."""
+    return index // stages, index % stages
+
+
+def worker_name(stages: int, index: int) -> str:
+    """`PIPELINE:STAGE` of worker `index`, as the CLI and error messages write a worker."""
+    d, s = worker_at(stages, int(index))
+    return f"{d}:{s}"
 
 
 class OpSpace:
@@ -56,10 +116,10 @@ class OpSpace:
         return ((kind * self.D + d) * self.S + s) * self.M + m
 
     def allreduce(self, d, s):
-        return self.n_compute + d * self.S + s
+        return self.n_compute + worker_index(self.S, d, s)
 
     def optimizer(self, d, s):
-        return self.n_compute + self.D * self.S + d * self.S + s
+        return self.n_compute + self.D * self.S + worker_index(self.S, d, s)
 
     def decode(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(kind, pipeline, stage, microbatch) arrays for an array of ids; microbatch -1 for
@@ -96,6 +156,7 @@ class OpSpace:
                 for k, p, s, m in zip(kind.tolist(), pipe.tolist(), stage.tolist(), mb.tolist())]
 
     def id_of(self, op: Op) -> int:
+        """The id of `op` (fields already checked against the job's shape)."""
         code = KIND_CODES[op.kind]
         if code == AR:
             return self.allreduce(op.pipeline, op.stage)

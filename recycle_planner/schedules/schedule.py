@@ -14,13 +14,14 @@ import numpy as np
 
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
-from recycle_planner.schedules.ops import COMPUTE_KINDS, Op, OpSpace, Worker
+from recycle_planner.schedules.ops import (Op, OpSpace, Worker, is_collective, worker_at,
+                                          worker_index)
 
 
 @dataclass(frozen=True, eq=False)
 class Schedule:
-    """`orders[d * S + s]` is worker (d, s)'s op ids in execution order; a dead worker's is
-    empty."""
+    """`orders[worker_index(S, d, s)]` is worker (d, s)'s op ids in execution order; a dead
+    worker's is empty."""
 
     spec: JobSpec
     policy: Policy
@@ -32,7 +33,7 @@ class Schedule:
         return OpSpace(self.spec.stages, self.spec.pipelines, self.spec.microbatches)
 
     def worker_index(self, worker: Worker) -> int:
-        return worker[0] * self.spec.stages + worker[1]
+        return worker_index(self.spec.stages, *worker)
 
     def workers(self) -> list[Worker]:
         """Every worker of the grid, pipeline-major."""
@@ -56,14 +57,18 @@ class Schedule:
 
     def rerouted_count(self) -> int:
         """Compute ops run by a worker of another pipeline."""
-        ids, workers = self.flat
-        kind, pipe, _, _ = self.space.decode(ids)
-        comp = kind < COMPUTE_KINDS
-        return int(np.count_nonzero(pipe[comp] != workers[comp] // self.spec.stages))
+        return int(np.count_nonzero(rerouted(self.space, *self.flat)))
 
     @property
     def n_ops(self) -> int:
         return int(sum(len(o) for o in self.orders))
+
+
+def rerouted(space: OpSpace, ids: np.ndarray, workers: np.ndarray) -> np.ndarray:
+    """Which of the ops `ids`, run by worker indices `workers`, are re-routed: compute ops of
+    another pipeline's micro-batch."""
+    kind, pipe, _, _ = space.decode(ids)
+    return ~is_collective(kind) & (pipe != worker_at(space.S, np.asarray(workers))[0])
 
 
 def with_collectives(space: OpSpace, d: int, s: int, compute: list[int] | np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import networkx as nx
 import numpy as np
 
-from recycle_planner.schedules.ops import Op
+from recycle_planner.schedules.ops import Op, worker_at
 from recycle_planner.schedules.schedule import Schedule
 from recycle_planner.timing.simulate import cost_table, data_edges
 
@@ -35,7 +35,7 @@ def _nodes_and_edges(schedule: Schedule, with_order: bool) -> nx.DiGraph:
     graph = nx.DiGraph()
     S = spec.stages
     for op, w, c in zip(ops, workers.tolist(), cost.tolist()):
-        graph.add_node(op, duration=c, worker=(w // S, w % S))
+        graph.add_node(op, duration=c, worker=worker_at(S, w))
     src, dst, lat = data_edges(schedule, ids, loc, kind, pipe, stage, mb)
     for a, b, t in zip(src.tolist(), dst.tolist(), lat.tolist()):
         graph.add_edge(ops[a], ops[b], latency=t)
@@ -107,17 +107,23 @@ def longest_path_length(graph: nx.DiGraph) -> float:
 
 
 def describe_critical_path(chain: list[tuple[Op, tuple[int, int], float, float]]) -> str:
-    """One line per run of the critical path on one worker; a re-routed op is marked with the
-    pipeline it belongs to."""
+    """One paragraph per run of the critical path on one worker, its ops in their text form
+    (`Op.parse` reads them back; an op whose pipeline is not its worker's is re-routed)."""
     runs: list[list] = []
     for op, worker, a, b in chain:
-        label = f"{op.kind}{'' if op.microbatch is None else op.microbatch}"
-        if op.microbatch is not None and op.pipeline != worker[0]:
-            label += f"(p{op.pipeline})"
         if runs and runs[-1][0] == worker:
-            runs[-1][1].append(label)
+            runs[-1][1].append(str(op))
             runs[-1][3] = b
         else:
-            runs.append([worker, [label], a, b])
-    return "\n".join(f"  {a:>8.4g} - {b:<8.4g} worker {w[0]}:{w[1]}  {' '.join(labels)}"
-                     for w, labels, a, b in runs)
+            runs.append([worker, [str(op)], a, b])
+    lines = []
+    for w, ops, a, b in runs:
+        line = f"  {a:>8.4g} - {b:<8.4g} worker {w[0]}:{w[1]} "
+        indent = " " * len(line)
+        for i, text in enumerate(ops):
+            if i and len(line) + 1 + len(text) > 100:  # wrap between ops, never inside one
+                lines.append(line)
+                line = indent
+            line += " " + text
+        lines.append(line)
+    return "\n".join(lines)

@@ -20,7 +20,7 @@ import numpy as np
 
 from recycle_planner.errors import ScheduleError
 from recycle_planner.job.spec import JobSpec
-from recycle_planner.schedules.ops import AR, B, F, I, OPT, W
+from recycle_planner.schedules.ops import AR, B, F, I, OPT, W, worker_name
 from recycle_planner.schedules.schedule import Schedule
 
 def cost_table(spec: JobSpec) -> np.ndarray:
@@ -195,7 +195,7 @@ class DependencyGraph:
             seen.append((w, node))
             if len(seen) == 3:
                 break
-        parts = [f"worker {w // S}:{w % S} waits at {space.to_op(int(self.ids[node]))}"
+        parts = [f"worker {worker_name(S, w)} waits at {space.to_op(int(self.ids[node]))}"
                  for w, node in seen]
         return (f"schedule deadlocks: {len(real)} ops can never start ("
                 + "; ".join(parts) + ")")

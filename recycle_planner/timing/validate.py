@@ -18,7 +18,8 @@ import numpy as np
 
 from recycle_planner.errors import ScheduleError
 from recycle_planner.job.policy import budget_caps
-from recycle_planner.schedules.ops import AR, B, COMPUTE_KINDS, F, I, W
+from recycle_planner.schedules.ops import (AR, B, F, I, W, is_collective, worker_at, worker_index,
+                                          worker_name)
 from recycle_planner.timing.plan import Plan, peak_inflight
 from recycle_planner.timing.simulate import DependencyGraph, cost_table, data_edges
 from recycle_planner.words import plural
@@ -59,19 +60,20 @@ def _structure(plan: Plan) -> list[Violation]:
     out: list[Violation] = []
     dead = set(sched.failed)
     for d, s in sorted(dead):
-        if len(sched.orders[d * S + s]):
+        if len(sched.orders[worker_index(S, d, s)]):
             out.append(Violation("dead-worker", f"dead worker {d}:{s} is given "
-                                 f"{len(sched.orders[d * S + s])} ops"))
+                                 f"{len(sched.orders[worker_index(S, d, s)])} ops"))
     ids, workers = sched.flat
     if not len(ids):
         return out + [Violation("missing-op", "the plan has no ops")]
     kind, pipe, stage, mb = space.decode(ids)
-    wrong = np.flatnonzero(stage != workers % S)
+    held = worker_at(S, workers)[1]
+    wrong = np.flatnonzero(stage != held)
     if wrong.size:
         i = int(wrong[0])
         out.append(Violation("wrong-stage", f"{space.to_op(int(ids[i]))} runs on worker "
-                             f"{workers[i] // S}:{workers[i] % S}, which holds stage "
-                             f"{workers[i] % S} ({plural(wrong.size, 'such op')})"))
+                             f"{worker_name(S, workers[i])}, which holds stage "
+                             f"{held[i]} ({plural(wrong.size, 'such op')})"))
     counts = np.bincount(ids, minlength=space.size)
     dup = np.flatnonzero(counts > 1)
     if dup.size:
@@ -104,31 +106,33 @@ def _structure(plan: Plan) -> list[Violation]:
     # F, I/B and W of a micro-batch on one worker.
     where = np.full(space.size, -1, dtype=np.int64)
     where[ids] = workers
-    comp = np.flatnonzero((kind < COMPUTE_KINDS) & (kind != F))
+    comp = np.flatnonzero(~is_collective(kind) & (kind != F))
     fw = where[space.compute(F, pipe[comp], stage[comp], mb[comp])]
     apart = comp[(fw >= 0) & (fw != workers[comp])]
     if apart.size:
         i = int(apart[0])
+        d = worker_at(S, workers[i])[0]
         out.append(Violation("split-microbatch", f"{space.to_op(int(ids[i]))} runs on worker "
-                             f"{workers[i] // S}:{stage[i]} but its forward on another worker "
+                             f"{d}:{stage[i]} but its forward on another worker "
                              f"({plural(apart.size, 'such op')})"))
     # Collectives: each live worker's own all-reduce then optimizer step, last.
     for w, order in enumerate(sched.orders):
-        if not len(order) or (w // S, w % S) in dead:
+        d, s = worker_at(S, w)
+        if not len(order) or (d, s) in dead:
             continue
-        d, s = divmod(w, S)
         tail = order[-2:].tolist()
         expect = [space.allreduce(d, s), space.optimizer(d, s)]
         if tail != expect:
             out.append(Violation("collective", f"worker {d}:{s} must end with its stage's "
                                  f"ALLREDUCE then OPTIMIZER"))
             break
-    coll = np.flatnonzero(kind >= COMPUTE_KINDS)
-    foreign = coll[(pipe[coll] != workers[coll] // S) | (stage[coll] != workers[coll] % S)]
+    coll = np.flatnonzero(is_collective(kind))
+    own_d, own_s = worker_at(S, workers[coll])
+    foreign = coll[(pipe[coll] != own_d) | (stage[coll] != own_s)]
     if foreign.size:
         i = int(foreign[0])
         out.append(Violation("collective", f"{space.to_op(int(ids[i]))} runs on worker "
-                             f"{workers[i] // S}:{workers[i] % S}"))
+                             f"{worker_name(S, workers[i])}"))
     return out
 
 
@@ -154,7 +158,7 @@ def _timing(plan: Plan) -> list[Violation]:
     if over.size:
         i = int(over[0])
         w = int(workers[i])
-        out.append(Violation("overlap", f"on worker {w // S}:{w % S}, "
+        out.append(Violation("overlap", f"on worker {worker_name(S, w)}, "
                              f"{space.to_op(int(ids[i + 1]))} starts at {start[i + 1]:g} before "
                              f"{space.to_op(int(ids[i]))} ends at {end[i]:g} "
                              f"({plural(over.size, 'such pair')})"))
@@ -186,9 +190,10 @@ def _memory(plan: Plan) -> list[Violation]:
     peaks = peak_inflight(sched, plan.timing, workers, ids, kind)
     caps = budget_caps(sched.spec, plan.policy)
     out = []
-    for w in np.flatnonzero(peaks > np.array([caps[w % S] for w in range(len(peaks))])):
-        out.append(Violation("memory", f"worker {w // S}:{w % S} holds {peaks[w]} in-flight "
-                             f"micro-batches, more than its cap of {caps[w % S]}"))
+    cap = np.array([caps[worker_at(S, w)[1]] for w in range(len(peaks))])
+    for w in np.flatnonzero(peaks > cap):
+        out.append(Violation("memory", f"worker {worker_name(S, w)} holds {peaks[w]} in-flight "
+                             f"micro-batches, more than its cap of {cap[w]}"))
         break
     return out
 

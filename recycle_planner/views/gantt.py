@@ -14,7 +14,8 @@ from typing import Sequence
 import numpy as np
 
 from recycle_planner.job.workers import format_workers
-from recycle_planner.schedules.ops import KIND_NAMES, KIND_TITLES
+from recycle_planner.schedules.ops import KIND_NAMES, KIND_TITLES, worker_at, worker_index
+from recycle_planner.schedules.schedule import rerouted
 from recycle_planner.timing.plan import Plan
 from recycle_planner.views.figures import picture_format, pyplot, save_figure
 from recycle_planner.views.timeline import shown_pipelines
@@ -91,7 +92,7 @@ def _draw_panel(ax, plan: Plan, pipelines: list[int], PolyCollection, ms_per_pt:
     y = 0.0
     for d in pipelines:
         for s in range(S):
-            y_of[d * S + s] = y
+            y_of[worker_index(S, d, s)] = y
             labels.append(f"p{d} s{s}")
             ticks.append(y)
             y += 1.0
@@ -101,11 +102,11 @@ def _draw_panel(ax, plan: Plan, pipelines: list[int], PolyCollection, ms_per_pt:
     kind, pipe, _, mb = sched.space.decode(ids_k)
     start, end = timing.start[ids_k], timing.end[ids_k]
     ys = np.array([y_of[int(w)] for w in workers_k])
-    rerouted = (mb >= 0) & (pipe != workers_k // S)
+    moved = rerouted(sched.space, ids_k, workers_k)
     h = 0.8
     for k in range(6):
         for rr in (False, True):
-            sel = (kind == k) & (rerouted == rr)
+            sel = (kind == k) & (moved == rr)
             if not sel.any():
                 continue
             x0, x1, yy = start[sel], end[sel], ys[sel] - h / 2
@@ -115,12 +116,12 @@ def _draw_panel(ax, plan: Plan, pipelines: list[int], PolyCollection, ms_per_pt:
                                   linewidths=0.4, hatch="///" if rr else None)
             ax.add_collection(coll)
     for w, yy in y_of.items():
-        if (w // S, w % S) in dead:
+        if worker_at(S, w) in dead:
             ax.add_patch(_dead_patch(t_end, yy, h))
             ax.text(t_end / 2, yy, "dead", ha="center", va="center", fontsize=8, color="#404040")
     fits = lambda text, x0, x1: (x1 - x0) / ms_per_pt >= CHAR * len(text) + 2  # noqa: E731
     plain = len(ids_k) <= LABEL_LIMIT
-    for x0, x1, yy, p, m, rr in zip(start, end, ys, pipe, mb, rerouted):
+    for x0, x1, yy, p, m, rr in zip(start, end, ys, pipe, mb, moved):
         if m < 0 or not (rr or plain):
             continue
         text = next((t for t in ((f"p{p}:{m}", f"p{p}") if rr else (str(m),))

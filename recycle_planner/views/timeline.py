@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from recycle_planner.schedules.ops import KIND_TITLES
+from recycle_planner.schedules.ops import KIND_TITLES, is_collective, worker_at, worker_index
+from recycle_planner.schedules.schedule import rerouted
 from recycle_planner.timing.plan import Plan
 
 LETTERS = ("F", "I", "W", "B", "A", "O")
@@ -25,10 +26,8 @@ def shown_pipelines(plan: Plan, max_workers: int) -> list[int]:
 def _hosting_pipelines(plan: Plan) -> set[int]:
     sched = plan.schedule
     ids, workers = sched.flat
-    _, pipe, _, mb = sched.space.decode(ids)
-    S = sched.spec.stages
-    rerouted = (mb >= 0) & (pipe != workers // S)
-    return set((workers[rerouted] // S).tolist())
+    hosts, _ = worker_at(sched.spec.stages, workers[rerouted(sched.space, ids, workers)])
+    return set(hosts.tolist())
 
 
 def text_timeline(plan: Plan, width: int = 96, max_workers: int = 32) -> str:
@@ -50,7 +49,7 @@ def text_timeline(plan: Plan, width: int = 96, max_workers: int = 32) -> str:
             if (d, s) in dead:
                 lines.append(label + "x" * width + "| dead")
                 continue
-            order = sched.orders[d * S + s]
+            order = sched.orders[worker_index(S, d, s)]
             row = np.full(width, ".", dtype="<U1")
             starts, ends = timing.start[order], timing.end[order]
             kind, pipe, _, _ = sched.space.decode(order)
@@ -60,7 +59,7 @@ def text_timeline(plan: Plan, width: int = 96, max_workers: int = 32) -> str:
                 if hi <= lo and lo < width and b > a:
                     hi = lo + 1  # never hide an op, however short
                 letter = LETTERS[k]
-                row[lo:hi] = letter if (p == d or k >= 4) else letter.lower()
+                row[lo:hi] = letter if (p == d or is_collective(k)) else letter.lower()
             lines.append(label + "".join(row.tolist()) + "|")
     if len(pipelines) < spec.pipelines:
         lines.append(f"(showing {len(pipelines)} of {spec.pipelines} pipelines: those with dead "
