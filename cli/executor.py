@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from recycle_planner.cli.progress import Ticker
+
 BYTES_HELP = "bytes, or a size like 80GiB"
 
 
@@ -168,9 +170,10 @@ def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: in
         budget = probe.memory.budget
     args = args[1:] if args[:1] == ("--",) else args
     job = load_job(target, args)
-    spec, stages = profile_job(job, pipelines, microbatches, name=name, device=device,
-                               repeats=repeats, warmup=warmup, memory_budget=budget, p2p=p2p,
-                               allreduce=allreduce)
+    with Ticker(f"profiling {target} on {device}"):
+        spec, stages = profile_job(job, pipelines, microbatches, name=name, device=device,
+                                   repeats=repeats, warmup=warmup, memory_budget=budget,
+                                   p2p=p2p, allreduce=allreduce)
     header = (f"Profiled by recycle-planner profile {target} on {device}\n"
               f"({sys.platform}, {repeats} repeats); times in ms, memory in bytes")
     write_spec(spec, output, header)

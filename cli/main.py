@@ -16,6 +16,7 @@ from recycle_planner.job.policy import SCHEDULES
 from recycle_planner.library import Settings
 from recycle_planner.solvers.milp import BACKENDS
 from recycle_planner.solvers.registry import SOLVERS, SolverSettings, solver_help
+from recycle_planner.cli.progress import Ticker
 from recycle_planner.words import plural
 
 log = logging.getLogger("recycle_planner")
@@ -111,6 +112,7 @@ class AliasOption(click.Option):
             self.opts = opts
 
 
+LONG_PLAN = 5.0  # seconds: a plan expected to take longer is announced with its estimate
 VERBOSE_HELP = "More log output on stderr (-vv for debug)."
 
 
@@ -122,15 +124,17 @@ class EchoHandler(logging.Handler):
 
 
 def set_verbosity(ctx: click.Context, param: click.Parameter, verbose: int) -> int:
-    """-v: info, -vv: debug; without it, warnings only. The last -v given wins when it
-    raises the level."""
-    if verbose or param.name == "verbose" and ctx.parent is None:
-        log.setLevel(logging.WARNING - 10 * min(verbose, 2))
-    if not any(isinstance(h, EchoHandler) for h in log.handlers):
+    """-v: info, -vv: debug; without it, warnings only (the progress line reads the info
+    records either way). The last -v given wins when it raises the level."""
+    handler = next((h for h in log.handlers if isinstance(h, EchoHandler)), None)
+    if handler is None:
         handler = EchoHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         log.addHandler(handler)
         log.propagate = False
+    if verbose or param.name == "verbose" and ctx.parent is None:
+        handler.setLevel(logging.WARNING - 10 * min(verbose, 2))
+        log.setLevel(logging.DEBUG if verbose >= 2 else logging.INFO)
     return verbose
 
 
@@ -248,8 +252,9 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     from recycle_planner.files.planfile import write_plan
     from recycle_planner.io import is_stdout
     from recycle_planner.job.spec import load_spec
-    from recycle_planner.job.workers import parse_worker
-    from recycle_planner.planner import plan_situation
+    from recycle_planner.job.workers import check_failed, parse_worker
+    from recycle_planner.planner import expected_memory, expected_seconds, plan_situation
+    from recycle_planner.words import duration, number
 
     check_solver_options(solver)
     check_output(output)
@@ -258,7 +263,16 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     failed = [parse_worker(f) for f in fail]
     settings = SolverSettings(solver=solver, time_limit=time_limit, backend=backend,
                               node_limit=node_limit)
-    result = plan_situation(job, policy, failed, settings)
+    failed = check_failed(job, failed)
+    expected = expected_seconds(job, policy, failed, settings)
+    if expected > LONG_PLAN:  # say so before the silence, not after minutes of it
+        ops = job.workers * job.microbatches * (3 if policy.decouple else 2)
+        click.echo(f"planning {ops:,} ops per iteration"
+                   + (" (and the fault-free plan for reference)" if failed else "")
+                   + f": expect about {duration(expected)} and "
+                   f"{number(expected_memory(job, policy) / 2**30, 2)} GiB", err=True)
+    with Ticker("planning"):
+        result = plan_situation(job, policy, failed, settings)
     print_summary(result, as_json, err=is_stdout(output))
     if output is not None:
         write_plan(result, output)

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from recycle_planner.cli.progress import Ticker
 from recycle_planner.errors import RecycleError
 from recycle_planner.whatif.engine import STRATEGIES
 from recycle_planner.whatif.trace import DISTRIBUTIONS, REPAIR_DISTRIBUTIONS, SAMPLINGS
@@ -127,7 +128,8 @@ def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str
             traces.append((f"every {text.strip()}",
                            sample_trace(job, value, mean_repair, length, seed, distribution,
                                         shape, sampling, repair_distribution)))
-    study = simulate(Context.from_library(lib, costs), traces, names)
+    with Ticker("simulating"):
+        study = simulate(Context.from_library(lib, costs), traces, names)
     click.echo(json.dumps(study_dict(study), indent=1) if as_json else study_text(study))
     if output is not None:
         _write_outputs(study, output, plot_format, sampled=trace_file is None, quiet=as_json)

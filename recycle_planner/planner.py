@@ -17,6 +17,32 @@ from recycle_planner.timing.simulate import Simulation
 log = logging.getLogger(__name__)
 
 
+# What planning costs, for the estimate `plan` announces before a long job (measured with the
+# heuristic on 48k to 800k-op plans, including the shared machines of CI: about 25k ops a
+# second per situation solved, and about 2 KiB of memory per op).
+OPS_PER_SECOND = 25_000
+BYTES_PER_OP = 2048
+
+
+def _ops(spec: JobSpec, policy: Policy) -> int:
+    return spec.workers * (spec.microbatches * (3 if policy.decouple else 2) + 2)
+
+
+def expected_seconds(spec: JobSpec, policy: Policy, failed: tuple,
+                     settings: SolverSettings) -> float:
+    """About how long plan_situation takes: each situation solved (the failure and its
+    fault-free reference) costs its ops at OPS_PER_SECOND, plus the time limit of a solver
+    that has one."""
+    solves = 2 if failed else 1
+    budget = settings.time_limit if "time_limit" in settings.entry.options else 0.0
+    return solves * (_ops(spec, policy) / OPS_PER_SECOND + budget)
+
+
+def expected_memory(spec: JobSpec, policy: Policy) -> float:
+    """About how many bytes planning one situation holds at its peak."""
+    return _ops(spec, policy) * BYTES_PER_OP
+
+
 def solve(spec: JobSpec, policy: Policy, failed: tuple,
           solver: str | SolverSettings | None = None, **options: Any) -> Solution:
     """Run one registered solver (solvers/registry.py) on one failure set (already checked).

@@ -23,3 +23,12 @@ def grid(spec) -> str:
     """'8 stages x 4 pipelines x 8 micro-batches'."""
     return (f"{plural(spec.stages, 'stage')} x {plural(spec.pipelines, 'pipeline')} x "
             f"{plural(spec.microbatches, 'micro-batch')}")
+
+
+def duration(seconds: float) -> str:
+    """'40 s', '7 min', '2.5 h': an estimate's size, not its digits."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -134,3 +134,41 @@ def test_ctrl_c_stops_a_milp_promptly_with_status_130(tmp_path):
     assert stderr.strip().splitlines()[-1] == "interrupted"
     assert "Traceback" not in stderr and not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_a_long_plan_is_announced_shows_progress_and_stops_on_ctrl_c(tmp_path):
+    """stages = 100000: before any work, one line says how big the job is and how long and
+    how much memory it should take; on a terminal a progress line follows after two seconds;
+    Ctrl-C stops it at once with 130."""
+    import pty
+
+    spec = tmp_path / "huge.toml"
+    spec.write_text("stages = 100000\npipelines = 2\nmicrobatches = 8\n[time]\nforward = 1\n"
+                    "backward_input = 1\n")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the CLI on a terminal
+        os.execv(sys.executable, [*CLI, "plan", str(spec), "--fail", "0:1"])
+    seen = b""
+    deadline = time.monotonic() + 120
+    try:
+        while b"planning (" not in seen:
+            assert time.monotonic() < deadline, seen
+            try:
+                seen += os.read(fd, 4096)
+            except OSError:
+                break
+        text = seen.decode(errors="replace")
+        assert ("planning 4,800,000 ops per iteration (and the fault-free plan for reference): "
+                "expect about") in text, text
+        assert "GiB" in text and "planning (" in text
+        os.kill(pid, signal.SIGINT)
+        t0 = time.monotonic()
+        _, status = os.waitpid(pid, 0)
+        assert time.monotonic() - t0 < 20
+        assert os.waitstatus_to_exitcode(status) == 130
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(fd)
