@@ -40,7 +40,7 @@ import numpy as np
 
 from recycle_planner.job.policy import Policy, budget_caps
 from recycle_planner.job.spec import JobSpec
-from recycle_planner.schedules.ops import B, F, I, OpSpace, Worker
+from recycle_planner.schedules.ops import B, F, I, OpSpace, Worker, is_collective, worker_index
 from recycle_planner.solvers.heuristic import (Candidate, fault_free_simulation, list_schedule,
                                                template_keys)
 from recycle_planner.timing.simulate import Simulation, simulate
@@ -95,7 +95,7 @@ def idle_windows(sim: Simulation, space: OpSpace, worker: int, until: float
     iteration, and the extension window from its last compute op to `until`."""
     order = sim.schedule.orders[worker]
     kind = space.decode(order)[0]
-    comp = order[kind < 4]
+    comp = order[~is_collective(kind)]
     starts, ends = sim.timing.start[comp], sim.timing.end[comp]
     gaps = [(float(e), float(s)) for e, s in zip(ends[:-1], starts[1:]) if s - e > 1e-9]
     gaps.append((float(ends[-1]), max(float(ends[-1]), until)))
@@ -126,7 +126,7 @@ def dp_assignment(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]
         c = cost_fi[s]
         slots: list[Slot] = []
         for p in peers:
-            w = p * S + s
+            w = worker_index(S, p, s)
             ar = float(ff.timing.start[space.allreduce(p, s)])
             for a, b in idle_windows(ff, space, w, ar):
                 n = int((b - a) // c + 1e-9)

@@ -20,7 +20,7 @@ import numpy as np
 from recycle_planner.errors import RecycleError, ScheduleError
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
-from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker
+from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker, worker_index
 from recycle_planner.schedules.schedule import Schedule, with_collectives
 from recycle_planner.timing.simulate import Simulation, simulate
 from recycle_planner.timing.validate import _memory
@@ -98,9 +98,9 @@ def exhaustive(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
         for d in range(D):
             for s in range(S):
                 if (d, s) not in dead:
-                    units.setdefault(d * S + s, []).extend((d, s, m) for m in range(M))
+                    units.setdefault(worker_index(S, d, s), []).extend((d, s, m) for m in range(M))
         for (d, s, m), p in zip(rerouted, combo):
-            units[p * S + s].append((d, s, m))
+            units[worker_index(S, p, s)].append((d, s, m))
         count = 1
         for us in units.values():
             count *= _count_extensions([len(kinds)] * len(us))

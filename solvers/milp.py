@@ -38,7 +38,7 @@ import numpy as np
 
 from recycle_planner.job.policy import Policy, budget_caps
 from recycle_planner.job.spec import JobSpec
-from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker
+from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker, worker_at, worker_index
 from recycle_planner.schedules.schedule import Schedule, with_collectives
 from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.timing.simulate import Simulation, simulate
@@ -113,7 +113,7 @@ class Unit:
     d: int
     s: int
     m: int
-    candidates: tuple[int, ...]   # worker indices (d * S + s)
+    candidates: tuple[int, ...]   # worker indices (worker_index)
     rerouted: bool
 
 
@@ -140,14 +140,16 @@ class ReroutingModel:
         self.kinds = (F, I, W) if policy.decouple else (F, B)
         self.release = W if policy.decouple else B
         dead = set(failed)
-        self.live = [d * S + s for d in range(D) for s in range(S) if (d, s) not in dead]
+        self.live = [worker_index(S, d, s) for d in range(D) for s in range(S)
+                     if (d, s) not in dead]
         self.units: list[Unit] = []
         for d in range(D):
             for s in range(S):
-                peers = tuple(p * S + s for p in range(D) if (p, s) not in dead)
+                peers = tuple(worker_index(S, p, s) for p in range(D) if (p, s) not in dead)
                 rerouted = (d, s) in dead
                 for m in range(M):
-                    self.units.append(Unit(d, s, m, peers if rerouted else (d * S + s,), rerouted))
+                    self.units.append(Unit(d, s, m, peers if rerouted else (worker_index(S, d, s),),
+                                           rerouted))
         self.costs = {F: spec.forward, I: spec.backward_input, W: spec.backward_weight,
                       B: spec.backward}
         self.warm = warm
@@ -213,7 +215,7 @@ class ReroutingModel:
         # All-reduce after every weight gradient of the stage; objective.
         self.t_ar = {}
         for s in range(S):
-            if not any(w % S == s for w in self.live):
+            if not any(worker_at(S, w)[1] == s for w in self.live):
                 continue
             self.t_ar[s] = mdl.var(0.0, H)
             for u, un in enumerate(self.units):
@@ -225,7 +227,7 @@ class ReroutingModel:
         mdl.lb[self.z] = lb
         self.start: dict[int, int] = {}
         for w in self.live:
-            s = w % S
+            s = worker_at(S, w)[1]
             tail = spec.allreduce[s] + spec.optimizer[s]
             if self.policy.stagger:
                 self.start[w] = mdl.var(0.0, H)
@@ -342,7 +344,7 @@ class ReroutingModel:
         mdl = self.model
         rel = self.release
         for p, units in on.items():
-            cap = caps[p % S]
+            cap = caps[worker_at(S, p)[1]]
             if len(units) <= cap:
                 continue  # can never exceed the cap: no constraint needed
             for u in units:
@@ -384,7 +386,7 @@ class ReroutingModel:
         peers = [d for d in range(D) if (d, s) not in set(self.failed)]
         classes: dict[tuple, list[int]] = {}
         for d in peers:
-            classes.setdefault(holes_of[d], []).append(d * S + s)
+            classes.setdefault(holes_of[d], []).append(worker_index(S, d, s))
         for members in classes.values():
             for i in range(1, len(members)):
                 prev, cur = members[i - 1], members[i]
@@ -421,7 +423,7 @@ class ReroutingModel:
             else:
                 values[col] = 1.0 if values[self.T[a]] <= values[self.T[b]] else 0.0
         for s, col in self.t_ar.items():
-            d = next(w for w in self.live if w % S == s) // S
+            d = worker_at(S, next(w for w in self.live if worker_at(S, w)[1] == s))[0]
             values[col] = float(timing.start[self.space.allreduce(d, s)])
         for w, col in self.start.items():
             values[col] = min(values[self.T[u, F]] for u in self.on[w]
@@ -430,7 +432,7 @@ class ReroutingModel:
         values = self._fill_helpers(values)
         z = 0.0
         for w in self.live:
-            s = w % S
+            s = worker_at(S, w)[1]
             end = values[self.t_ar[s]] + self.spec.allreduce[s] + self.spec.optimizer[s]
             z = max(z, end - (values[self.start[w]] if self.policy.stagger else 0.0))
         values[self.z] = max(z, self.model.lb[self.z])

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from recycle_planner.job.spec import JobSpec
+from recycle_planner.job.spec import TIME_KEYS, JobSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -22,6 +22,17 @@ def make_spec(stages=4, pipelines=2, microbatches=8, memory=None, **time) -> Job
     data = dict(stages=stages, pipelines=pipelines, microbatches=microbatches, time=costs)
     if memory is not None:
         data["memory"] = memory
+    return JobSpec.from_dict(data)
+
+
+def with_changes(spec: JobSpec, **changes) -> JobSpec:
+    """A copy of `spec` with some top-level fields replaced, re-validated."""
+    data = spec.to_dict()
+    for key, value in changes.items():
+        if key in TIME_KEYS:
+            data["time"][key] = value
+        else:
+            data[key] = value
     return JobSpec.from_dict(data)
 
 

@@ -3,12 +3,12 @@ import pytest
 from recycle_planner.job.policy import BASELINE, Policy
 from recycle_planner.job.spec import load_spec
 from recycle_planner.planner import plan_situation
-from recycle_planner.timing.dag import (critical_path, describe_critical_path, job_graph,
-                                        longest_path_length, plan_graph)
+from recycle_planner.timing.dag import critical_path, describe_critical_path, plan_graph
 from recycle_planner.views.gantt import draw_gantt
 from recycle_planner.views.timeline import text_timeline
 
 from conftest import EXAMPLES, make_spec
+from helpers.graphs import job_graph, longest_path_length
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from recycle_planner.library import PlanLibrary, Settings, build_library
 from recycle_planner.timing.validate import validate
 from recycle_planner.views.report import library_text, plot_library
 
-from conftest import make_spec
+from conftest import make_spec, with_changes
 
 SETTINGS = Settings(solver="heuristic")
 
@@ -152,7 +152,7 @@ def test_lookup_errors(library):
     with pytest.raises(FailureSetError, match="every worker of stage 0 is dead"):
         lib.lookup([(0, 0), (1, 0), (2, 0)])
     with pytest.raises(RecycleError, match="built for another spec"):
-        PlanLibrary.open(folder, spec=spec.with_changes(forward=2))
+        PlanLibrary.open(folder, spec=with_changes(spec, forward=2))
 
 
 def test_bad_thresholds_and_foreign_libraries(library, tmp_path):
@@ -162,7 +162,7 @@ def test_bad_thresholds_and_foreign_libraries(library, tmp_path):
     with pytest.raises(RecycleError, match="at most 6 workers can die"):
         build_library(spec, Policy(), 7, tmp_path / "b", SETTINGS)
     with pytest.raises(RecycleError, match="holds a library for another spec"):
-        build_library(spec.with_changes(forward=2), Policy(), 1, folder, SETTINGS)
+        build_library(with_changes(spec, forward=2), Policy(), 1, folder, SETTINGS)
 
 
 def test_corrupted_index(tmp_path):

@@ -12,7 +12,7 @@ from recycle_planner.timing.plan import Plan
 from recycle_planner.timing.simulate import Timing
 from recycle_planner.timing.validate import validate
 
-from conftest import make_spec
+from conftest import make_spec, with_changes
 
 FAILED = ((1, 2),)
 
@@ -116,7 +116,7 @@ def test_wrong_duration(plan):
 
 
 def test_memory_over_budget(plan):
-    tight = plan.spec.with_changes(memory={"max_inflight": 2})
+    tight = with_changes(plan.spec, memory={"max_inflight": 2})
     assert rules(rebuild(plan, spec=tight)) == {"memory"}
 
 

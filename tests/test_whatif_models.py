@@ -16,7 +16,7 @@ from recycle_planner.whatif.oobleck import Oobleck, fits, pipeline_spec, window
 from recycle_planner.whatif.strategy import Context, Costs, PeriodModel, min_max_split
 from recycle_planner.whatif.trace import Event, Trace
 
-from conftest import EXAMPLES, make_spec
+from conftest import EXAMPLES, make_spec, with_changes
 
 GPT = load_spec(EXAMPLES / "gpt.toml")
 
@@ -117,7 +117,7 @@ def test_min_max_split_is_optimal(steps, total):
     assert best == brute
 
 
-SMALL = make_spec(stages=2, pipelines=3, microbatches=3).with_changes(microbatch_size=2)
+SMALL = with_changes(make_spec(stages=2, pipelines=3, microbatches=3), microbatch_size=2)
 
 
 @pytest.fixture(scope="module")

@@ -30,10 +30,10 @@ from recycle_planner.whatif.engine import STRATEGIES, replay, simulate
 from recycle_planner.whatif.strategy import Context, Costs, PeriodModel
 from recycle_planner.whatif.trace import Event, Trace
 
-from conftest import make_spec
+from conftest import make_spec, with_changes
 
 COSTS = Costs(detect=1, switch=2, reconfigure=4, checkpoint_interval=100, restart=10, spares=1)
-SPEC = make_spec(stages=2, pipelines=2, microbatches=2).with_changes(microbatch_size=9)
+SPEC = with_changes(make_spec(stages=2, pipelines=2, microbatches=2), microbatch_size=9)
 
 
 def trace(*events, duration=400.0):
@@ -177,7 +177,7 @@ def test_oobleck_within_a_memory_budget(libraries):
     """1 GB static and 1 GB per in-flight micro-batch per stage, 3.5 GB per worker: a 1-stage
     pipeline needs 2 + 2 GB, so the survivor stays idle and the whole pipeline runs all 4
     micro-batches: 3 x (4 + 1) = 15 ms, 2400/s: 599,980 + 95 x 2400 + 584,000 = 1,411,980."""
-    spec = SPEC.with_changes(memory={"activation": "1GB", "static": "1GB", "budget": "3.5GB"})
+    spec = with_changes(SPEC, memory={"activation": "1GB", "static": "1GB", "budget": "3.5GB"})
     ctx = context(libraries, spec=spec)
     oob = STRATEGIES["oobleck"](ctx)
     assert oob.shortest == 2
@@ -206,7 +206,7 @@ def test_bamboo_cannot_take_over_two_neighbours(libraries):
 
 
 def test_bamboo_that_does_not_fit_is_reported_not_run(libraries):
-    spec = SPEC.with_changes(memory={"activation": "1GB", "static": "1GB", "budget": "3.5GB"})
+    spec = with_changes(SPEC, memory={"activation": "1GB", "static": "1GB", "budget": "3.5GB"})
     study = simulate(context(libraries, spec=spec), [("A", TRACE_A)], ["bamboo", "oobleck"])
     assert [o.strategy for o in study.runs[0].outcomes] == ["oobleck"]
     assert "do not fit the memory budget" in study.runs[0].infeasible["bamboo"]
@@ -217,7 +217,7 @@ def test_bamboo_whose_schedule_cannot_run_in_the_budget_is_reported(libraries):
     for one only (1 + 1 GB static, 2 GB per micro-batch, 5 GB)."""
     from recycle_planner.job.policy import Policy
 
-    spec = SPEC.with_changes(memory={"activation": "1GB", "static": "1GB", "budget": "5GB"})
+    spec = with_changes(SPEC, memory={"activation": "1GB", "static": "1GB", "budget": "5GB"})
     gpipe = Policy("gpipe", decouple=False, stagger=False)
     ctx = Context(spec, gpipe, COSTS, 8.0, None, PeriodModel(gpipe))
     bamboo = STRATEGIES["bamboo"](ctx)

@@ -28,11 +28,6 @@ class Policy:
         if self.schedule == "zb-h1" and not self.decouple:
             raise SpecError("schedule 'zb-h1' needs the I/W split: drop --no-decouple")
 
-    @property
-    def forward_first(self) -> bool:
-        """GPipe runs every forward before any backward; the others run backwards first."""
-        return self.schedule == "gpipe"
-
     def to_dict(self) -> dict:
         return {"schedule": self.schedule, "decouple": self.decouple, "stagger": self.stagger}
 

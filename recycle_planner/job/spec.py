@@ -113,16 +113,6 @@ class JobSpec:
     def from_dict(cls, data: Mapping[str, Any], where: str = "spec") -> "JobSpec":
         return _parse(data, where)
 
-    def with_changes(self, **changes: Any) -> "JobSpec":
-        """A copy with some top-level fields replaced, re-validated."""
-        data = self.to_dict()
-        for key, value in changes.items():
-            if key in TIME_KEYS:
-                data["time"][key] = value
-            else:
-                data[key] = value
-        return _parse(data, "spec")
-
 
 def load_spec(path: str | Path) -> JobSpec:
     """Read and validate a TOML job spec; every error names the file and the key."""

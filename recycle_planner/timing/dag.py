@@ -63,11 +63,6 @@ def plan_graph(schedule: Schedule) -> nx.DiGraph:
     return _nodes_and_edges(schedule, with_order=True)
 
 
-def job_graph(schedule: Schedule) -> nx.DiGraph:
-    """Data dependencies only, for the ops this schedule places."""
-    return _nodes_and_edges(schedule, with_order=False)
-
-
 def earliest_times(graph: nx.DiGraph) -> dict:
     """Earliest start of every node (longest path from a source); raises NetworkXUnfeasible on
     a cycle, which for a plan graph is a deadlock."""
@@ -100,10 +95,6 @@ def critical_path(graph: nx.DiGraph) -> list[tuple[Op, tuple[int, int], float, f
         node = best
     return chain[::-1]
 
-
-def longest_path_length(graph: nx.DiGraph) -> float:
-    start = earliest_times(graph)
-    return max((start[n] + graph.nodes[n]["duration"] for n in graph), default=0.0)
 
 
 def describe_critical_path(chain: list[tuple[Op, tuple[int, int], float, float]]) -> str:

@@ -9,7 +9,7 @@ import numpy as np
 
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
-from recycle_planner.schedules.ops import B, F, W, Op, Worker
+from recycle_planner.schedules.ops import B, F, W, Worker
 from recycle_planner.schedules.schedule import Schedule
 from recycle_planner.timing.simulate import Timing, cost_table
 
@@ -40,11 +40,6 @@ class Plan:
     @property
     def failed(self) -> tuple[Worker, ...]:
         return self.schedule.failed
-
-    def worker_ops(self, worker: Worker) -> list[tuple[Op, float, float]]:
-        ids = self.schedule.orders[self.schedule.worker_index(worker)]
-        ops = self.schedule.space.to_ops(ids)
-        return list(zip(ops, self.timing.start[ids].tolist(), self.timing.end[ids].tolist()))
 
 
 def worker_stats(schedule: Schedule, timing: Timing, period: float) -> WorkerStats:
