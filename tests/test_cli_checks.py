@@ -5,27 +5,12 @@ import subprocess
 import sys
 
 import pytest
-from click.testing import CliRunner
-
-from recycle_planner.cli.main import main
 
 from conftest import EXAMPLES
+from helpers.cli import one_line_error, run
 
 SMALL = str(EXAMPLES / "small.toml")
 GPT = str(EXAMPLES / "gpt.toml")
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_line_error(r, *words, status=2):
-    assert r.exit_code == status, r.output
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
-    for word in words:
-        assert word in lines[0], r.output
-    assert "Traceback" not in r.output
 
 
 @pytest.fixture(scope="module")

@@ -9,28 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
-from recycle_planner.cli.main import main
 
 from conftest import EXAMPLES, ROOT
+from helpers.cli import one_line_error, run
 
 SMALL = str(EXAMPLES / "small.toml")
 GPT = str(EXAMPLES / "gpt.toml")
 CLI = [sys.executable, "-m", "recycle_planner.cli"]
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_line_error(r, *words):
-    assert r.exit_code == 2, r.output
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
-    for word in words:
-        assert word in lines[0], r.output
-    assert "Traceback" not in r.output
 
 
 @pytest.fixture(scope="module")

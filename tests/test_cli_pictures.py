@@ -1,8 +1,6 @@
 """What the pictures say (issue 14): every re-routed op of the default GPT chart labelled, no
 labels overlapping on a dense 6x3x12 chart, a readable what-if throughput plot."""
 
-import pytest
-
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec, load_spec
 from recycle_planner.planner import plan_situation

@@ -1,21 +1,11 @@
 """The command line as a new user meets it (issue 14): first steps, OS errors, conventions."""
 
-import json
 import subprocess
-import sys
-
-import pytest
-from click.testing import CliRunner
-
-from recycle_planner.cli.main import main
 
 from conftest import EXAMPLES, ROOT
+from helpers.cli import run
 
 SMALL = str(EXAMPLES / "small.toml")
-
-
-def run(*args, input=None):
-    return CliRunner().invoke(main, [str(a) for a in args], input=input)
 
 
 def test_costs_that_can_be_zero_default_to_zero(tmp_path):
