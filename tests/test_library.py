@@ -283,7 +283,7 @@ def _boom(x: int) -> int:
 def test_planning_pool_stops_its_workers_on_an_error():
     import multiprocessing
 
-    from recycle_planner.library import _planning_pool
+    from recycle_planner.library.pool import planning_pool as _planning_pool
     with pytest.raises(ValueError, match="situation 3 failed"):
         with _planning_pool(2) as run:
             assert list(run(_boom, [0, 1, 2, 3, 4])) == [0, 1, 2]

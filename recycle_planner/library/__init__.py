@@ -1,0 +1,30 @@
+"""The plan library: the best plan for every failure situation up to a threshold, and lookup.
+
+A folder with one plan file per situation and `index.json`:
+
+    {"format": "recycle-plan-library", "version": 1, "spec_hash": "...", "spec": {...},
+     "policy": {...}, "max_failures": 2, "settings": {...}, "fault_free_period": 501.4,
+     "entries": [{"failed_per_stage": [0, 1, 0, 0], "file": "k0-1-0-0.json.gz",
+                  "placement": [[1]], "failed": [[0, 1]], "failure_sets": 4,
+                  "metrics": {...}, "solver": {...}, "gap": 0.0, "spec_hash": "...",
+                  "settings_hash": "...", "sha256": "..."}, ...]}
+
+Every entry records its plan file's SHA-256, so a missing, truncated or swapped plan file is
+found before a launcher runs it. Building is parallel over processes, resumable (an entry whose
+file is intact and whose spec and settings hashes match is kept) and deterministic: each
+situation's plan depends only on the spec, the policy and the settings, the MILP's budget is a
+node limit (one thread, fixed seed) and its time limit only a safety net that a normal run does
+not reach. A launcher looks up the physical dead workers and gets the plan file plus the
+physical -> logical mapping.
+
+The package, one module per job: `build.py` (plan-all), `placement.py` (the best placement of
+a situation's holes), `entries.py` (one entry: its plan file and index record, and its checks),
+`index.py` (index.json), `hashing.py`, `settings.py`, `pool.py` (the process pool) and
+`lookup.py` (`PlanLibrary`, `Lookup`).
+"""
+
+from recycle_planner.library.build import build_library
+from recycle_planner.library.lookup import Lookup, PlanLibrary
+from recycle_planner.library.settings import Settings
+
+__all__ = ["Lookup", "PlanLibrary", "Settings", "build_library"]

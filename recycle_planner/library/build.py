@@ -1,0 +1,84 @@
+"""plan-all: compute or complete a library, resumably and in parallel."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.situations import check_threshold, situations
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.library.entries import build_entry
+from recycle_planner.library.hashing import file_sha256, spec_hash
+from recycle_planner.library.index import reusable_entries, write_index
+from recycle_planner.library.pool import planning_pool
+from recycle_planner.library.settings import Settings
+
+log = logging.getLogger("recycle_planner.library")
+
+
+def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str | Path,
+                  settings: Settings = Settings(), jobs: int | None = None, force: bool = False,
+                  progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Compute (or complete) the library for `spec` in `folder`; returns the index.
+
+    `progress(done, total)` is called after each situation."""
+    check_threshold(spec, max_failures)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shash = spec_hash(spec, policy)
+    old_entries = reusable_entries(folder, spec, shash, force, max_failures)
+    wanted = situations(spec, max_failures)
+    keep = {}
+    for entry in old_entries:
+        counts = tuple(entry.get("failed_per_stage", ()))
+        if (entry.get("spec_hash") == shash and entry.get("settings_hash") == settings.hash
+                and entry.get("sha256") is not None
+                and file_sha256(folder / str(entry.get("file", ""))) == entry["sha256"]):
+            keep[counts] = entry  # a missing, damaged or replaced plan file is planned again
+    todo = [k for k in wanted if k not in keep]
+    log.info("library %s: %d situations, %d up to date, %d to plan", folder, len(wanted),
+             len(wanted) - len(todo), len(todo))
+    zero = (0,) * spec.stages
+    entries = dict(keep)
+    done = len(wanted) - len(todo)
+    if progress:
+        progress(done, len(wanted))
+    index: dict[str, Any] | None = None
+
+    def save() -> dict[str, Any]:  # after every situation: an interrupted build resumes
+        written = write_index(folder, spec, policy, max_failures, settings, shash, reference,
+                               entries, wanted)
+        if progress:
+            progress(done, len(wanted))
+        return written
+
+    # The fault-free situation first: every other entry's degradation is measured against it.
+    if zero not in keep:
+        entries[zero] = build_entry((spec, policy, zero, settings, None, None, folder, shash))
+        todo.remove(zero)
+        done += 1
+    reference = entries[zero]["metrics"]["period"]
+    reference_bound = entries[zero]["metrics"]["lower_bound"]
+    if zero not in keep:
+        index = save()
+    jobs = jobs or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else os.cpu_count() or 1)
+    tasks = [(spec, policy, k, settings, reference, reference_bound, str(folder), shash)
+             for k in todo]
+    with planning_pool(jobs if len(tasks) > 1 else 1) as run:
+        for entry in run(build_entry, tasks):
+            entries[tuple(entry["failed_per_stage"])] = entry
+            done += 1
+            index = save()
+    if index is None:  # nothing was planned: the index still records this build's threshold
+        index = write_index(folder, spec, policy, max_failures, settings, shash, reference,
+                             entries, wanted)
+    listed = {e["file"] for e in index["entries"]}
+    for entry in old_entries:  # a --force rebuild leaves no plan file outside its index
+        name = str(entry.get("file", ""))
+        if name and name not in listed and "/" not in name and (folder / name).is_file():
+            (folder / name).unlink()
+    return index

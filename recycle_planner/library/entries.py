@@ -1,0 +1,101 @@
+"""One library entry: planning a situation into its plan file and index entry, and checking an
+entry read back against the job."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from recycle_planner.errors import PlanFileError
+from recycle_planner.files.planfile import write_plan
+from recycle_planner.job.situations import counts_of, failure_sets
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.library.placement import plan_best_placement
+from recycle_planner.timing.plan import Plan
+
+
+LIBRARY_FILE = re.compile(r"k[0-9]+(-[0-9]+)*\.json\.gz")  # situation_file's names
+
+
+def situation_file(counts: tuple[int, ...]) -> str:
+    return "k" + "-".join(str(k) for k in counts) + ".json.gz"
+
+
+# The plan metrics an entry repeats, so that reports and launchers need not open plan files.
+ENTRY_METRICS = ("period", "iteration_time", "fault_free_period", "degradation", "lower_bound",
+                 "gap", "optimal")
+
+
+@dataclass(frozen=True)
+class LibraryEntry:
+    """One situation in index.json. The optional fields are absent from hand-made or older
+    indexes; `sha256` checks the plan file, the hashes decide whether a rebuild keeps it."""
+
+    failed_per_stage: list[int]
+    file: str
+    placement: list[list[int]]
+    metrics: dict[str, Any]
+    failed: list[list[int]] | None = None   # the plan's dead workers (logical)
+    failure_sets: int | None = None         # physical failure sets this entry covers
+    solver: dict[str, Any] | None = None
+    gap: float | None = None
+    spec_hash: str | None = None
+    settings_hash: str | None = None
+    sha256: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        order = ("failed_per_stage", "file", "placement", "failed", "failure_sets", "metrics",
+                 "solver", "gap", "spec_hash", "settings_hash", "sha256")
+        return {k: getattr(self, k) for k in order if getattr(self, k) is not None}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "LibraryEntry":
+        """The entry `data`, or a PlanFileError naming `where` if its shape is wrong."""
+        if not (isinstance(data, dict) and isinstance(data.get("failed_per_stage"), list)
+                and isinstance(data.get("file"), str) and isinstance(data.get("placement"), list)
+                and isinstance(data.get("metrics"), dict)):
+            raise PlanFileError(f"{where} is malformed (needs failed_per_stage, file, placement "
+                                f"and metrics)")
+        name = data["file"]
+        if "/" in name or "\\" in name or name.startswith("."):
+            raise PlanFileError(f"{where}.file {name!r} must be a file in the folder")
+        return cls(**{f.name: data.get(f.name) for f in fields(cls)})
+
+    def check(self, spec: JobSpec, where: str) -> None:
+        """The situation and placement must fit the spec (an edited index is not trusted)."""
+        counts = self.failed_per_stage
+        if len(counts) != spec.stages or not all(
+                isinstance(k, int) and not isinstance(k, bool) and 0 <= k < spec.pipelines
+                for k in counts):
+            raise PlanFileError(f"{where}.failed_per_stage must be {spec.stages} counts below "
+                                f"{spec.pipelines}, got {counts!r}")
+        groups = self.placement
+        if len(groups) > spec.pipelines or not all(
+                isinstance(g, list) and len(set(g)) == len(g) and all(
+                    isinstance(s, int) and not isinstance(s, bool) and 0 <= s < spec.stages
+                    for s in g) for g in groups):
+            raise PlanFileError(f"{where}.placement must be at most {spec.pipelines} lists of "
+                                f"distinct stages below {spec.stages}, got {groups!r}")
+        if list(counts_of(groups, spec.stages)) != counts:
+            raise PlanFileError(f"{where}.placement {groups!r} does not hold the situation's "
+                                f"holes {counts!r}")
+
+
+def build_entry(args: tuple) -> dict[str, Any]:
+    """Plan one situation (the best placement), write its plan file; its index entry."""
+    spec, policy, counts, settings, reference, reference_bound, folder, shash = args
+    plan, placement = plan_best_placement(spec, policy, counts, settings, reference,
+                                          reference_bound)
+    plan = Plan(plan.schedule, plan.timing, plan.metrics, plan.solver,
+                mapping={"placement": [list(g) for g in placement]})
+    name = situation_file(counts)
+    digest = hashlib.sha256(write_plan(plan, Path(folder) / name)).hexdigest()
+    m = plan.metrics
+    return LibraryEntry(
+        failed_per_stage=list(counts), file=name, placement=[list(g) for g in placement],
+        failed=[list(w) for w in plan.failed], failure_sets=failure_sets(spec, counts),
+        metrics={k: m[k] for k in ENTRY_METRICS if k in m}, solver=plan.solver, gap=m["gap"],
+        spec_hash=shash, settings_hash=settings.hash, sha256=digest).to_dict()

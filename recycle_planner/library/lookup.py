@@ -1,0 +1,143 @@
+"""A built library opened for lookups: the plan and mapping for a set of dead workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from recycle_planner.errors import FailureSetError, PlanFileError, RecycleError
+from recycle_planner.files.planfile import read_plan
+from recycle_planner.io import read_json
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.situations import Mapping, canonical, map_failure
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.job.workers import check_failed, dead_per_stage
+from recycle_planner.library.entries import LIBRARY_FILE, LibraryEntry
+from recycle_planner.library.hashing import file_sha256, spec_hash
+from recycle_planner.library.index import INDEX, check_index
+from recycle_planner.timing.plan import Plan
+from recycle_planner.words import plural
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What a launcher needs for a set of dead physical workers."""
+
+    file: Path
+    failed_per_stage: tuple[int, ...]
+    mapping: Mapping
+    entry: dict[str, Any]
+    spec: JobSpec
+
+    def plan(self) -> Plan:
+        """The plan file, checked against the index: the library's job, this failure set."""
+        plan = read_plan(self.file)
+        if plan.schedule.spec != self.spec:
+            raise PlanFileError(f"{self.file}: the plan is for another job than its library")
+        failed = [list(w) for w in plan.failed]
+        if failed != [list(w) for w in self.entry.get("failed", failed)] or tuple(
+                dead_per_stage(self.spec, plan.failed)) != self.failed_per_stage:
+            raise PlanFileError(f"{self.file}: the plan's dead workers {failed} are not the "
+                                f"library entry's ({list(self.failed_per_stage)} per stage)")
+        return plan
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": str(self.file), "failed_per_stage": list(self.failed_per_stage),
+                "mapping": self.mapping.to_dict(), "placement": self.entry["placement"],
+                "failed_logical": self.entry.get("failed", []), "metrics": self.entry["metrics"]}
+
+
+class PlanLibrary:
+    """A built library, opened for lookups. `PlanLibrary.open("plans/").lookup([(1, 3)])`."""
+
+    def __init__(self, folder: Path, index: dict[str, Any]):
+        self.folder = folder
+        self.index = index
+        self.spec = JobSpec.from_dict(index["spec"], f"{folder / INDEX}: spec")
+        try:
+            self.policy = Policy.from_dict(index["policy"])
+        except RecycleError as exc:
+            raise PlanFileError(f"{folder / INDEX}: {exc}") from None
+        if spec_hash(self.spec, self.policy) != index["spec_hash"]:
+            raise PlanFileError(f"{folder / INDEX}: its spec and policy do not match its "
+                                f"spec_hash (was the index edited?); rebuild it with "
+                                f"'recycle-planner plan-all --force'")
+        self.max_failures = int(index["max_failures"])
+        for i, entry in enumerate(index["entries"]):
+            where = f"{folder / INDEX}: entries[{i}]"
+            LibraryEntry.from_dict(entry, where).check(self.spec, where)
+        self._by_counts = {tuple(e["failed_per_stage"]): e for e in index["entries"]}
+
+    @classmethod
+    def open(cls, folder: str | Path, spec: JobSpec | None = None) -> "PlanLibrary":
+        folder = Path(folder)
+        path = folder / INDEX
+        if not path.is_file():
+            raise PlanFileError(f"{folder}: no plan library here (missing {INDEX}); build one "
+                                f"with 'recycle-planner plan-all'")
+        lib = cls(folder, check_index(read_json(path, "library index"), path))
+        if spec is not None and spec_hash(spec, lib.policy) != lib.index["spec_hash"]:
+            raise RecycleError(f"{folder} was built for another spec (hash "
+                               f"{lib.index['spec_hash']}); rebuild it with 'recycle-planner "
+                               f"plan-all' for this one")
+        return lib
+
+    def _check_folder_is_ours(self) -> None:
+        """A folder whose plan files are none of those its index lists holds another library's
+        index (copied or moved there): say so rather than call one plan file missing."""
+        listed = {str(e["file"]) for e in self.index["entries"]}
+        here = {p.name for p in self.folder.iterdir() if LIBRARY_FILE.fullmatch(p.name)}
+        if here and not here & {name for name in listed
+                                if file_sha256(self.folder / name) is not None}:
+            name = self.spec.name or "a job"
+            raise PlanFileError(f"{self.folder / INDEX}: this index is another library's "
+                                f"({name}, {self.spec.stages}x{self.spec.pipelines}): none of its "
+                                f"{plural(len(listed), 'plan file')} is in the folder, which "
+                                f"holds {plural(len(here), 'other plan file')}; run plan-all "
+                                f"for this folder's job to rebuild its index")
+        for name in sorted(listed & here)[:1]:
+            data = read_json(self.folder / name)
+            other = data.get("spec") if isinstance(data, dict) else None
+            if isinstance(other, dict) and other != self.index["spec"]:
+                raise PlanFileError(f"{self.folder / INDEX}: this index is another library's: "
+                                    f"its plan file {name} is of another job "
+                                    f"({other.get('name') or 'unnamed'}); run plan-all for "
+                                    f"this folder's job to rebuild its index")
+
+    @property
+    def fault_free_period(self) -> float:
+        return float(self.index["fault_free_period"])
+
+    def entries(self) -> list[dict[str, Any]]:
+        return list(self.index["entries"])
+
+    def entry(self, counts: tuple[int, ...]) -> dict[str, Any] | None:
+        return self._by_counts.get(tuple(counts))
+
+    def lookup(self, failed: Iterable[Iterable[int]]) -> Lookup:
+        """The plan and mapping for these dead physical workers; an error if a worker is outside
+        the grid or listed twice, if a stage has no live worker left, or if the set is beyond
+        the library's threshold."""
+        dead = check_failed(self.spec, failed)
+        counts = dead_per_stage(self.spec, dead)
+        if len(dead) > self.max_failures:
+            raise FailureSetError(f"{len(dead)} dead workers is beyond this library's threshold "
+                                  f"of {self.max_failures}: fall back to a checkpoint restart")
+        entry = self._by_counts.get(counts)
+        if entry is None:
+            raise PlanFileError(f"{self.folder}: the library has no plan for per-stage failures "
+                                f"{list(counts)} (incomplete library: run plan-all again)")
+        placement = canonical(entry["placement"])
+        mapping = map_failure(self.spec, dead, placement)
+        path = self.folder / entry["file"]
+        digest = file_sha256(path)
+        if digest is None or digest != entry.get("sha256", digest):
+            self._check_folder_is_ours()
+        if digest is None:
+            raise PlanFileError(f"{path}: the library's plan file for {list(counts)} is missing "
+                                f"(run plan-all again to restore it)")
+        if entry.get("sha256") is not None and digest != entry["sha256"]:
+            raise PlanFileError(f"{path}: the plan file has changed since the library was built "
+                                f"(its SHA-256 differs from the index); run plan-all again")
+        return Lookup(path, counts, mapping, entry, self.spec)
