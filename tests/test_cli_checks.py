@@ -196,3 +196,9 @@ def test_a_milp_that_kept_the_warm_start_says_so(plans):
     assert "solver milp: W deferred, the MILP found nothing shorter" in text
     assert (f"objective {period + 0.25:.4g} in its model, its own plan's; the plan kept: "
             f"{period:.4g}") in text
+
+
+def test_legends_say_what_the_letters_are(plans):
+    r = run("show", plans / "fail.json")
+    legend = next(line for line in r.output.splitlines() if line.startswith("legend:"))
+    assert "F=forward" in legend and "W=weight gradient" in legend and "F=F" not in legend
