@@ -29,7 +29,7 @@ import numpy as np
 from recycle_planner.job.policy import Policy, budget_caps
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.schedules.generators import fault_free
-from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker
+from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker, worker_at, worker_index
 from recycle_planner.schedules.schedule import Schedule, with_collectives
 from recycle_planner.timing.simulate import Simulation, simulate
 
@@ -102,33 +102,14 @@ def list_schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
     bwd = I if split else B
     fwd_cost, p2p, w_cost = spec.forward, spec.p2p, spec.backward_weight
     bwd_cost = spec.backward_input if split else spec.backward
-    key_of = keys.tolist()
-    if defer_w:
-        big = float(np.nanmax(np.where(np.isfinite(keys), keys, 0))) + 1.0
-        key_of[W] = [[big + k for k in row] for row in key_of[W]]
-
-    dead = set(failed)
+    key_of = _priorities(keys, defer_w)
+    exe, remaining = _executors(spec, failed, assignment, ops_per_microbatch=3 if split else 2)
     n_workers = D * S
-    exe = (assignment * S + np.arange(S)[None, :, None]).ravel().tolist()  # [(d*S+s)*M+m] -> w
-    per_mb = 3 if split else 2
-    remaining = (np.bincount(exe, minlength=n_workers) * per_mb).tolist()
-    for d, s in dead:
-        if remaining[d * S + s]:
-            raise ValueError(f"assignment gives work to dead worker {d}:{s}")
-
     # Op ids as in OpSpace: ((kind * D + d) * S + s) * M + m; unit = (d * S + s) * M + m.
     DSM = D * S * M
-    deps_left = [0] * (4 * DSM)   # inputs an op still waits for
+    deps_left = _inputs_needed(spec, bwd)   # inputs an op still waits for
     ready_at = [0.0] * (4 * DSM)  # when the last of them arrived
-    for s in range(S):
-        for d in range(D):
-            base = (d * S + s) * M
-            for m in range(M):
-                u = base + m
-                deps_left[F * DSM + u] = 1 if s > 0 else 0
-                deps_left[bwd * DSM + u] = 2 if s < S - 1 else 1
-                deps_left[W * DSM + u] = 1
-    cap = [caps[w % S] for w in range(n_workers)]
+    cap = [caps[worker_at(S, w)[1]] for w in range(n_workers)]
     inflight = [0] * n_workers
     free_at = [0.0] * n_workers
     wake = [math.inf] * n_workers       # time of the worker's next decision event
@@ -235,13 +216,61 @@ def list_schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                     release(nxt, ready_at[nxt])
     if any(remaining):  # a bug, not bad input: with every cap >= 1 the last stage always drains
         raise RuntimeError("list scheduling stalled")
+    return _schedule(spec, policy, failed, space, orders)
+
+
+def _priorities(keys: np.ndarray, defer_w: bool) -> list:
+    """key_of[kind][s][m] as nested lists (fast to index); with `defer_w`, every W after
+    every other op."""
+    key_of = keys.tolist()
+    if defer_w:
+        big = float(np.nanmax(np.where(np.isfinite(keys), keys, 0))) + 1.0
+        key_of[W] = [[big + k for k in row] for row in key_of[W]]
+    return key_of
+
+
+def _executors(spec: JobSpec, failed: tuple[Worker, ...], assignment: np.ndarray,
+               ops_per_microbatch: int) -> tuple[list[int], list[int]]:
+    """exe[unit]: the worker index that runs unit (d * S + s) * M + m, and how many ops each
+    worker must run; an error if the assignment gives work to a dead worker."""
+    S = spec.stages
+    exe = worker_index(S, assignment, np.arange(S)[None, :, None]).ravel().tolist()
+    remaining = (np.bincount(exe, minlength=spec.workers) * ops_per_microbatch).tolist()
+    for d, s in failed:
+        if remaining[worker_index(S, d, s)]:
+            raise ValueError(f"assignment gives work to dead worker {d}:{s}")
+    return exe, remaining
+
+
+def _inputs_needed(spec: JobSpec, bwd: int) -> list[int]:
+    """Per op id, how many inputs it waits for: F its previous stage's (none at stage 0), the
+    backward its forward and the next stage's gradient (the last stage only its forward), W
+    its I."""
+    D, S, M = spec.pipelines, spec.stages, spec.microbatches
+    DSM = D * S * M
+    deps_left = [0] * (4 * DSM)
+    for s in range(S):
+        for d in range(D):
+            base = worker_index(S, d, s) * M
+            for m in range(M):
+                u = base + m
+                deps_left[F * DSM + u] = 1 if s > 0 else 0
+                deps_left[bwd * DSM + u] = 2 if s < S - 1 else 1
+                deps_left[W * DSM + u] = 1
+    return deps_left
+
+
+def _schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], space: OpSpace,
+              orders: list[list[int]]) -> Schedule:
+    """The schedule of the computed orders, each live worker's ending with its collectives."""
+    dead = set(failed)
     out = []
-    for w in range(n_workers):
-        d, s = divmod(w, S)
+    for w, order in enumerate(orders):
+        d, s = worker_at(spec.stages, w)
         if (d, s) in dead:
             out.append(np.zeros(0, dtype=np.int64))
         else:
-            out.append(with_collectives(space, d, s, orders[w]))  # ids equal OpSpace's
+            out.append(with_collectives(space, d, s, order))  # ids equal OpSpace's
     return Schedule(spec=spec, policy=policy, failed=tuple(failed), orders=tuple(out))
 
 

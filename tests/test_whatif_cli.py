@@ -13,6 +13,20 @@ from conftest import EXAMPLES
 GPT = str(EXAMPLES / "gpt.toml")
 SMALL = str(EXAMPLES / "small.toml")
 TRACE = str(EXAMPLES / "trace.csv")
+# Bad values of the host, policy and cost options (issue 12), checked with the others below.
+OPTION_ERRORS = [
+    (["--mtbf", "2h", "--workers-per-host", 3], "--workers-per-host 3 does not divide the "
+                                                "job's 32 workers"),
+    (["--mtbf", "2h", "--workers-per-host", 0], "--workers-per-host must be 1 or more, got 0"),
+    (["--mtbf", "2h", "--baseline-policy", "1f1b/fused"], "--baseline-policy: policy "
+                                                          "'1f1b/fused' is not SCHEDULE/"),
+    (["--mtbf", "2h", "--baseline-policy", "zz/fused/barrier"], "unknown schedule 'zz'"),
+    (["--mtbf", "2h", "--bandwidth", "12GB"], "--bandwidth: '12GB' is not a bandwidth"),
+    (["--mtbf", "2h", "--parameter-bytes", "lots"], "--parameter-bytes: 'lots' is not a size"),
+    (["--mtbf", "2h", "--plan-time", "soon"], "--plan-time: 'soon' is not a duration"),
+    (["--mtbf", "2h", "--host-placement", "rack"], "unknown host placement 'rack' (expected "
+                                                   "one of: pipeline, stage)"),
+]
 
 
 def run(*args):
@@ -48,7 +62,7 @@ def test_trace_file_table_and_assumptions(gpt_library, tmp_path):
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert files == ["throughput-trace.svg", "whatif.json"]
     data = json.loads((tmp_path / "out" / "whatif.json").read_text())
-    assert data["format"] == "recycle-whatif" and data["version"] == 1
+    assert data["format"] == "recycle-whatif" and data["version"] == 2
     assert data["runs"][0]["trace"]["failures"] == 7
     assert {s["name"] for s in data["strategies"]} == set(STRATEGIES)
     assert all(s["assumptions"] for s in data["strategies"])
@@ -64,20 +78,20 @@ def test_frequencies_table_plots_and_json(gpt_library, tmp_path):
                      "trace-every-30min.csv", "trace-every-6h.csv", "whatif.json"]
     assert all((tmp_path / n).stat().st_size > 10_000 for n in names if n.endswith(".png"))
     r = run("simulate-trace", GPT, "-l", gpt_library, "--mtbf", "6h,30min", "--duration", "2d",
-            "--seed", 5, "--strategies", "reroute,checkpoint-wait", "--json")
+            "--seed", 5, "--strategies", "reroute,checkpoint-wait", "--plan-time", "1s", "--json")
     data = json.loads(r.output)
     rel = [[x["relative"] for x in run_["results"]] for run_ in data["runs"]]
     assert all(0 < v <= 1 for row in rel for v in row)
     # The sampled trace written out replays to the same numbers.
     r2 = run("simulate-trace", GPT, "-l", gpt_library, "--trace",
              tmp_path / "trace-every-6h.csv", "--duration", "2d",
-             "--strategies", "reroute,checkpoint-wait", "--json")
+             "--strategies", "reroute,checkpoint-wait", "--plan-time", "1s", "--json")
     again = json.loads(r2.output)["runs"][0]["results"]
     assert [x["samples"] for x in again] == pytest.approx(
         [x["samples"] for x in data["runs"][0]["results"]], rel=1e-9)
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize("args, message", OPTION_ERRORS + [
     (["--mtbf", "2h", "--trace", TRACE], "not both"),
     ([], "give either --trace"),
     (["--mtbf", "2x"], "--mtbf: unknown unit 'x'"),
@@ -107,3 +121,34 @@ def test_bad_trace_line_is_named(gpt_library, tmp_path):
     assert r.exit_code == 2
     assert r.output.strip() == f"error: {bad} line 2: unknown worker 9:0 (the job has 4 " \
                                f"pipelines x 8 stages)"
+
+
+def test_host_failures_baseline_policy_and_on_demand_plans(gpt_library, tmp_path):
+    """Hosts of 4 workers fail every 2 h over 2 days, every baseline on plain 1F1B: the trace
+    is written with host lines and replays to the same numbers; the JSON says what each
+    strategy ran and what planning was charged."""
+    common = ["--workers-per-host", 4, "--baseline-policy", "1f1b/fused/barrier",
+              "--plan-time", "2s", "--strategies", "reroute,reroute-library-only,oobleck"]
+    r = run("simulate-trace", GPT, "-l", gpt_library, "--mtbf", "2h", "--duration", "2d",
+            "--seed", 1, "-o", tmp_path, "--json", *common)
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["policy"]["decouple"] is False and data["library_policy"]["decouple"] is True
+    names = {s["name"]: s for s in data["strategies"]}
+    assert names["reroute"]["policy_label"] == "1f1b/split/staggered"
+    assert names["oobleck"]["policy_label"] == "1f1b/fused/barrier"
+    assert all(v["charged_s"] == 2.0 for v in names["reroute"]["on_demand"].values())
+    run0 = data["runs"][0]
+    assert run0["trace"]["hosts"] == {"workers_per_host": 4, "placement": "pipeline", "hosts": 8}
+    assert run0["trace"]["worker_failures"] == 4 * run0["trace"]["failures"]
+    results = {x["strategy"]: x for x in run0["results"]}
+    assert results["reroute"]["planned_on_demand"] >= 1  # a host is 4 dead: beyond 2
+    assert results["reroute"]["planning_s"] == 2.0 * results["reroute"]["planned_on_demand"]
+    assert results["reroute-library-only"]["fallbacks"] >= 1
+    assert "host:" in (tmp_path / "trace-every-2h.csv").read_text()
+    r2 = run("simulate-trace", GPT, "-l", gpt_library, "--trace", tmp_path / "trace-every-2h.csv",
+             "--duration", "2d", "--json", *common)
+    assert r2.exit_code == 0, r2.output
+    again = json.loads(r2.output)["runs"][0]["results"]
+    assert [x["samples"] for x in again] == pytest.approx(
+        [x["samples"] for x in run0["results"]], rel=1e-9)

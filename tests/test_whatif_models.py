@@ -126,7 +126,7 @@ def small_ctx(tmp_path_factory):
     build_library(SMALL, Policy(), 2, folder, Settings(solver="heuristic"), jobs=1)
     return Context.from_library(PlanLibrary.open(folder, spec=SMALL),
                                 Costs(detect=1, switch=2, reconfigure=5, checkpoint_interval=60,
-                                      restart=30, spares=1))
+                                      restart=30, spares=1, plan=0.5))
 
 
 @st.composite

@@ -23,6 +23,8 @@ iteration in progress is 5/9 done: 20 samples.
 
 import pytest
 
+from dataclasses import replace
+
 from recycle_planner.errors import RecycleError
 from recycle_planner.job.policy import BASELINE
 from recycle_planner.library import PlanLibrary, Settings, build_library
@@ -69,6 +71,7 @@ def test_the_periods_the_hand_computations_use(libraries):
     assert lib.fault_free_period == 9.0
     assert lib.entry((0, 1))["metrics"]["period"] == 15.0
     assert lib.entry((1, 0))["metrics"]["period"] == 15.0
+    assert lib.entry((1, 1))["metrics"]["period"] == 16.0  # what on-demand planning finds too
     ctx = context(libraries)
     assert ctx.fault_free.rate == pytest.approx(4000.0)
     oob = STRATEGIES["oobleck"](ctx)
@@ -88,20 +91,69 @@ def test_reroute_by_hand(libraries):
     assert (o.restarts, o.reconfigurations, o.paused) == (0, 2, pytest.approx(5))
 
 
-def test_reroute_beyond_the_threshold_falls_back_to_a_checkpoint_restart(libraries):
-    """Library for 1 failure. 0:0 dies at 150 s: 599,980 as above, pause to 153 s, then
-    2400/s until 1:1 dies at 180 s (664,780). Two dead is beyond the library: roll back to the
-    checkpoint at 100 s (400,000), wait. 1:1 is repaired at 300 s: restart (10 s) from a
-    checkpoint, 310-350 s at 2400/s: 496,000. 0:0 is repaired at 350 s: switch (2 s), then
-    352-500 s at 4000/s: 1,088,000."""
+def test_reroute_library_only_falls_back_to_a_checkpoint_restart_beyond_it(libraries):
+    """Library for 1 failure, no on-demand planning. 0:0 dies at 150 s: 599,980 as above,
+    pause to 153 s, then 2400/s until 1:1 dies at 180 s (664,780). Two dead is beyond the
+    library: roll back to the checkpoint at 100 s (400,000), wait. 1:1 is repaired at 300 s:
+    restart (10 s) from a checkpoint, 310-350 s at 2400/s: 496,000. 0:0 is repaired at 350 s:
+    switch (2 s), then 352-500 s at 4000/s: 1,088,000."""
     tr = trace((150, "fail", (0, 0)), (180, "fail", (1, 1)), (300, "repair", (1, 1)),
                (350, "repair", (0, 0)), duration=500)
-    o = run(context(libraries, f=1), "reroute", tr)
+    o = run(context(libraries, f=1), "reroute-library-only", tr)
     assert o.samples == pytest.approx(1_088_000)
     assert o.lost_rollback == pytest.approx(264_780)
     assert (o.fallbacks, o.restarts) == (1, 1)
     assert o.waiting == pytest.approx(120)
     assert o.cumulative([180.0 - 1e-9, 500.0]) == pytest.approx([664_780, 1_088_000], rel=1e-6)
+
+
+def test_reroute_plans_a_situation_beyond_the_library_on_demand(libraries):
+    """Library for 1 failure; planning charged 3 s (--plan-time). 0:0 dies at 150 s: 599,980,
+    pause to 153 s, 2400/s. 1:1 dies at 181 s: 153-181 s is 1866.67 iterations of 15 ms, so
+    2/3 of 36 samples (24) are lost: 599,980 + 67,200 - 24 = 667,156. (1, 1) is not in the
+    library: planned on demand (the heuristic: 16 ms, 2250/s), pause 1 + 2 + 3 = 6 s, then
+    187-300 s: 254,250. Repairs at 300 s and 350 s switch plans (2 s each): 302-350 s at 2400/s
+    (115,200), 352-500 s at 4000/s (592,000). Total 1,628,606."""
+    tr = trace((150, "fail", (0, 0)), (181, "fail", (1, 1)), (300, "repair", (1, 1)),
+               (350, "repair", (0, 0)), duration=500)
+    ctx = context(libraries, f=1, costs=replace(COSTS, plan=3))
+    o = run(ctx, "reroute", tr)
+    assert o.samples == pytest.approx(1_628_606)
+    assert (o.planned, o.planning, o.fallbacks, o.restarts) == (1, 3, 0, 0)
+    assert o.paused == pytest.approx(3 + 6 + 2 + 2)
+    # Met again, the situation is in the library: a plain switch.
+    again = trace(*tr_events(tr), (400, "fail", (0, 0)), (420, "fail", (1, 1)),
+                  (450, "repair", (1, 1)), (460, "repair", (0, 0)), duration=500)
+    o = run(ctx, "reroute", again)
+    assert (o.planned, o.planning) == (1, 3)
+    assert o.paused == pytest.approx(13 + 3 + 3 + 2 + 2)
+
+
+def tr_events(tr):
+    return [(e.time, e.kind, e.worker) for e in tr.events]
+
+
+def test_on_demand_planning_charges_the_time_measured_on_the_job(libraries):
+    tr = trace((150, "fail", (0, 0)), (181, "fail", (1, 1)), duration=300)
+    strategy = STRATEGIES["reroute"](context(libraries, f=1))
+    o = replay(strategy, tr)
+    measured = strategy.measured[(1, 1)]
+    assert 0 < measured < 5 and o.planning == measured and o.planned == 1
+    assert strategy.record()["on_demand"] == {"1-1": {"measured_s": measured,
+                                                      "charged_s": measured}}
+    assert "measured on this job" in " ".join(strategy.assumptions())
+
+
+def test_reroute_falls_back_only_when_a_stage_is_wiped_out(libraries):
+    """Both stage-0 workers dead at 160 s: no plan can exist. 599,980 at 150 s, pause to 153 s,
+    153-160 s at 2400/s: 616,780; roll back to the checkpoint at 100 s (400,000) and wait; 0:0 is
+    repaired at 200 s: restart until 210 s, 2400/s until 300 s (616,000), switch 2 s, 4000/s from
+    302 s to 400 s: 1,008,000."""
+    tr = trace((150, "fail", (1, 0)), (160, "fail", (0, 0)), (200, "repair", (0, 0)),
+               (300, "repair", (1, 0)))
+    o = run(context(libraries, f=1, costs=replace(COSTS, plan=3)), "reroute", tr)
+    assert o.samples == pytest.approx(1_008_000)
+    assert (o.fallbacks, o.restarts, o.planned) == (1, 1, 0)
 
 
 def test_checkpoint_with_spares_by_hand(libraries):
@@ -176,14 +228,36 @@ def test_oobleck_by_hand(libraries):
 def test_oobleck_within_a_memory_budget(libraries):
     """1 GB static and 1 GB per in-flight micro-batch per stage, 3.5 GB per worker: a 1-stage
     pipeline needs 2 + 2 GB, so the survivor stays idle and the whole pipeline runs all 4
-    micro-batches: 3 x (4 + 1) = 15 ms, 2400/s: 599,980 + 95 x 2400 + 584,000 = 1,411,980."""
+    micro-batches: 3 x (4 + 1) = 15 ms, 2400/s: 599,980 + 95 x 2400. Nothing moves on the
+    failure (the survivor idles); the repair loads 1 GB at 1 GB/s onto the returning worker:
+    4 + 1 s, then 255-400 s at 4000/s: 580,000. Total 1,407,980."""
     spec = with_changes(SPEC, memory={"activation": "1GB", "static": "1GB", "budget": "3.5GB"})
-    ctx = context(libraries, spec=spec)
+    ctx = context(libraries, spec=spec, costs=replace(COSTS, bandwidth=1e9))
     oob = STRATEGIES["oobleck"](ctx)
     assert oob.shortest == 2
     assert "shorter pipelines do not fit" in oob.assumptions()[0]
     o = replay(oob, TRACE_A)
-    assert o.samples == pytest.approx(1_411_980)
+    assert o.samples == pytest.approx(1_407_980)
+    assert o.paused == pytest.approx(5 + 5)
+
+
+def test_oobleck_reconfiguration_moves_the_layers_a_worker_lacks(libraries):
+    """10 GB of state per stage, 1 GB/s. At 150 s the survivor 1:0 becomes a 1-stage
+    pipeline: it holds stage 0 and receives stage 1's 10 GB: 10 s on top of 1 + 4 s. Then
+    165-250 s at 3000/s: 255,000. The repair loads 10 GB onto 1:1: 4 + 10 s, then 264-400 s at
+    4000/s: 544,000. Total 599,980 + 255,000 + 544,000 = 1,398,980. Without sizes in the spec
+    --parameter-bytes 20 GB gives the same; with neither only the fixed 4 s is charged."""
+    costs = replace(COSTS, bandwidth=1e9)
+    spec = with_changes(SPEC, memory={"activation": "1GB", "static": "10GB", "budget": "100GB"})
+    o = replay(STRATEGIES["oobleck"](context(libraries, spec=spec, costs=costs)), TRACE_A)
+    assert o.samples == pytest.approx(1_398_980)
+    assert o.paused == pytest.approx(15 + 14)
+    by_option = replay(STRATEGIES["oobleck"](context(
+        libraries, spec=SPEC, costs=replace(costs, parameter_bytes=20e9))), TRACE_A)
+    assert by_option.samples == pytest.approx(1_398_980)
+    oob = STRATEGIES["oobleck"](context(libraries, spec=SPEC, costs=costs))
+    assert "not costed" in oob.assumptions()[-1]
+    assert replay(oob, TRACE_A).samples == pytest.approx(1_468_980)
 
 
 def test_bamboo_by_hand(libraries):
@@ -244,5 +318,5 @@ def test_rerouting_is_not_ahead_of_checkpoint_restart_on_every_trace(libraries):
     tr = trace((0.5, "fail", (1, 0)), (40.5, "repair", (1, 0)), (190.5, "fail", (1, 0)),
                (193.5, "fail", (1, 1)), duration=194.5)
     ctx = context(libraries, f=1)
-    assert run(ctx, "reroute", tr).samples == pytest.approx(320_780)
+    assert run(ctx, "reroute-library-only", tr).samples == pytest.approx(320_780)
     assert run(ctx, "checkpoint-wait", tr).samples == pytest.approx(400_000)

@@ -49,6 +49,16 @@ class Policy:
                  "staggered" if self.stagger else "barrier"]
         return "/".join(parts)
 
+    @classmethod
+    def from_label(cls, text: str) -> "Policy":
+        """The policy `label` writes: SCHEDULE/split|fused/staggered|barrier."""
+        parts = [p.strip().lower() for p in str(text).split("/")]
+        if (len(parts) != 3 or parts[1] not in ("split", "fused")
+                or parts[2] not in ("staggered", "barrier")):
+            raise SpecError(f"policy {text!r} is not SCHEDULE/split|fused/staggered|barrier "
+                            f"(for example 1f1b/fused/barrier)")
+        return cls(parts[0], decouple=parts[1] == "split", stagger=parts[2] == "staggered")
+
 
 BASELINE = Policy(schedule="1f1b", decouple=False, stagger=False)
 

@@ -70,6 +70,11 @@ def bamboo_spec(spec: JobSpec, dead: tuple[int, ...] = ()) -> JobSpec:
     return JobSpec.from_dict(data, "Bamboo")
 
 
+def _span(values: list[float]) -> str:
+    low, high = f"{min(values):.3g}", f"{max(values):.3g}"
+    return low if low == high else f"{low}-{high}"
+
+
 class Bamboo(Strategy):
     name = "bamboo"
     title = "Bamboo-style"
@@ -108,6 +113,22 @@ class Bamboo(Strategy):
             periods.append(model.period(self.normal))
         return self.ctx.speed(max(periods))
 
+    def _overhead(self) -> str:
+        """The redundancy's per-worker cost, from the spec's figures."""
+        spec = self.ctx.spec
+        S = spec.stages
+        extra = [spec.forward[(s + 1) % S] for s in range(S)]
+        line = (f"from the spec: a worker runs {_span(extra)} ms of redundant forward per "
+                f"micro-batch")
+        mem = spec.memory
+        if mem is not None and mem.static is not None:
+            held = [mem.static[(s + 1) % S] / 2**30 for s in range(S)]
+            line += f" and holds {_span(held)} GiB more static state"
+        if mem is not None and mem.activation is not None:
+            act = [mem.activation[(s + 1) % S] / 2**30 for s in range(S)]
+            line += f", plus {_span(act)} GiB per in-flight micro-batch"
+        return line
+
     def assumptions(self) -> list[str]:
         c = self.ctx.costs
         caps = list(self.normal.caps()) if self.normal is not None else []
@@ -122,6 +143,7 @@ class Bamboo(Strategy):
             "defers into bubbles (on the critical path when the policy fuses the backward)",
             "memory: a worker also keeps its successor's static state and the redundant "
             "forward's activations" + memory,
+            self._overhead(),
             f"when a worker dies its predecessor runs both stages (a shorter pipeline, no "
             f"redundancy there); the iteration takes the slowest pipeline's period; fail-over "
             f"and fail-back cost {format_duration(c.switch)} (after {format_duration(c.detect)}"

@@ -9,7 +9,7 @@ from typing import Hashable
 from recycle_planner.whatif.deadset import DeadState
 from recycle_planner.whatif.durations import format_duration
 from recycle_planner.whatif.strategy import Speed, Strategy
-from recycle_planner.whatif.trace import FAIL, Event
+from recycle_planner.whatif.trace import FAIL
 
 FULL = "full"
 
@@ -20,10 +20,10 @@ class _Checkpoint(Strategy):
     def _speed(self, key: Hashable) -> Speed:
         return self.ctx.fault_free
 
-    def disrupts(self, before: DeadState, after: DeadState, event: Event) -> bool:
-        return event.kind == FAIL  # a repaired machine joins the pool; the job does not stop
+    def disrupts(self, before: DeadState, after: DeadState, kind: str) -> bool:
+        return kind == FAIL  # a repaired machine joins the pool; the job does not stop
 
-    def repair_pause(self) -> float:
+    def repair_pause(self, key: Hashable) -> float:
         return 0.0
 
     def _common(self) -> str:

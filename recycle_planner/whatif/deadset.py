@@ -25,15 +25,14 @@ class DeadState:
         return len(self.dead)
 
     @property
+    def broken(self) -> frozenset[int]:
+        """The pipelines with a dead worker."""
+        return frozenset(d for d, _ in self.per_pipeline)
+
+    @property
     def stage_lost(self) -> bool:
         """Some stage has no live worker: its parameters exist nowhere in memory."""
         return any(k >= self.pipelines for k in self.per_stage)
-
-    def stages_of(self, pipeline: int) -> tuple[int, ...]:
-        for d, stages in self.per_pipeline:
-            if d == pipeline:
-                return stages
-        return ()
 
 
 def healthy(stages: int, pipelines: int) -> DeadState:
@@ -41,24 +40,26 @@ def healthy(stages: int, pipelines: int) -> DeadState:
 
 
 def dead_states(trace: Trace) -> list[DeadState]:
-    """The state after each event of `trace` (one per event, in order)."""
+    """The state after each step of `trace` (`Trace.steps`: events of one time and kind
+    together), in order."""
     S, D = trace.stages, trace.pipelines
     per_stage = [0] * S
     by_pipe: dict[int, set[int]] = {}
     dead: set[Worker] = set()
     out: list[DeadState] = []
-    for e in trace.events:
-        d, s = e.worker
-        if e.kind == FAIL:
-            dead.add(e.worker)
-            per_stage[s] += 1
-            by_pipe.setdefault(d, set()).add(s)
-        else:
-            dead.discard(e.worker)
-            per_stage[s] -= 1
-            by_pipe[d].discard(s)
-            if not by_pipe[d]:
-                del by_pipe[d]
+    for step in trace.steps():
+        for worker in step.workers:
+            d, s = worker
+            if step.kind == FAIL:
+                dead.add(worker)
+                per_stage[s] += 1
+                by_pipe.setdefault(d, set()).add(s)
+            else:
+                dead.discard(worker)
+                per_stage[s] -= 1
+                by_pipe[d].discard(s)
+                if not by_pipe[d]:
+                    del by_pipe[d]
         pipes = tuple((p, tuple(sorted(st))) for p, st in sorted(by_pipe.items()))
         out.append(DeadState(frozenset(dead), tuple(per_stage), pipes, D))
     return out

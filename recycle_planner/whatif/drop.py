@@ -9,7 +9,6 @@ from typing import Hashable
 from recycle_planner.whatif.deadset import DeadState
 from recycle_planner.whatif.durations import format_duration
 from recycle_planner.whatif.strategy import Speed, Strategy
-from recycle_planner.whatif.trace import FAIL, Event
 
 
 class DropPipelines(Strategy):
@@ -24,12 +23,10 @@ class DropPipelines(Strategy):
     def _speed(self, key: Hashable) -> Speed:
         return self.ctx.speed(self.ctx.fault_free_period, key / self.ctx.spec.pipelines)
 
-    def disrupts(self, before: DeadState, after: DeadState, event: Event) -> bool:
+    def disrupts(self, before: DeadState, after: DeadState, kind: str) -> bool:
         """Only a pipeline that breaks or becomes whole changes the job; a second failure in
         a dropped pipeline, or a repair that leaves it broken, does not."""
-        d = event.worker[0]
-        was_broken, is_broken = bool(before.stages_of(d)), bool(after.stages_of(d))
-        return was_broken != is_broken if event.kind == FAIL else not is_broken
+        return before.broken != after.broken
 
     def assumptions(self) -> list[str]:
         c = self.ctx.costs

@@ -1,7 +1,9 @@
-"""Durations written the way people say them: `45s`, `30min`, `2h`, `7d`, `1.5h`, `1h30min`.
+"""Durations written the way people say them: `45s`, `30min`, `2h`, `7d`, `1.5h`, `1h30min`;
+and sizes and bandwidths (`20GiB`, `12.5GB/s`) with the job spec's units.
 
-Everything in the what-if simulator counts seconds; this module is the only place that turns
-text into seconds and back, so that every option and every trace file reads the same way.
+Everything in the what-if simulator counts seconds and bytes; this module is the only place
+that turns option text into them and seconds back, so that every option and every trace file
+reads the same way.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import math
 import re
 
-from recycle_planner.errors import RecycleError
+from recycle_planner.errors import RecycleError, SpecError
+from recycle_planner.job.spec import _bytes
 
 UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "min": 60.0, "h": 3600.0, "d": 86400.0,
          "w": 604800.0}
@@ -66,6 +69,26 @@ def parse_durations(text: str, what: str = "duration") -> list[float]:
     if not parts or any(not p.strip() for p in parts):
         raise DurationError(f"{what}: {text!r} is not a comma-separated list of durations")
     return [parse_duration(p, what, allow_zero=False) for p in parts]
+
+
+def parse_size(text: str, what: str, per_second: bool = False) -> float:
+    """Bytes (or bytes per second, written with `/s`) in `text`, more than zero: `20GiB`,
+    `1.5e9`, `12.5GB/s`."""
+    body = str(text).strip()
+    if per_second:
+        if not body.lower().endswith("/s"):
+            raise DurationError(f"{what}: {text!r} is not a bandwidth (write for example "
+                                f"12.5GB/s)")
+        body = body[:-2]
+    try:
+        value = _bytes(body, what, what)
+    except SpecError:
+        example = "12.5GB/s" if per_second else "20GiB"
+        raise DurationError(f"{what}: {text!r} is not a {'bandwidth' if per_second else 'size'}"
+                            f" (write for example {example})") from None
+    if not value > 0:
+        raise DurationError(f"{what}: must be more than zero, got {text!r}")
+    return value
 
 
 def format_duration(seconds: float) -> str:

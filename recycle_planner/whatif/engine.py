@@ -5,6 +5,7 @@ of rate x time. A strategy is always in one of three modes: running its configur
 paused (detection, plan switch, reconfiguration or restart; nothing trains) until a known time,
 or waiting (rolled back to its checkpoint; nothing can run until repairs allow a restart).
 
+- Events at the same time and of the same kind (a host, a correlated failure) are one step.
 - A failure the strategy absorbs (`on_failure == "reconfigure"`) costs detection + its pause and,
   if `loses_iteration`, the fraction of the iteration in progress (tracked as a phase that a
   checkpoint, taken at an iteration boundary, or a pause resets).
@@ -13,6 +14,8 @@ or waiting (rolled back to its checkpoint; nothing can run until repairs allow a
 - Checkpoints are taken every `checkpoint_interval` of wall-clock time from the start and from
   the end of each restart (a restart loads one).
 - Pauses overlap: a second event during a pause extends it to the later of the two ends.
+- The first time a run reaches a configuration the strategy must plan (re-routing beyond its
+  library), the planning time is added to that step's pause.
 """
 
 from __future__ import annotations
@@ -31,14 +34,15 @@ from recycle_planner.whatif.checkpoint import CheckpointSpares, CheckpointWait
 from recycle_planner.whatif.deadset import DeadState, dead_states, healthy
 from recycle_planner.whatif.drop import DropPipelines
 from recycle_planner.whatif.oobleck import Oobleck
-from recycle_planner.whatif.reroute import Reroute
+from recycle_planner.whatif.reroute import Reroute, RerouteLibraryOnly
 from recycle_planner.whatif.strategy import STOPPED, Context, Speed, Strategy
 from recycle_planner.whatif.trace import FAIL, Trace
 
 log = logging.getLogger(__name__)
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (
-    Reroute, CheckpointSpares, CheckpointWait, DropPipelines, Oobleck, Bamboo)}
+    Reroute, RerouteLibraryOnly, CheckpointSpares, CheckpointWait, DropPipelines, Oobleck,
+    Bamboo)}
 RUN, PAUSE, WAIT = "run", "pause", "wait"
 
 
@@ -60,6 +64,10 @@ class Outcome:
     lost_iterations: float = 0.0
     paused: float = 0.0
     waiting: float = 0.0
+    planned: int = 0
+    planning: float = 0.0
+    batch_min: float = 0.0
+    batch_mean: float = 0.0
     times: np.ndarray = field(default_factory=lambda: np.zeros(0))
     progress: np.ndarray = field(default_factory=lambda: np.zeros(0))
     rates: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -96,7 +104,9 @@ class Outcome:
                 "fallbacks": self.fallbacks, "reconfigurations": self.reconfigurations,
                 "lost_to_rollbacks": self.lost_rollback,
                 "lost_iterations": self.lost_iterations, "paused_s": self.paused,
-                "waiting_s": self.waiting}
+                "waiting_s": self.waiting, "planned_on_demand": self.planned,
+                "planning_s": self.planning,
+                "global_batch": {"min": self.batch_min, "mean": self.batch_mean}}
 
 
 class _Replay:
@@ -119,6 +129,10 @@ class _Replay:
         self.phase = 0.0
         self.anchor = 0.0
         self.ck_samples = 0.0
+        self.seen: set[Hashable] = {start}
+        self.batch_area = 0.0
+        self.batch_time = 0.0
+        self.batch_min = math.inf
         self._t: list[float] = []
         self._p: list[float] = []
         self._r: list[float] = []
@@ -162,6 +176,11 @@ class _Replay:
             self.phase = _frac((end - tick) / period)
         else:
             self.phase = _frac(self.phase + (end - self.t) / period)
+        if rate > 0 and end > self.t:
+            batch = self.speed.samples_per_iteration
+            self.batch_area += batch * (end - self.t)
+            self.batch_time += end - self.t
+            self.batch_min = min(self.batch_min, batch)
         self.samples += rate * (end - self.t)
         self.t = end
 
@@ -202,13 +221,27 @@ class _Replay:
         self.phase = 0.0
         self._mark()
 
-    def _leave_wait(self) -> None:
+    def _leave_wait(self, extra: float) -> None:
         self.mode = RUN  # so that _pause starts a fresh pause
-        self._pause(max(self.t, self.not_before) - self.t + self.costs.restart, restart=True)
+        self._pause(max(self.t, self.not_before) - self.t + self.costs.restart + extra,
+                    restart=True)
+
+    def _first(self, key: Hashable | None) -> float:
+        """The planning time charged for reaching `key` (only the first time in this run)."""
+        if key is None or key in self.seen:
+            return 0.0
+        self.seen.add(key)
+        seconds = self.s.planning(key)
+        if seconds is None:
+            return 0.0
+        self.out.planned += 1
+        self.out.planning += seconds
+        return seconds
 
     # -- events ------------------------------------------------------------------------------
     def fail(self, key: Hashable | None, disrupted: bool) -> None:
         c = self.costs
+        plan = self._first(key)
         if key is None:
             if self.mode != WAIT:
                 if self.s.on_failure == "reconfigure" and not self.restarting:
@@ -218,25 +251,26 @@ class _Replay:
                 self._mark()
             self.not_before = max(self.not_before, self.t + c.detect)
         elif self.mode == WAIT:
-            self._leave_wait()
+            self._leave_wait(plan)
         elif self.s.on_failure == "restart":
             self._rollback()
-            self._pause(c.detect + c.restart, restart=True)
+            self._pause(c.detect + c.restart + plan, restart=True)
         elif disrupted:
             if self.mode == RUN and self.s.loses_iteration:
                 lost = self.phase * self.speed.samples_per_iteration
                 self.samples -= lost
                 self.out.lost_iterations += lost
-            self._pause(c.detect + self.s.fail_pause())
+            self._pause(c.detect + self.s.fail_pause(key) + plan)
             self.out.reconfigurations += 1
         self._switch(key)
 
     def repair(self, key: Hashable | None, disrupted: bool) -> None:
+        plan = self._first(key)
         if self.mode == WAIT:
             if key is not None:
-                self._leave_wait()
-        elif disrupted and self.s.repair_pause() > 0:
-            self._pause(self.s.repair_pause())
+                self._leave_wait(plan)
+        elif disrupted and self.s.repair_pause(key) + plan > 0:
+            self._pause(self.s.repair_pause(key) + plan)
             self.out.reconfigurations += 1
         self._switch(key)
 
@@ -248,6 +282,9 @@ class _Replay:
     def finish(self) -> Outcome:
         self.advance(self.out.duration)
         self.out.samples = self.samples
+        if self.batch_time > 0:
+            self.out.batch_min = self.batch_min
+            self.out.batch_mean = self.batch_area / self.batch_time
         self.out.times = np.array(self._t)
         self.out.progress = np.array(self._p)
         self.out.rates = np.array(self._r)
@@ -259,7 +296,7 @@ def _frac(x: float) -> float:
 
 
 def configurations(strategy: Strategy, states: Sequence[DeadState]) -> list[Hashable | None]:
-    """The strategy's configuration after each event; every one of them, and the healthy one,
+    """The strategy's configuration after each step; every one of them, and the healthy one,
     is costed here, all at once (and cached), so that the replay only looks up."""
     spec = strategy.ctx.spec
     keys = [strategy.config(st) for st in states]
@@ -283,10 +320,10 @@ def replay(strategy: Strategy, trace: Trace, states: Sequence[DeadState] | None 
     speeds = strategy.speeds([first])
     run = _Replay(strategy, speeds, first, trace.duration)
     before = start
-    for event, state, key in zip(trace.events, states, keys):
-        run.advance(event.time)
-        disrupted = strategy.disrupts(before, state, event)
-        if event.kind == FAIL:
+    for step, state, key in zip(trace.steps(), states, keys):
+        run.advance(step.time)
+        disrupted = strategy.disrupts(before, state, step.kind)
+        if step.kind == FAIL:
             run.fail(key, disrupted)
         else:
             run.repair(key, disrupted)

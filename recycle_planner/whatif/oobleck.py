@@ -5,7 +5,14 @@ A pipeline of l stages holds the same layers as the job's S stages, cut into l c
 slices: worker j of it covers stages [j S/l, (j+1) S/l) of the original, and its forward,
 backward, all-reduce, optimizer and memory figures are those stages' figures summed over the
 covered fraction (l = S gives back the job's own stages). Each shape is costed as one pipeline
-by the planner, with the library's policy; the iteration takes as long as the slowest pipeline.
+by the planner, with the baseline policy; the iteration takes as long as the slowest pipeline.
+
+A reconfiguration costs a fixed part (`Costs.reconfigure`: new communicators, re-instantiation)
+plus moving layers: a worker of a re-instantiated pipeline keeps the original stage it held (the
+one of its slice it overlaps most, at best) and receives the rest of its slice's state (the
+spec's static memory, or `Costs.parameter_bytes` spread equally) at `Costs.bandwidth`; workers
+receive in parallel, so the largest share sets the time. A repair also loads one stage's state
+onto the returning worker.
 """
 
 from __future__ import annotations
@@ -22,26 +29,30 @@ from recycle_planner.whatif.strategy import (Context, Speed, Strategy, derived_m
                                              min_max_split)
 
 
+def overlaps(S: int, length: int, j: int) -> list[tuple[int, float]]:
+    """(original stage, fraction of it) for every stage that slice j of `length` covers."""
+    lo, hi = Fraction(j * S, length), Fraction((j + 1) * S, length)
+    out = []
+    for s in range(math.floor(lo), min(S, math.ceil(hi))):
+        overlap = min(hi, s + 1) - max(lo, Fraction(s))
+        if overlap > 0:
+            out.append((s, float(overlap)))
+    return out
+
+
 def window(values: Sequence[float], length: int) -> list[float]:
     """Per-stage `values` re-cut into `length` equal contiguous slices, each the sum over the
     fraction of every original stage it covers."""
     S = len(values)
-    out = []
-    for j in range(length):
-        lo, hi = Fraction(j * S, length), Fraction((j + 1) * S, length)
-        total = 0.0
-        for s in range(math.floor(lo), min(S, math.ceil(hi))):
-            overlap = min(hi, s + 1) - max(lo, Fraction(s))
-            if overlap > 0:
-                total += values[s] * float(overlap)
-        out.append(total)
-    return out
+    return [sum(values[s] * f for s, f in overlaps(S, length, j)) for j in range(length)]
 
 
-def covered(S: int, length: int, j: int) -> range:
-    """The original stages that slice j of `length` touches."""
-    lo, hi = Fraction(j * S, length), Fraction((j + 1) * S, length)
-    return range(math.floor(lo), min(S, math.ceil(hi)))
+def received(state: Sequence[float], length: int) -> float:
+    """Bytes the busiest worker of a pipeline re-cut into `length` slices receives: its slice's
+    state less the part of the one original stage it already held (the largest it overlaps)."""
+    S = len(state)
+    return max((sum(state[s] * f for s, f in cover) - max(state[s] * f for s, f in cover)
+                for cover in (overlaps(S, length, j) for j in range(length))), default=0.0)
 
 
 def pipeline_spec(spec: JobSpec, length: int, microbatches: int) -> JobSpec:
@@ -50,7 +61,7 @@ def pipeline_spec(spec: JobSpec, length: int, microbatches: int) -> JobSpec:
     S = spec.stages
     time = {key: window(getattr(spec, key), length)
             for key in ("forward", "backward_input", "backward_weight", "allreduce", "optimizer")}
-    time["p2p"] = [max(spec.p2p[s] for s in covered(S, length, j)) for j in range(length)]
+    time["p2p"] = [max(spec.p2p[s] for s, _ in overlaps(S, length, j)) for j in range(length)]
     data: dict[str, Any] = {"name": f"{spec.name or 'job'} as {length} stages",
                             "stages": length, "pipelines": 1, "microbatches": microbatches,
                             "time": time}
@@ -82,6 +93,13 @@ class Oobleck(Strategy):
         spec = ctx.spec
         self.shortest = next(n for n in range(1, spec.stages + 1) if fits(spec, n))
         self._periods: dict[tuple[int, int], float] = {}
+        mem, total = spec.memory, ctx.costs.parameter_bytes
+        self.state: tuple[float, ...] | None = None   # bytes per stage that move with layers
+        if mem is not None and mem.static is not None:
+            self.state, self.state_source = mem.static, "the spec's static memory"
+        elif total is not None:
+            self.state = (total / spec.stages,) * spec.stages
+            self.state_source = "--parameter-bytes"
 
     def config(self, state: DeadState) -> Hashable | None:
         """(whole pipelines, lengths of the re-instantiated ones, idle survivors): the
@@ -99,11 +117,20 @@ class Oobleck(Strategy):
             lengths = (base + 1,) * extra + (base,) * (n - extra)
         return D - broken, lengths, survivors - sum(lengths)
 
-    def fail_pause(self) -> float:
-        return self.ctx.costs.reconfigure
+    def moved(self, key: Hashable | None) -> float:
+        """Bytes the busiest worker receives to reach configuration `key`."""
+        if self.state is None or key is None:
+            return 0.0
+        return max((received(self.state, n) for n in set(key[1])), default=0.0)
 
-    def repair_pause(self) -> float:
-        return self.ctx.costs.reconfigure
+    def fail_pause(self, key: Hashable) -> float:
+        c = self.ctx.costs
+        return c.reconfigure + self.moved(key) / c.bandwidth
+
+    def repair_pause(self, key: Hashable) -> float:
+        c = self.ctx.costs
+        returning = max(self.state) if self.state is not None else 0.0
+        return c.reconfigure + max(self.moved(key), returning) / c.bandwidth
 
     def period(self, length: int, microbatches: int) -> float:
         """ms per iteration of one pipeline of `length` stages with that many micro-batches."""
@@ -143,11 +170,26 @@ class Oobleck(Strategy):
                "layers' static state plus the 1F1B in-flight activations)"),
             "a pipeline of l stages cuts the same layers into l equal contiguous slices (per-"
             "stage costs and memory summed over the covered fraction of each original stage); "
-            "each shape is costed by the planner with the library's policy",
+            "each shape is costed by the planner with the baseline policy",
             "the global batch (every micro-batch) is redistributed so that the slowest pipeline "
             "is as fast as possible; the iteration takes the slowest pipeline's period",
             f"every failure and repair costs a reconfiguration ({format_duration(c.reconfigure)}"
-            f", after {format_duration(c.detect)} detection on a failure) and a failure loses "
-            f"the iteration in progress; a stage with no live worker forces a checkpoint "
-            f"restart ({format_duration(c.restart)}) once one is repaired",
+            f" + moving layers, after {format_duration(c.detect)} detection on a failure) and "
+            f"a failure loses the iteration in progress; a stage with no live worker forces a "
+            f"checkpoint restart ({format_duration(c.restart)}) once one is repaired",
+            self._moving(),
         ]
+
+    def _moving(self) -> str:
+        c = self.ctx.costs
+        if self.state is None:
+            return ("moving layers is not costed: the spec has no [memory] static sizes (give "
+                    "--parameter-bytes)")
+        S = self.ctx.spec.stages
+        worst = received(self.state, S - 1) if S > 1 else 0.0
+        return (f"moving layers: a worker keeps the stage it held and receives the rest of its "
+                f"slice's state ({self.state_source}, {sum(self.state) / 2**30:.3g} GiB in all) at "
+                f"{c.bandwidth / 1e9:g} GB/s, in parallel; e.g. re-cut into {S - 1} stages the "
+                f"busiest receives {worst / 2**30:.3g} GiB ({format_duration(worst / c.bandwidth)})"
+                f"; a repair loads one stage's state ({max(self.state) / 2**30:.3g} GiB) onto the "
+                f"returning worker")

@@ -8,7 +8,7 @@ from recycle_planner import __version__
 from recycle_planner.whatif.engine import Outcome, Run, Study
 
 WHATIF_FORMAT = "recycle-whatif"
-WHATIF_VERSION = 1
+WHATIF_VERSION = 2
 
 
 def header(study: Study) -> list[str]:
@@ -21,9 +21,17 @@ def header(study: Study) -> list[str]:
              f"fault-free: period {ctx.fault_free_period:.4g} ms, {_num(ff.rate)} {ctx.unit}/s"
              + ("" if spec.microbatch_size else " (no microbatch_size in the spec: counting "
                                                 "micro-batches)")]
-    if ctx.library is not None:
-        lines.append(f"plan library: {ctx.library.folder} (up to {ctx.library.max_failures} "
-                     f"dead workers)")
+    lib = ctx.library
+    if lib is not None:
+        lines.append(f"plan library: {lib.folder} (up to {lib.max_failures} dead workers)")
+        if lib.policy != ctx.policy:
+            lib_rate = ctx.speed(lib.fault_free_period).rate
+            lines[0] += f" (baseline; re-routing runs the library's {lib.policy.label})"
+            lines[1] = (f"fault-free baseline ({ctx.policy.label}): period "
+                        f"{ctx.fault_free_period:.4g} ms, {_num(ff.rate)} {ctx.unit}/s, the "
+                        f"reference of every result; with the library's policy "
+                        f"({lib.policy.label}): {lib.fault_free_period:.4g} ms, "
+                        f"{_num(lib_rate)} {ctx.unit}/s")
     lines.append(f"costs: {ctx.costs.describe()}")
     return lines
 
@@ -77,10 +85,16 @@ def _outcome(run: Run, name: str) -> Outcome | None:
 
 
 def assumptions(study: Study) -> list[str]:
-    lines = ["assumptions (every strategy runs the library's policy on the same per-stage "
-             "costs):"]
+    lines = ["assumptions (every strategy is costed on the same per-stage costs through the "
+             "planner):"]
+    lib = study.ctx.library
+    differ = lib is not None and lib.policy != study.ctx.policy
     for strategy in study.strategies:
         lines.append(f"  {strategy.title}:")
+        whose = ""
+        if differ:
+            whose = " (the library's)" if strategy.policy == lib.policy else " (the baseline)"
+        lines.append(f"    - schedule: policy {strategy.policy.label}{whose}")
         why = strategy.infeasible()
         if why is not None:
             lines.append(f"    - cannot run this job: {why}")
@@ -96,13 +110,29 @@ def study_text(study: Study) -> str:
     else:
         lines += [f"trace {r.label}: {r.trace.describe()}" for r in study.runs]
         lines += [""] + frequency_table(study)
-    fallbacks = [(r.label, o) for r in study.runs for o in r.outcomes if o.fallbacks]
-    if fallbacks:
-        lines.append("")
-        for label, o in fallbacks:
-            lines.append(f"note: {o.title} fell back to a checkpoint restart {o.fallbacks} "
-                         f"time(s) on {label} (no configuration for the dead workers)")
+    lines += notes(study)
     return "\n".join(lines + [""] + assumptions(study))
+
+
+def notes(study: Study) -> list[str]:
+    """Fallbacks, on-demand plans and what they were charged, smaller global batches."""
+    out = []
+    full = study.ctx.samples_per_iteration
+    for run in study.runs:
+        for o in run.outcomes:
+            if o.fallbacks:
+                out.append(f"note: {o.title} fell back to a checkpoint restart {o.fallbacks} "
+                           f"time(s) on {run.label} (no configuration for the dead workers)")
+            if o.planned:
+                out.append(f"note: {o.title} planned {o.planned} situation(s) on demand on "
+                           f"{run.label}, charged {o.planning:.3g} s of planning in all "
+                           f"({o.planning / o.planned:.3g} s each on average)")
+            if o.batch_min and o.batch_min < full - 1e-9:
+                out.append(f"note: {o.title} trained with a smaller global batch on "
+                           f"{run.label}: down to {o.batch_min:g} {study.ctx.unit} per "
+                           f"iteration (fault-free {full}), {o.batch_mean:.4g} on average "
+                           f"while training")
+    return [""] + out if out else []
 
 
 def study_dict(study: Study) -> dict[str, Any]:
@@ -117,8 +147,11 @@ def study_dict(study: Study) -> dict[str, Any]:
         "unit": ctx.unit, "samples_per_iteration": ctx.samples_per_iteration,
         "fault_free": {"period_ms": ctx.fault_free_period, "throughput": ctx.fault_free.rate},
         "costs_s": ctx.costs.to_dict(),
+        "library_policy": (ctx.library.policy.to_dict() if ctx.library is not None
+                           else None),
         "strategies": [{"name": s.name, "title": s.title, "infeasible": s.infeasible(),
-                        "assumptions": s.assumptions()} for s in study.strategies],
+                        "assumptions": s.assumptions(), **s.record()}
+                       for s in study.strategies],
         "runs": [],
         "timing_s": dict(study.seconds),
     }

@@ -12,7 +12,8 @@ from recycle_planner.whatif.durations import format_duration
 from recycle_planner.whatif.engine import Run, Study
 from recycle_planner.whatif.trace import FAIL
 
-COLOURS = {"reroute": "#C44E52", "checkpoint-spares": "#4C72B0", "checkpoint-wait": "#8172B3",
+COLOURS = {"reroute": "#C44E52", "reroute-library-only": "#DA8BC3",
+           "checkpoint-spares": "#4C72B0", "checkpoint-wait": "#8172B3",
            "drop-pipelines": "#DD8452", "oobleck": "#55A868", "bamboo": "#937860"}
 
 
@@ -44,21 +45,22 @@ def plot_over_time(study: Study, run: Run, path: str | Path) -> None:
     fig, axes = plt.subplots(n + 2, 1, figsize=(11, 2.6 + 0.75 * n + 2.6), sharex=True,
                              gridspec_kw={"height_ratios": [0.35] + [1.0] * n + [3.2]})
     marks, strips, bottom = axes[0], axes[1:-1], axes[-1]
-    fails = np.array([e.time for e in run.trace.events if e.kind == FAIL])
+    fails = np.array([s.time for s in run.trace.steps() if s.kind == FAIL])
     marks.vlines(fails / scale, 0, 1, color="#333333", linewidth=0.8)
     marks.set_yticks([])
     marks.set_ylim(0, 1)
     marks.set_ylabel(f"{fails.size} failures", rotation=0, ha="right", va="center", fontsize=8)
     for spine in ("top", "right", "left"):
         marks.spines[spine].set_visible(False)
-    for ax, o in zip(strips, outcomes):
+    rates = [100 * o.binned_rate(edges) / ff for o in outcomes]
+    peak = max([100.0] + [float(r.max()) for r in rates])  # above 100% when re-routing's
+    for ax, o, rate in zip(strips, outcomes, rates):      # policy beats the baseline's
         colour = COLOURS.get(o.strategy, "#555555")
-        rate = 100 * o.binned_rate(edges) / ff
         ax.fill_between(edges / scale, np.append(rate, rate[-1]), step="post", color=colour,
                         alpha=0.55, linewidth=0)
         ax.step(edges / scale, np.append(rate, rate[-1]), where="post", color=colour,
                 linewidth=0.8)
-        ax.set_ylim(0, 105)
+        ax.set_ylim(0, peak * 1.05)
         ax.set_yticks([0, 50, 100])
         ax.tick_params(axis="y", labelsize=7)
         ax.grid(alpha=0.3)
@@ -66,8 +68,8 @@ def plot_over_time(study: Study, run: Run, path: str | Path) -> None:
                 fontsize=8, va="center", ha="left", color=colour)
     strips[n // 2].set_ylabel(f"throughput, % of fault-free (mean per "
                               f"{format_duration(width)})", fontsize=9)
-    peak = max(ff * T, 1.0)
-    power = 3 * int(np.floor(np.log10(peak) / 3)) if peak >= 1e3 else 0
+    total = max(ff * T, 1.0)
+    power = 3 * int(np.floor(np.log10(total) / 3)) if total >= 1e3 else 0
     factor, word = 10.0 ** power, {0: "", 3: "thousands", 6: "millions", 9: "billions",
                                    12: "trillions"}.get(power, f"x 1e{power}")
     at = np.linspace(0.0, T, 600)
@@ -112,7 +114,8 @@ def plot_frequencies(study: Study, path: str | Path) -> None:
     ax.set_xticks(range(len(runs)))
     ax.set_xticklabels([r.label for r in runs])
     ax.set_ylabel("mean throughput, % of fault-free")
-    ax.set_ylim(0, 112)
+    peak = max([100.0] + [100 * o.relative for r in runs for o in r.outcomes])
+    ax.set_ylim(0, peak + 12)
     ax.axhline(100, color="#555555", linestyle="--", linewidth=0.8)
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)

@@ -2,8 +2,10 @@
 
 A strategy maps the dead workers at a moment to a *configuration* key (None: it cannot run and
 must wait for repairs, after a checkpoint restart), and a configuration to a `Speed`. It also
-says what a failure or a repair costs it. The replay engine (`engine.py`) does the rest, the same
-way for every strategy: pauses, lost iterations, rollbacks to the last checkpoint, waiting.
+says what a failure or a repair costs it, what reaching a configuration for the first time
+costs (planning it on demand), and which schedule policy it runs. The replay engine
+(`engine.py`) does the rest, the same way for every strategy: pauses, lost iterations, rollbacks
+to the last checkpoint, waiting.
 
 Configurations are computed for every key a trace needs *before* the replay (`speeds`), so the
 event loop never plans anything.
@@ -25,7 +27,6 @@ from recycle_planner.library import PlanLibrary
 from recycle_planner.planner import plan_situation
 from recycle_planner.whatif.deadset import DeadState
 from recycle_planner.whatif.durations import format_duration
-from recycle_planner.whatif.trace import Event
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,12 @@ class Costs:
     checkpoint_interval: wall-clock time between checkpoints (taken asynchronously, at an
         iteration boundary, without stopping training).
     restart: relaunching the job from a checkpoint (scheduling, loading, warm-up).
-    spares: spare workers kept idle for checkpoint-restart with spares."""
+    spares: spare workers kept idle for checkpoint-restart with spares.
+    plan: planning a situation the plan library lacks, on demand (None: the heuristic's time
+        measured on this job, once per situation).
+    bandwidth: bytes per second a worker receives layers at when Oobleck moves them.
+    parameter_bytes: the model's state (weights and optimizer state) that Oobleck moves with
+        layers, when the spec has no [memory] static sizes (spread equally over the stages)."""
 
     detect: float = 10.0
     switch: float = 5.0
@@ -49,14 +55,19 @@ class Costs:
     checkpoint_interval: float = 1800.0
     restart: float = 600.0
     spares: int = 2
+    plan: float | None = None
+    bandwidth: float = 12.5e9
+    parameter_bytes: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def describe(self) -> str:
         return (f"detection {format_duration(self.detect)}, plan switch "
-                f"{format_duration(self.switch)}, Oobleck reconfiguration "
-                f"{format_duration(self.reconfigure)}, checkpoint every "
+                f"{format_duration(self.switch)}, on-demand planning "
+                + ("as measured" if self.plan is None else format_duration(self.plan))
+                + f", Oobleck reconfiguration {format_duration(self.reconfigure)} + layers "
+                f"moved at {self.bandwidth / 1e9:g} GB/s, checkpoint every "
                 f"{format_duration(self.checkpoint_interval)}, restart "
                 f"{format_duration(self.restart)}, {self.spares} spare worker"
                 f"{'' if self.spares == 1 else 's'}")
@@ -86,20 +97,27 @@ class PeriodModel:
 
 @dataclass(frozen=True)
 class Context:
-    """The job, its plan library and policy, the costs, and the fault-free reference that
-    every strategy shares."""
+    """The job, its plan library, the costs, and the baseline that every strategy but
+    re-routing runs: its policy, and its fault-free period, the reference of every result.
+    Re-routing runs the library's policy."""
 
     spec: JobSpec
     policy: Policy
     costs: Costs
-    fault_free_period: float          # ms, the library's fault-free plan
+    fault_free_period: float          # ms, the baseline policy's fault-free plan
     library: PlanLibrary | None = None
     model: PeriodModel | None = None
 
     @classmethod
-    def from_library(cls, library: PlanLibrary, costs: Costs) -> "Context":
-        return cls(library.spec, library.policy, costs, library.fault_free_period, library,
-                   PeriodModel(library.policy))
+    def from_library(cls, library: PlanLibrary, costs: Costs,
+                     policy: Policy | None = None) -> "Context":
+        """`policy`: the baseline's (default: the library's, so that every strategy runs the
+        same schedule)."""
+        policy = library.policy if policy is None else policy
+        model = PeriodModel(policy)
+        period = (library.fault_free_period if policy == library.policy
+                  else model.period(library.spec))
+        return cls(library.spec, policy, costs, period, library, model)
 
     @property
     def samples_per_iteration(self) -> int:
@@ -158,16 +176,32 @@ class Strategy:
     def _speed(self, key: Hashable) -> Speed:
         raise NotImplementedError
 
-    def disrupts(self, before: DeadState, after: DeadState, event: Event) -> bool:
-        """Does this event change what the running job does (and so cost a pause)?"""
+    @property
+    def policy(self) -> Policy:
+        """The schedule policy this strategy runs (the baseline's unless it says otherwise)."""
+        return self.ctx.policy
+
+    def disrupts(self, before: DeadState, after: DeadState, kind: str) -> bool:
+        """Does this step (failures or repairs, `kind`) change what the running job does (and
+        so cost a pause)?"""
         return True
 
-    def fail_pause(self) -> float:
-        """Pause after detection when a failure is absorbed without a restart."""
+    def fail_pause(self, key: Hashable) -> float:
+        """Pause after detection when a failure into configuration `key` is absorbed without
+        a restart."""
         return self.ctx.costs.switch
 
-    def repair_pause(self) -> float:
+    def repair_pause(self, key: Hashable) -> float:
         return self.ctx.costs.switch
+
+    def planning(self, key: Hashable) -> float | None:
+        """Extra pause the first time a run reaches configuration `key` (planning it), None
+        when there is nothing to plan."""
+        return None
+
+    def record(self) -> dict[str, Any]:
+        """What the JSON output says about this strategy beyond its assumptions."""
+        return {"policy": self.policy.to_dict(), "policy_label": self.policy.label}
 
     def infeasible(self) -> str | None:
         """Why this strategy cannot run this job at all (None: it can)."""

@@ -6,14 +6,20 @@ from the start of the job, sorted:
     time,event,worker
     3600,fail,1:3
     7200,repair,1:3
+    8h,fail,host:2
+    8h,fail,0:5 1:5
 
-`#` starts a comment; blank lines are skipped. Every mistake (an unknown worker, a repair of a
-live worker, a failure of a dead one, an unsorted time...) is one error naming the line.
+The worker field names one worker (`PIPELINE:STAGE`), several separated by spaces, or a whole
+host (`host:H`, with a host layout: `hosts.py`). Events at the same time and of the same kind
+happen together (a correlated failure): the job sees them as one. `#` starts a comment; blank
+lines are skipped. Every mistake (an unknown worker or host, a repair of a live worker, a
+failure of a dead one, an unsorted time...) is one error naming the line.
 
 Sampled traces are seeded and deterministic. The mean time between failures (MTBF) is the
-job's: with `sampling="worker"` each of the N workers has its own renewal process (up time with
-mean N x MTBF, then a repair), with `sampling="fleet"` one renewal process with mean MTBF hits a
-uniformly chosen live worker. Up times are exponential or Weibull (same mean), repair times
+job's: with `sampling="worker"` each of the N units (workers, or hosts with a host layout) has its
+own renewal process (up time with mean N x MTBF, then a repair), with `sampling="fleet"` one
+renewal process with mean MTBF hits a uniformly chosen live unit. A host fails and is repaired
+with all its workers at once. Up times are exponential or Weibull (same mean), repair times
 exponential or fixed.
 """
 
@@ -35,6 +41,7 @@ from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import parse_worker
 from recycle_planner.schedules.ops import Worker
 from recycle_planner.whatif.durations import DurationError, format_duration, parse_duration
+from recycle_planner.whatif.hosts import HostError, Hosts
 
 FAIL, REPAIR = "fail", "repair"
 HEADER = ("time", "event", "worker")
@@ -52,21 +59,49 @@ class Event:
     time: float          # seconds from the start of the job
     kind: str            # FAIL or REPAIR
     worker: Worker       # (pipeline, stage)
+    host: int | None = None  # set when the event is part of a whole host's failure or repair
+
+
+@dataclass(frozen=True)
+class Step:
+    """Events at the same time and of the same kind, which the job sees as one."""
+
+    time: float
+    kind: str
+    workers: tuple[Worker, ...]
 
 
 @dataclass(frozen=True)
 class Trace:
     """Events sorted by time (a repair before a failure at the same instant), none after
-    `duration`; `source` says where they came from (for the output)."""
+    `duration`; `source` says where they came from (for the output); `hosts` the host layout
+    (None: one worker per host)."""
 
     events: tuple[Event, ...]
     duration: float
     stages: int
     pipelines: int
     source: dict[str, Any] = field(default_factory=dict)
+    hosts: Hosts | None = None
+
+    def steps(self) -> list[Step]:
+        """Consecutive events of the same time and kind, grouped."""
+        out: list[Step] = []
+        for e in self.events:
+            if out and out[-1].time == e.time and out[-1].kind == e.kind:
+                last = out[-1]
+                out[-1] = Step(last.time, last.kind, last.workers + (e.worker,))
+            else:
+                out.append(Step(e.time, e.kind, (e.worker,)))
+        return out
 
     @property
     def failures(self) -> int:
+        """Failures as the job sees them: workers (or hosts) failing together count once."""
+        return sum(s.kind == FAIL for s in self.steps())
+
+    @property
+    def worker_failures(self) -> int:
         return sum(e.kind == FAIL for e in self.events)
 
     def dead_counts(self) -> tuple[int, float]:
@@ -85,21 +120,29 @@ class Trace:
         most, mean = self.dead_counts()
         src = self.source
         if src.get("kind") == "sampled":
-            head = (f"sampled ({src['sampling']} level): {src['distribution']} up times"
+            level = src["sampling"]
+            if level == "worker" and self.hosts is not None and self.hosts.workers_per_host > 1:
+                level = "host"
+            head = (f"sampled ({level} level): {src['distribution']} up times"
                     + (f" (shape {src['shape']:g})" if src["distribution"] == "weibull" else "")
                     + f", a failure every {format_duration(src['mtbf'])} in the job on average, "
                       f"{src['repair_distribution']} repairs of mean "
                       f"{format_duration(src['repair'])}, seed {src['seed']}")
         else:
             head = f"from {src.get('path', 'a file')}"
-        return (f"{head}; {format_duration(self.duration)}: {self.failures} failures, up to "
-                f"{most} dead at once, {mean:.2f} dead on average")
+        if self.hosts is not None and self.hosts.workers_per_host > 1:
+            head += f"; {self.hosts.describe()}"
+        workers = self.worker_failures
+        return (f"{head}; {format_duration(self.duration)}: {self.failures} failures"
+                + (f" ({workers} workers)" if workers != self.failures else "")
+                + f", up to {most} dead at once, {mean:.2f} dead on average")
 
     def to_dict(self) -> dict[str, Any]:
         most, mean = self.dead_counts()
         return {"source": dict(self.source), "duration_s": self.duration,
-                "failures": self.failures,
-                "repairs": sum(e.kind == REPAIR for e in self.events),
+                "failures": self.failures, "worker_failures": self.worker_failures,
+                "repairs": sum(s.kind == REPAIR for s in self.steps()),
+                "hosts": self.hosts.to_dict() if self.hosts is not None else None,
                 "max_dead": most, "mean_dead": mean}
 
 
@@ -134,8 +177,10 @@ def check_events(events: list[Event], spec: JobSpec, duration: float,
             raise TraceError(f"{at}: unknown event {e.kind!r} (expected fail or repair)")
 
 
-def read_trace(path: str | Path, spec: JobSpec, duration: float | None = None) -> Trace:
-    """Read and check a trace file; without `duration` the trace ends at its last event."""
+def read_trace(path: str | Path, spec: JobSpec, duration: float | None = None,
+               hosts: Hosts | None = None) -> Trace:
+    """Read and check a trace file; without `duration` the trace ends at its last event;
+    `hosts` lets lines name hosts (`host:H`)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -164,12 +209,9 @@ def read_trace(path: str | Path, spec: JobSpec, duration: float | None = None) -
         if kind not in (FAIL, REPAIR):
             raise TraceError(f"{at}: unknown event {row[1].strip()!r} (expected fail or "
                              f"repair)")
-        try:
-            worker = parse_worker(row[2])
-        except FailureSetError as exc:
-            raise TraceError(f"{at}: {exc}") from None
-        events.append(Event(t, kind, worker))
-        where.append(at)
+        for event in _parse_workers(row[2], t, kind, hosts, at):
+            events.append(event)
+            where.append(at)
     if not header_seen:
         raise TraceError(f"{path}: empty trace (expected the header 'time,event,worker')")
     if duration is None:
@@ -180,7 +222,30 @@ def read_trace(path: str | Path, spec: JobSpec, duration: float | None = None) -
         raise TraceError(f"{path}: the trace must last more than zero seconds")
     check_events(events, spec, duration, where)
     return Trace(tuple(events), duration, spec.stages, spec.pipelines,
-                 {"kind": "file", "path": str(path)})
+                 {"kind": "file", "path": str(path)}, hosts)
+
+
+def _parse_workers(field_text: str, t: float, kind: str, hosts: Hosts | None,
+                   at: str) -> list[Event]:
+    """The events of one line: `host:H`, or one or more workers separated by spaces."""
+    text = field_text.strip()
+    if text.lower().startswith("host:"):
+        if hosts is None:
+            raise TraceError(f"{at}: {text!r} names a host: give --workers-per-host")
+        number = text[5:].strip()
+        if not number.isdigit():
+            raise TraceError(f"{at}: {text!r} is not host:NUMBER (for example host:1)")
+        try:
+            return [Event(t, kind, w, int(number)) for w in hosts.workers(int(number))]
+        except HostError as exc:
+            raise TraceError(f"{at}: {exc}") from None
+    if not text:
+        raise TraceError(f"{at}: no worker (write PIPELINE:STAGE, several separated by "
+                         f"spaces, or host:H)")
+    try:
+        return [Event(t, kind, parse_worker(w)) for w in text.split()]
+    except FailureSetError as exc:
+        raise TraceError(f"{at}: {exc}") from None
 
 
 def _rows(text: str):
@@ -194,16 +259,27 @@ def _rows(text: str):
 
 def write_trace(trace: Trace, path: str | Path) -> None:
     """Write a trace as CSV (atomically), readable by `read_trace`."""
-    lines = [f"# {trace.describe()}", ",".join(HEADER)]
-    lines += [f"{e.time!r},{e.kind},{e.worker[0]}:{e.worker[1]}" for e in trace.events]
+    lines = [f"# {trace.describe()}"]
+    if trace.hosts is not None and trace.hosts.workers_per_host > 1:
+        lines.append(f"# read it with --workers-per-host {trace.hosts.workers_per_host} "
+                     f"--host-placement {trace.hosts.placement}")
+    lines.append(",".join(HEADER))
+    last: tuple | None = None
+    for e in trace.events:
+        if e.host is None:
+            lines.append(f"{e.time!r},{e.kind},{e.worker[0]}:{e.worker[1]}")
+        elif last != (e.time, e.kind, e.host):
+            lines.append(f"{e.time!r},{e.kind},host:{e.host}")
+        last = (e.time, e.kind, e.host)
     atomic_write(path, lambda fh: fh.write("\n".join(lines) + "\n"))
 
 
 def sample_trace(spec: JobSpec, mtbf: float, repair: float, duration: float, seed: int = 0,
                  distribution: str = "exponential", shape: float = 1.0,
-                 sampling: str = "worker", repair_distribution: str = "exponential") -> Trace:
+                 sampling: str = "worker", repair_distribution: str = "exponential",
+                 hosts: Hosts | None = None) -> Trace:
     """A seeded random trace (see the module docstring); `mtbf`, `repair`, `duration` in
-    seconds."""
+    seconds; with `hosts` of several workers, whole hosts fail and are repaired."""
     if distribution not in DISTRIBUTIONS:
         raise TraceError(f"unknown distribution {distribution!r} (expected one of: "
                          f"{', '.join(DISTRIBUTIONS)})")
@@ -221,17 +297,20 @@ def sample_trace(spec: JobSpec, mtbf: float, repair: float, duration: float, see
     rng = np.random.default_rng(seed)
     up = _drawer(rng, distribution, shape)
     down = _drawer(rng, repair_distribution, 1.0)
-    S, N = spec.stages, spec.workers
+    whole = hosts is not None and hosts.workers_per_host > 1
+    layout = hosts if hosts is not None else Hosts(spec.stages, spec.pipelines)
+    N = layout.count
     if sampling == "worker":
         raw = _per_worker(up, down, N, mtbf * N, repair, duration)
     else:
         raw = _fleet(rng, up, down, N, mtbf, repair, duration)
     raw.sort(key=lambda e: (e[0], e[1], e[2]))
-    events = tuple(Event(t, REPAIR if k == 0 else FAIL, divmod(w, S)) for t, k, w in raw)
+    events = tuple(Event(t, REPAIR if k == 0 else FAIL, w, h if whole else None)
+                   for t, k, h in raw for w in layout.workers(h))
     source = {"kind": "sampled", "sampling": sampling, "distribution": distribution,
               "shape": shape if distribution == "weibull" else 1.0, "mtbf": mtbf,
               "repair": repair, "repair_distribution": repair_distribution, "seed": seed}
-    return Trace(events, duration, spec.stages, spec.pipelines, source)
+    return Trace(events, duration, spec.stages, spec.pipelines, source, hosts)
 
 
 def _drawer(rng: np.random.Generator, distribution: str, shape: float):
@@ -246,8 +325,8 @@ def _drawer(rng: np.random.Generator, distribution: str, shape: float):
 
 def _per_worker(up, down, n: int, worker_mtbf: float, repair: float,
                 duration: float) -> list[tuple[float, int, int]]:
-    """Each worker alternates up and down times; vectorized over the workers still inside the
-    trace. Returns (time, 0 = repair / 1 = failure, worker index)."""
+    """Each unit (worker or host) alternates up and down times; vectorized over the units still
+    inside the trace. Returns (time, 0 = repair / 1 = failure, unit index)."""
     out: list[tuple[float, int, int]] = []
     t = up(worker_mtbf, n)
     active = np.arange(n)
@@ -268,7 +347,7 @@ def _per_worker(up, down, n: int, worker_mtbf: float, repair: float,
 
 def _fleet(rng: np.random.Generator, up, down, n: int, mtbf: float, repair: float,
            duration: float) -> list[tuple[float, int, int]]:
-    """One renewal process for the job; each failure hits a uniformly chosen live worker."""
+    """One renewal process for the job; each failure hits a uniformly chosen live unit."""
     out: list[tuple[float, int, int]] = []
     dead: set[int] = set()
     repairs: list[tuple[float, int]] = []
