@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
 
 import click
+
+from recycle_planner.cli.progress import Ticker
 
 BYTES_HELP = "bytes, or a size like 80GiB"
 
@@ -58,7 +61,9 @@ def _launch_config(nproc: int, library, run_dir, backend, lease, heartbeat, pg_t
                    checkpoint_every, resume, faults, **more):
     from recycle_planner.executor.agent import LaunchConfig
     from recycle_planner.executor.faults import parse_fault
+    from recycle_planner.io import check_writable
 
+    check_writable(run_dir, folder=True)  # before any worker starts
     return LaunchConfig(nproc=nproc, run_dir=str(run_dir), backend=backend,
                         heartbeat=heartbeat, hang_timeout=lease, pg_timeout=pg_timeout,
                         checkpoint_every=checkpoint_every, resume=resume,
@@ -239,8 +244,11 @@ def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: in
       recycle-planner profile examples/tiny_mlp.py:make_job -d 2 -m 4 -o tiny.toml
     """
     from recycle_planner.executor.job import load_job
+    from recycle_planner.io import check_writable, is_stdout
     from recycle_planner.job.profiler import profile_job, write_spec
     from recycle_planner.job.spec import JobSpec
+
+    check_writable(output)  # before minutes of measuring
 
     budget = None
     if memory_budget is not None:
@@ -253,16 +261,19 @@ def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: in
         budget = probe.memory.budget
     args = args[1:] if args[:1] == ("--",) else args
     job = load_job(target, args)
-    spec, stages = profile_job(job, pipelines, microbatches, name=name, device=device,
-                               repeats=repeats, warmup=warmup, memory_budget=budget, p2p=p2p,
-                               allreduce=allreduce)
+    with Ticker(f"profiling {target} on {device}"):
+        spec, stages = profile_job(job, pipelines, microbatches, name=name, device=device,
+                                   repeats=repeats, warmup=warmup, memory_budget=budget,
+                                   p2p=p2p, allreduce=allreduce)
     header = (f"Profiled by recycle-planner profile {target} on {device}\n"
               f"({sys.platform}, {repeats} repeats); times in ms, memory in bytes")
     write_spec(spec, output, header)
-    click.echo(f"{'stage':>5} {'F ms':>9} {'I ms':>9} {'W ms':>9} {'opt ms':>9} "
-               f"{'p2p ms':>8} {'ar ms':>8} {'activation':>11}")
+    echo = functools.partial(click.echo, err=is_stdout(output))  # '-o -': the spec on stdout
+    echo(f"{'stage':>5} {'F ms':>9} {'I ms':>9} {'W ms':>9} {'opt ms':>9} "
+         f"{'p2p ms':>8} {'ar ms':>8} {'activation':>11}")
     for s, st in enumerate(stages):
-        click.echo(f"{s:>5} {st.forward:9.4f} {st.backward_input:9.4f} "
-                   f"{st.backward_weight:9.4f} {st.optimizer:9.4f} {spec.p2p[s]:8.4f} "
-                   f"{spec.allreduce[s]:8.4f} {st.activation:>11}")
-    click.echo(f"wrote {output}")
+        echo(f"{s:>5} {st.forward:9.4f} {st.backward_input:9.4f} "
+             f"{st.backward_weight:9.4f} {st.optimizer:9.4f} {spec.p2p[s]:8.4f} "
+             f"{spec.allreduce[s]:8.4f} {st.activation:>11}")
+    if not is_stdout(output):
+        echo(f"wrote {output}")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from recycle_planner import __version__
 from recycle_planner.errors import RecycleError
@@ -15,6 +16,8 @@ from recycle_planner.job.policy import SCHEDULES
 from recycle_planner.library import Settings
 from recycle_planner.solvers.milp import BACKENDS
 from recycle_planner.solvers.registry import PROVE_WORK, SOLVERS, SolverSettings, solver_help
+from recycle_planner.cli.progress import Ticker
+from recycle_planner.words import plural
 
 log = logging.getLogger("recycle_planner")
 
@@ -27,7 +30,7 @@ Typical session:
   recycle-planner validate fail.json
   recycle-planner export-torch ff.json -o schedule.csv
   recycle-planner plan-all examples/gpt.toml --max-failures 2 -o plans/
-  recycle-planner lookup plans/ --failed 3:1 --failed 0:5
+  recycle-planner lookup plans/ --fail 3:1 --fail 0:5
   recycle-planner report plans/ -o degradation.png
 """
 
@@ -65,15 +68,17 @@ PLAN_ALL_EPILOG = examples(
     "recycle-planner plan-all examples/gpt.toml -f 3 -o plans/ --prove   # closes gaps",
     "recycle-planner plan-all big.toml -f 2 --solver heuristic -o big-plans/")
 LOOKUP_EPILOG = examples(
-    "recycle-planner lookup plans/ --failed 2:5 --failed 0:1",
-    "recycle-planner lookup plans/ --failed 2:5 --json | jq .file",
+    "recycle-planner lookup plans/ --fail 2:5 --fail 0:1",
+    "recycle-planner lookup plans/ --fail 2:5 --json | jq .file",
     note="In Python: PlanLibrary.open('plans/').lookup([(2, 5), (0, 1)]).")
 REPORT_EPILOG = examples("recycle-planner report plans/ -o degradation.png")
 
 
 class Cli(click.Group):
-    """Bad input (a wrong spec, an impossible failure set, a corrupted plan) is one line on
-    stderr and exit status 2, like click's own usage errors; a bug still shows its traceback."""
+    """Bad input (a wrong spec, an impossible failure set, a corrupted plan) and an output that
+    cannot be written (no such folder, read-only, full disk, no permission) are one line on
+    stderr and exit status 2, like click's own usage errors; Ctrl-C stops at once with status
+    130; a bug still shows its traceback."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -81,22 +86,75 @@ class Cli(click.Group):
         except RecycleError as exc:
             click.echo(f"error: {exc}", err=True)
             ctx.exit(2)
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            click.echo(f"error: {where}{exc.strerror or exc}", err=True)
+            ctx.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        """Every subcommand also takes -v/--verbose, after its name as well as before."""
+        cmd.params.append(click.Option(["-v", "--verbose"], count=True, expose_value=False,
+                                       callback=set_verbosity, help=VERBOSE_HELP))
+        super().add_command(cmd, name)
+
+
+class AliasOption(click.Option):
+    """An option whose first name is shown in --help; later names are old spellings that still
+    work (lookup's --failed is plan's --fail)."""
+
+    def get_help_record(self, ctx: click.Context):
+        opts = self.opts
+        self.opts = opts[:1]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = opts
+
+
+LONG_PLAN = 5.0  # seconds: a plan expected to take longer is announced with its estimate
+VERBOSE_HELP = "More log output on stderr (-vv for debug)."
+
+
+class EchoHandler(logging.Handler):
+    """Log records as lines on the current stderr (click's, so that tests see them too)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(self.format(record), err=True)
+
+
+def set_verbosity(ctx: click.Context, param: click.Parameter, verbose: int) -> int:
+    """-v: info, -vv: debug; without it, warnings only (the progress line reads the info
+    records either way). The last -v given wins when it raises the level."""
+    handler = next((h for h in log.handlers if isinstance(h, EchoHandler)), None)
+    if handler is None:
+        handler = EchoHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    if verbose or param.name == "verbose" and ctx.parent is None:
+        handler.setLevel(logging.WARNING - 10 * min(verbose, 2))
+        log.setLevel(logging.DEBUG if verbose >= 2 else logging.INFO)
+    return verbose
 
 
 @click.group(cls=Cli, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="recycle-planner")
-@click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
-def main(verbose: int) -> None:
+@click.option("-v", "--verbose", count=True, expose_value=False, callback=set_verbosity,
+              help=VERBOSE_HELP)
+def main() -> None:
     """Plan, inspect and export re-routing schedules for hybrid-parallel training.
 
     When a pipeline-stage worker dies, its micro-batches are re-routed to the data-parallel
     peers that hold the same stage, and the extra work is packed into the pipeline's idle
     time (ReCycle, SOSP 2024). A job is described in a TOML spec (see examples/); plans are
-    JSON files that a launcher reads.
+    JSON files that a launcher reads. An output named '-' is standard output.
+
+    Exit status: 0 done; 1 a check failed (validate); 2 bad input or an output that cannot
+    be written (one line on stderr, nothing half-written left behind); 130 interrupted.
     """
-    level = logging.WARNING - 10 * min(verbose, 2)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
 
 
 def policy_options(func):
@@ -138,17 +196,39 @@ def _solver_options(func, default: str):
     return func
 
 
-def check_output(path: Path | None, picture: bool = False) -> None:
-    """Fail before any work on an output that cannot be written (no such folder, or a
-    picture name without .png/.svg/.pdf)."""
-    from recycle_planner.io import output_folder
+def check_solver_options(solver: str) -> None:
+    """An option the chosen solver does not read is an error, not silently ignored (the
+    registry says which solver reads what)."""
+    ctx = click.get_current_context()
+    for name in ("time_limit", "backend", "node_limit"):
+        if ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, None):
+            continue
+        if name not in SOLVERS[solver].options:
+            readers = [n for n, entry in SOLVERS.items() if name in entry.options]
+            raise RecycleError(f"--{name.replace('_', '-')} is not read by the {solver} "
+                               f"solver, only by {' and '.join(readers)}: add --solver "
+                               f"{readers[0]} or leave it out")
+
+
+def check_output(path: Path | None, picture: bool = False, folder: bool = False) -> None:
+    """Fail before any work on an output that cannot be written (no such folder, read-only,
+    no permission, or a picture name without .png/.svg/.pdf)."""
+    from recycle_planner.io import check_writable
     from recycle_planner.views.figures import picture_format
 
     if path is None:
         return
     if picture:
         picture_format(path)
-    output_folder(path)
+    check_writable(path, folder=folder)
+
+
+def wrote(path: Path | None) -> None:
+    """Say what was written, unless it went to standard output."""
+    from recycle_planner.io import is_stdout
+
+    if path is not None and not is_stdout(path):
+        click.echo(f"wrote {path}")
 
 
 def make_policy(schedule: str, decouple: bool, stagger: bool):
@@ -159,18 +239,20 @@ def make_policy(schedule: str, decouple: bool, stagger: bool):
 
 @main.command(epilog=PLAN_EPILOG)
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--fail", "fail", multiple=True, metavar="PIPELINE:STAGE",
-              help="A dead worker; repeat for several.")
+@click.option("--fail", "--failed", "fail", cls=AliasOption, multiple=True,
+              metavar="PIPELINE:STAGE", help="A dead worker; repeat for several.")
 @policy_options
 @solver_options(default=SolverSettings().solver)
 @click.option("--prove", is_flag=True,
               help="With --solver cp: spend the work limit on closing the gap to the lower "
                    "bound (bisection with 'is there a schedule under X?').")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the plan here (JSON; .json.gz is compressed).")
+              help="Write the plan here (JSON; .json.gz is compressed; '-' is standard output, "
+                   "the summary then goes to stderr).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagger: bool,
          solver: str, time_limit: float, node_limit: int | None, backend: str,
-         work_limit: float | None, prove: bool, output: Path | None) -> None:
+         work_limit: float | None, prove: bool, output: Path | None, as_json: bool) -> None:
     """Plan one failure situation of the job in SPEC and print its figures.
 
     With no --fail, the plan is the fault-free schedule. The summary gives the period
@@ -178,22 +260,53 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     same policy, and a lower bound that no plan can beat.
     """
     from recycle_planner.files.planfile import write_plan
+    from recycle_planner.io import is_stdout
     from recycle_planner.job.spec import load_spec
-    from recycle_planner.job.workers import parse_worker
-    from recycle_planner.planner import plan_situation
-    from recycle_planner.views.summary import plan_summary
+    from recycle_planner.job.workers import check_failed, parse_worker
+    from recycle_planner.planner import expected_memory, expected_seconds, plan_situation
+    from recycle_planner.words import duration, number
 
+    check_solver_options(solver)
     check_output(output)
     job = load_spec(spec)
     policy = make_policy(schedule, decouple, stagger)
     failed = [parse_worker(f) for f in fail]
     settings = SolverSettings(solver=solver, time_limit=time_limit, backend=backend,
                               node_limit=node_limit, work_limit=work_limit, prove=prove)
-    result = plan_situation(job, policy, failed, settings)
-    click.echo(plan_summary(result))
+    failed = check_failed(job, failed)
+    expected = expected_seconds(job, policy, failed, settings)
+    if expected > LONG_PLAN:  # say so before the silence, not after minutes of it
+        ops = job.workers * job.microbatches * (3 if policy.decouple else 2)
+        click.echo(f"planning {ops:,} ops per iteration"
+                   + (" (and the fault-free plan for reference)" if failed else "")
+                   + f": expect about {duration(expected)} and "
+                   f"{number(expected_memory(job, policy) / 2**30, 2)} GiB", err=True)
+    with Ticker("planning"):
+        result = plan_situation(job, policy, failed, settings)
+    print_summary(result, as_json, err=is_stdout(output))
     if output is not None:
         write_plan(result, output)
-        click.echo(f"wrote {output}")
+        wrote(output)
+
+
+def print_summary(p, as_json: bool, err: bool = False) -> None:
+    """The plan's summary, as text or as JSON (format recycle-plan-summary)."""
+    import json
+
+    from recycle_planner.views.summary import plan_summary, summary_dict
+
+    click.echo(json.dumps(summary_dict(p), indent=2) if as_json else plan_summary(p), err=err)
+
+
+def broken(plan_file: Path, p, what: str) -> str | None:
+    """The one-line refusal for a plan that breaks a rule (None when it keeps them all)."""
+    from recycle_planner.timing.validate import validate
+
+    problems = validate(p)
+    if not problems:
+        return None
+    return (f"{plan_file}: {what}, the plan breaks {plural(len(problems), 'rule')}, first "
+            f"{problems[0]} (see 'recycle-planner validate')")
 
 
 @main.command(epilog=SHOW_EPILOG)
@@ -205,36 +318,55 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
 @click.option("--critical-path/--no-critical-path", default=True, show_default=True,
               help="List the chain of ops that decides the iteration time (plans of up to "
                    "20,000 ops).")
-def show(plan_file: Path, width: int, max_workers: int, critical_path: bool) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the summary (and the critical path) as JSON, without the timeline.")
+def show(plan_file: Path, width: int, max_workers: int, critical_path: bool,
+         as_json: bool) -> None:
     """Print a plan's summary, a text timeline of one iteration and its critical path."""
+    import json
+
     from recycle_planner.files.planfile import read_plan
-    from recycle_planner.views.summary import plan_summary
+    from recycle_planner.views.summary import plan_summary, summary_dict
     from recycle_planner.views.timeline import text_timeline
 
     p = read_plan(plan_file)
-    click.echo(plan_summary(p))
-    click.echo()
-    click.echo(text_timeline(p, width=width, max_workers=max_workers))
+    chain = None
     if critical_path and p.schedule.n_ops <= 20_000:
         from recycle_planner.timing.dag import critical_path as chain_of
-        from recycle_planner.timing.dag import describe_critical_path, plan_graph
-        from recycle_planner.timing.validate import validate
+        from recycle_planner.timing.dag import plan_graph
 
+        problem = broken(plan_file, p, "no critical path")
+        if problem is None:  # an op listed twice or out of order has no critical path
+            chain = chain_of(plan_graph(p.schedule))
+    else:
+        problem = None
+    if as_json:
+        out = summary_dict(p)
+        if chain is not None:
+            out["critical_path"] = [
+                {"kind": op.kind, "pipeline": op.pipeline, "stage": op.stage,
+                 "microbatch": op.microbatch, "worker": list(worker), "start": a, "end": b}
+                for op, worker, a, b in chain]
+        click.echo(json.dumps(out, indent=2))
+    else:
+        click.echo(plan_summary(p))
         click.echo()
-        problems = validate(p)
-        if problems:  # an op listed twice or out of order has no well-defined critical path
-            click.echo(f"error: {plan_file}: no critical path, the plan breaks "
-                       f"{len(problems)} rule(s), first {problems[0]} (see 'recycle-planner "
-                       f"validate')", err=True)
-            sys.exit(1)
-        click.echo("critical path (first iteration, from an idle start):")
-        click.echo(describe_critical_path(chain_of(plan_graph(p.schedule))))
+        click.echo(text_timeline(p, width=width, max_workers=max_workers))
+        if chain is not None:
+            from recycle_planner.timing.dag import describe_critical_path
+
+            click.echo()
+            click.echo("critical path (first iteration, from an idle start):")
+            click.echo(describe_critical_path(chain))
+    if problem is not None:
+        click.echo(f"error: {problem}", err=True)
+        sys.exit(1)
 
 
 @main.command(epilog=GANTT_EPILOG)
 @click.argument("plan_file", metavar="PLAN.json", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Picture to write: .png, .svg or .pdf.")
+              help="Picture to write: .png, .svg or .pdf ('-': PNG on standard output).")
 @click.option("--compare", type=click.Path(dir_okay=False, path_type=Path), metavar="OTHER.json",
               help="Draw another plan below, on the same time scale (for example the "
                    "fault-free plan).")
@@ -253,42 +385,56 @@ def gantt(plan_file: Path, output: Path, compare: Path | None, max_workers: int)
             log.warning("%s and %s are plans of different jobs: the comparison is of shapes "
                         "only", plan_file, compare)
     draw_gantt(plans, output, max_workers=max_workers)
-    click.echo(f"wrote {output}")
+    wrote(output)
 
 
 @main.command(epilog=VALIDATE_EPILOG)
 @click.argument("plan_file", metavar="PLAN.json", type=click.Path(dir_okay=False, path_type=Path))
-def validate(plan_file: Path) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"file", "valid", "problems": [{"rule", "message"}]} as JSON.')
+def validate(plan_file: Path, as_json: bool) -> None:
     """Check every rule a plan must keep: each op once on a live worker of its stage,
-    dependencies with p2p latency, no overlap, memory, no deadlock. Exit status 1 when a rule
-    is broken."""
+    dependencies with p2p latency, no overlap, memory, no deadlock, and metrics that the ops
+    give (the period re-simulated). Exit status 1 when a rule is broken."""
+    import json
+
     from recycle_planner.files.planfile import read_plan
     from recycle_planner.timing.validate import validate as check
 
     problems = check(read_plan(plan_file))
-    if not problems:
+    if as_json:
+        click.echo(json.dumps({"file": str(plan_file), "valid": not problems,
+                               "problems": [{"rule": p.rule, "message": p.message}
+                                            for p in problems]}, indent=2))
+    elif not problems:
         click.echo(f"{plan_file}: valid")
-        return
-    for problem in problems:
+    for problem in problems if not as_json else ():
         click.echo(f"{plan_file}: {problem}")
-    sys.exit(1)
+    if problems:
+        sys.exit(1)
 
 
 @main.command("export-torch", epilog=EXPORT_EPILOG)
 @click.argument("plan_file", metavar="PLAN.json", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="CSV file to write.")
+              help="CSV file to write ('-': standard output).")
 @click.option("--pipeline", default=0, show_default=True, type=click.IntRange(0),
               help="Which pipeline's rows to export (all are the same without failures).")
 def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
     """Write a fault-free plan as torch.distributed.pipelining's compute-only CSV, for
-    _PipelineScheduleRuntime._load_csv(path, format="compute_only")."""
+    _PipelineScheduleRuntime._load_csv(path, format="compute_only"). The plan is validated
+    first: a plan that breaks a rule is refused (exit status 2)."""
+    from recycle_planner.errors import PlanFileError
     from recycle_planner.files.export_torch import export_torch_csv
     from recycle_planner.files.planfile import read_plan
 
     check_output(output)
-    export_torch_csv(read_plan(plan_file), output, pipeline)
-    click.echo(f"wrote {output}")
+    p = read_plan(plan_file)
+    problem = broken(plan_file, p, "not exported")
+    if problem is not None:
+        raise PlanFileError(problem)
+    export_torch_csv(p, output, pipeline)
+    wrote(output)
 
 
 @main.command("plan-all", epilog=PLAN_ALL_EPILOG)
@@ -304,7 +450,8 @@ def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
 @click.option("--max-placements", type=click.IntRange(1), default=4, show_default=True,
               help="Ways to line up the holes across logical pipelines to try per situation.")
 @click.option("--force", is_flag=True, help="Rebuild even if the folder holds a library for "
-                                            "another spec, or a corrupted index.")
+                                            "another spec, a corrupted index, or one for more "
+                                            "failures (which is then shrunk to F).")
 @click.option("--prove", is_flag=True,
               help="Spend more time to close gaps: every situation whose plan is not proven "
                    "optimal gets the CP engine with --prove-work of budget, warm-started from "
@@ -329,6 +476,8 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
     from recycle_planner.library import PlanLibrary, build_library
     from recycle_planner.views.report import library_text
 
+    check_solver_options(solver)
+    check_output(output, folder=True)
     job = load_spec(spec)
     policy = make_policy(schedule, decouple, stagger)
     settings = Settings(solver=solver, time_limit=time_limit, backend=backend,
@@ -338,28 +487,34 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
                         prove_work=prove_work if prove else None)
     bar = tqdm(total=None, unit="situation", desc="planning", file=sys.stderr, disable=None)
 
+    stopping: list[int] = []
+
     def progress(done: int, total: int) -> None:
+        if stopping:  # the interrupt was swallowed (it hit a fork handler): stop now
+            raise KeyboardInterrupt
         bar.total = total
         bar.n = done
         bar.refresh()
 
     def stop(signum: int, frame: object) -> None:  # SIGTERM (a supervisor) is like Ctrl-C:
-        raise KeyboardInterrupt  # the worker processes are stopped, the index stays whole
+        stopping.append(signum)  # the worker processes are stopped, the index stays whole
+        raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         index = build_library(job, policy, max_failures, output, settings, jobs=jobs,
                               force=force, progress=progress)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         bar.close()
     click.echo(library_text(PlanLibrary(output, index)))
 
 
 @main.command(epilog=LOOKUP_EPILOG)
 @click.argument("library", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--failed", "failed", multiple=True, metavar="PIPELINE:STAGE",
-              help="A dead physical worker; repeat for several.")
+@click.option("--fail", "--failed", "failed", cls=AliasOption, multiple=True,
+              metavar="PIPELINE:STAGE", help="A dead physical worker; repeat for several.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def lookup(library: Path, failed: tuple[str, ...], as_json: bool) -> None:
     """Find the plan for the workers that are actually dead, and which logical pipeline each
@@ -390,18 +545,25 @@ def lookup(library: Path, failed: tuple[str, ...], as_json: bool) -> None:
 @click.argument("library", type=click.Path(file_okay=False, path_type=Path))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Also plot degradation against the number of failures (.png/.svg/.pdf).")
-def report(library: Path, output: Path | None) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the report as JSON: one row per number of failures, and every "
+                   "situation.")
+def report(library: Path, output: Path | None, as_json: bool) -> None:
     """Summarize a plan library: situations, worst and mean degradation, gaps to the lower
     bounds."""
+    import json
+
     from recycle_planner.library import PlanLibrary
-    from recycle_planner.views.report import library_text, plot_library
+    from recycle_planner.views.report import library_dict, library_text, plot_library
 
     check_output(output, picture=True)
     lib = PlanLibrary.open(library)
-    click.echo(library_text(lib))
+    click.echo(json.dumps(library_dict(lib), indent=2) if as_json else library_text(lib))
     if output is not None:
         plot_library(lib, output)
-        click.echo(f"wrote {output}")
+        if not as_json:
+            wrote(output)
+
 
 from recycle_planner.cli.executor import coordinator, launch, profile  # noqa: E402
 from recycle_planner.cli.whatif import simulate_trace  # noqa: E402

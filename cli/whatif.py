@@ -7,7 +7,9 @@ import re
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
+from recycle_planner.cli.progress import Ticker
 from recycle_planner.errors import RecycleError
 from recycle_planner.whatif.engine import STRATEGIES
 from recycle_planner.whatif.hosts import PLACEMENTS
@@ -36,7 +38,7 @@ Examples:
               help="Sample traces instead: mean time between failures of the whole job; "
                    "several, comma-separated (6h,2h,30min), give one run each.")
 @click.option("--repair", default="1h", show_default=True, metavar="DURATION",
-              help="Mean repair time of a worker (sampled traces).")
+              help="Mean repair time of a worker (sampled traces; more than 0).")
 @click.option("--duration", metavar="DURATION",
               help="Length of the trace [default: 7d when sampling, the last event of a trace "
                    "file].")
@@ -45,7 +47,8 @@ Examples:
               show_default=True, help="Distribution of the times between failures.")
 @click.option("--shape", default=0.7, show_default=True, type=click.FloatRange(min=0.0,
                                                                                 min_open=True),
-              help="Weibull shape (below 1: failures come in bursts).")
+              help="Weibull shape, with --distribution weibull (below 1: failures come in "
+                   "bursts).")
 @click.option("--sampling", type=click.Choice(SAMPLINGS), default="worker", show_default=True,
               help="worker: each worker fails on its own (MTBF x workers each); fleet: one "
                    "failure process for the job, hitting a uniformly chosen live worker.")
@@ -115,6 +118,7 @@ def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str
     """
     from recycle_planner.job.spec import load_spec
     from recycle_planner.library import PlanLibrary
+    from recycle_planner.io import check_writable
     from recycle_planner.job.policy import Policy
     from recycle_planner.whatif.durations import parse_duration, parse_durations, parse_size
     from recycle_planner.whatif.hosts import Hosts
@@ -126,6 +130,8 @@ def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str
     if (trace_file is None) == (mtbf is None):
         raise RecycleError("give either --trace TRACE.csv or --mtbf DURATIONS (to sample "
                            "traces), " + ("not both" if mtbf is not None else "one of them"))
+    if output is not None:
+        check_writable(output, folder=True)
     job = load_spec(spec)
     lib = PlanLibrary.open(library, spec=job)
     if not lib.index.get("complete", True):
@@ -150,18 +156,26 @@ def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str
             raise RecycleError(f"--baseline-policy: {exc}") from None
     hosts = Hosts(job.stages, job.pipelines, workers_per_host, host_placement)
     names = [n.strip() for n in strategies.split(",") if n.strip()]
+    if not names:
+        raise RecycleError(f"--strategies names none: give one or more of "
+                           f"{', '.join(STRATEGIES)}, comma-separated")
+    source = click.get_current_context().get_parameter_source("shape")
+    if distribution != "weibull" and source is not ParameterSource.DEFAULT:
+        raise RecycleError(f"--shape is the Weibull shape: add --distribution weibull (the "
+                           f"{distribution} distribution has no shape)")
     if trace_file is not None:
         length = parse_duration(duration, "--duration", allow_zero=False) if duration else None
         traces = [(trace_file.name, read_trace(trace_file, job, length, hosts))]
     else:
         length = parse_duration(duration or "7d", "--duration", allow_zero=False)
-        mean_repair = parse_duration(repair, "--repair")
+        mean_repair = parse_duration(repair, "--repair", allow_zero=False)
         traces = []
         for value, text in zip(parse_durations(mtbf, "--mtbf"), mtbf.split(",")):
             traces.append((f"every {text.strip()}",
                            sample_trace(job, value, mean_repair, length, seed, distribution,
                                         shape, sampling, repair_distribution, hosts)))
-    study = simulate(Context.from_library(lib, costs, policy), traces, names)
+    with Ticker("simulating"):
+        study = simulate(Context.from_library(lib, costs, policy), traces, names)
     click.echo(json.dumps(study_dict(study), indent=1) if as_json else study_text(study))
     if output is not None:
         _write_outputs(study, output, plot_format, sampled=trace_file is None, quiet=as_json)

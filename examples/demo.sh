@@ -30,7 +30,7 @@ echo "== the plan library: the best plan for every situation with up to 2 dead w
 "$RP" report "$OUT/gpt-plans" -o "$OUT/gpt-plans-degradation.png" | tail -n 1
 echo
 echo "== a launcher looks up the workers that are actually dead"
-"$RP" lookup "$OUT/gpt-plans" --failed 2:5 --failed 0:1
+"$RP" lookup "$OUT/gpt-plans" --fail 2:5 --fail 0:1
 echo
 echo "plans, pictures, the plan library and the torch CSV are in $OUT/"
 

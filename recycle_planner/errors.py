@@ -19,3 +19,7 @@ class PlanFileError(RecycleError):
 
 class ScheduleError(RecycleError):
     """A schedule cannot be built or timed (for example it deadlocks)."""
+
+
+class OutputError(RecycleError):
+    """An output cannot be written: no such folder, read-only, full disk, no permission."""

@@ -7,7 +7,7 @@ from typing import Any, Iterable
 
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
-from recycle_planner.job.workers import check_failed
+from recycle_planner.job.workers import check_failed, format_workers
 from recycle_planner.solvers import Solution
 from recycle_planner.solvers.bounds import Bound, lower_bound
 from recycle_planner.solvers.registry import SolverSettings
@@ -17,12 +17,40 @@ from recycle_planner.timing.simulate import Simulation
 log = logging.getLogger(__name__)
 
 
+# What planning costs, for the estimate `plan` announces before a long job (measured with the
+# heuristic on 48k to 800k-op plans, including the shared machines of CI: about 25k ops a
+# second per situation solved, and about 2 KiB of memory per op).
+OPS_PER_SECOND = 25_000
+BYTES_PER_OP = 2048
+
+
+def _ops(spec: JobSpec, policy: Policy) -> int:
+    return spec.workers * (spec.microbatches * (3 if policy.decouple else 2) + 2)
+
+
+def expected_seconds(spec: JobSpec, policy: Policy, failed: tuple,
+                     settings: SolverSettings) -> float:
+    """About how long plan_situation takes: each situation solved (the failure and its
+    fault-free reference) costs its ops at OPS_PER_SECOND, plus the time limit of a solver
+    that has one."""
+    solves = 2 if failed else 1
+    budget = settings.time_limit if "time_limit" in settings.entry.options else 0.0
+    return solves * (_ops(spec, policy) / OPS_PER_SECOND + budget)
+
+
+def expected_memory(spec: JobSpec, policy: Policy) -> float:
+    """About how many bytes planning one situation holds at its peak."""
+    return _ops(spec, policy) * BYTES_PER_OP
+
+
 def solve(spec: JobSpec, policy: Policy, failed: tuple,
           solver: str | SolverSettings | None = None, **options: Any) -> Solution:
     """Run one registered solver (solvers/registry.py) on one failure set (already checked).
     `solver` is a name or settings; `options` change settings (time_limit=..., backend=...,
     node_limit=...; None keeps the default)."""
     settings = SolverSettings.of(solver, **options)
+    log.info("planning %s with the %s solver", "dead workers " + format_workers(failed)
+             if failed else "the fault-free situation", settings.solver)
     return settings.entry.run(spec, policy, failed, settings)
 
 

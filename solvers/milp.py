@@ -24,6 +24,7 @@ exhaustive search over all orders on the instances where one is feasible.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,8 @@ from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers.linear_model import INF, Expr, LinearModel
 from recycle_planner.solvers.milp_backends import BACKENDS
 from recycle_planner.timing.simulate import Simulation, simulate
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -444,13 +447,17 @@ def run_milp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], time_lim
     warm_state = "none" if warm is None else ("used" if values0 is not None else
                                               "not in the model's shape (index order)")
     remaining = max(0.1, time_limit - (time.perf_counter() - t0))
+    size = model.model.size()
+    log.info("solving the MILP with %s: %d binaries, %d constraints, warm start %s, at most "
+             "%.1f s%s", backend, size.get("binaries", 0), size.get("constraints", 0),
+             warm_state, remaining, "" if node_limit is None else f" or {node_limit} nodes")
     status, obj, bound, values = BACKENDS[backend](model.model, remaining, values0, node_limit)
     schedule = model.decode(values) if values is not None else None
     gap = None
     if obj is not None and bound is not None and obj > 0:
         gap = max(0.0, (obj - bound) / obj)
-    return MilpResult(schedule, status, obj, bound, gap, time.perf_counter() - t0,
-                      model.model.size(), warm_state)
+    return MilpResult(schedule, status, obj, bound, gap, time.perf_counter() - t0, size,
+                      warm_state)
 
 
 def milp_solution(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], time_limit: float,

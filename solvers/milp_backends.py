@@ -54,7 +54,7 @@ def solve_highs(model: LinearModel, time_limit: float, warm: list[float] | None,
         sol.col_value = list(warm)
         sol.value_valid = True
         h.setSolution(sol)
-    h.run()
+    _run_interruptibly(h)
     status = h.modelStatusToString(h.getModelStatus())
     info = h.getInfo()
     has = info.primal_solution_status == 2  # feasible
@@ -66,6 +66,21 @@ def solve_highs(model: LinearModel, time_limit: float, warm: list[float] | None,
     bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else None
     values = list(h.getSolution().col_value) if has else None
     return status, objective, bound, values
+
+
+def _run_interruptibly(h) -> None:
+    """Solve in HiGHS's own thread and wait in short steps, so that Ctrl-C reaches Python at
+    once: HiGHS is told to stop, and KeyboardInterrupt goes on (h.run() would hold it until the
+    time limit)."""
+    h.HandleUserInterrupt = True  # lets cancelSolve() stop the solver at its next check
+    h.startSolve()
+    try:
+        while not h.wait(0.1)[0]:
+            pass
+    except KeyboardInterrupt:
+        h.cancelSolve()
+        h.wait()
+        raise
 
 
 PULP_STATUS = {1: "Optimal", 2: "Feasible (stopped at the time limit)", 0: "Not solved",

@@ -11,6 +11,7 @@ bound of any engine certifies the plan.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,8 @@ from recycle_planner.solvers.milp import estimated_pairs, milp_solution
 
 if TYPE_CHECKING:
     from recycle_planner.solvers.registry import SolverSettings
+
+log = logging.getLogger(__name__)
 
 # Order variables the MILP can handle per second of budget, for `auto` (measured on the
 # benchmark instances: beyond this HiGHS rarely improves on the warm start in time).
@@ -81,6 +84,8 @@ def _both(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> list[Can
 def best_of(settings: SolverSettings, found: list[Candidate]) -> Solution:
     """The shortest candidate (the first on ties), with the candidates' periods as its report."""
     best = min(found, key=lambda c: c.simulation.period)
+    for c in found:
+        log.info("candidate %s: period %.6g ms", c.name, c.simulation.period)
     info: dict[str, Any] = {"name": settings.solver, "detail": best.name,
                             "candidates": {c.name: c.simulation.period for c in found}}
     return Solution(best.simulation, info)
@@ -107,6 +112,9 @@ def _merge(warm: Solution, name: str, report: dict[str, Any], sim: Any, bound: f
            reason: str) -> Solution:
     """`warm` with an engine's report, plan (if shorter) and bound (if higher)."""
     info = {**warm.info, name: report}
+    log.info("%s: %s, objective %s, %s", name, report["status"], report["objective"],
+             "an improvement" if report["improved"] else
+             f"no improvement: the plan stays {warm.info.get('detail')}")
     if report["improved"]:
         info["detail"] = name
     else:

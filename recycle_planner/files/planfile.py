@@ -98,6 +98,9 @@ def plan_from_dict(data: Any, where: str = "plan") -> Plan:
     seen: set[int] = set()
     if not isinstance(data["workers"], list):
         raise PlanFileError(f"{where}: 'workers' must be a list")
+    if not data["workers"]:
+        raise PlanFileError(f"{where}: 'workers' is empty: a plan lists the ops of every live "
+                            f"worker")
     for i, entry in enumerate(data["workers"]):
         at = f"{where}: workers[{i}]"
         if not isinstance(entry, dict):

@@ -19,6 +19,9 @@ from recycle_planner.errors import SpecError
 TIME_KEYS = ("forward", "backward_input", "backward_weight", "p2p", "allreduce", "optimizer")
 TOP_KEYS = ("name", "stages", "pipelines", "microbatches", "microbatch_size", "time", "memory")
 MEMORY_KEYS = ("activation", "budget", "static", "max_inflight")
+# Costs a job may leave out: zero is a valid value for each (no p2p latency, ...).
+TIME_DEFAULTS = {"backward_weight": 0.0, "p2p": 0.0, "allreduce": 0.0, "optimizer": 0.0}
+REQUIRED_KEYS = ("stages", "pipelines", "microbatches")
 # Limits that keep the arithmetic exact and the arrays in memory: an op of at most 10^9 ms
 # (11 days) and at most 4M (stage, pipeline, micro-batch) cells, 12M ops, per iteration.
 MAX_MS = 1e9
@@ -142,6 +145,11 @@ def _parse(data: Mapping[str, Any], where: str) -> JobSpec:
     if not isinstance(data, Mapping):
         raise SpecError(f"{where}: expected a table of keys, got {type(data).__name__}")
     _no_unknown(data, TOP_KEYS, where, "")
+    time = data.get("time")
+    if time is not None and not isinstance(time, Mapping):
+        raise SpecError(f"{where}: 'time' must be a table")
+    _no_unknown(time or {}, TIME_KEYS, where, "time.")
+    _no_missing(data, time, where)
     stages = _count(data, "stages", where)
     pipelines = _count(data, "pipelines", where)
     microbatches = _count(data, "microbatches", where)
@@ -155,19 +163,11 @@ def _parse(data: Mapping[str, Any], where: str) -> JobSpec:
     if name is not None and not isinstance(name, str):
         raise SpecError(f"{where}: 'name' must be a string")
 
-    time = data.get("time")
-    if time is None:
-        raise SpecError(f"{where}: missing table [time]")
-    if not isinstance(time, Mapping):
-        raise SpecError(f"{where}: 'time' must be a table")
-    _no_unknown(time, TIME_KEYS, where, "time.")
     costs = {}
     for key in TIME_KEYS:
-        if key not in time:
-            raise SpecError(f"{where}: missing key 'time.{key}'")
         positive = key in ("forward", "backward_input")
-        costs[key] = _per_stage(time[key], stages, where, f"time.{key}", positive=positive,
-                                maximum=MAX_MS)
+        costs[key] = _per_stage(time.get(key, TIME_DEFAULTS.get(key)), stages, where,
+                                f"time.{key}", positive=positive, maximum=MAX_MS)
 
     memory = None
     if "memory" in data:
@@ -208,6 +208,19 @@ def _parse_memory(mem: Any, stages: int, where: str) -> MemorySpec:
                     if "max_inflight" in mem else None)
     return MemorySpec(activation=activation, budget=budget, static=static,
                       max_inflight=max_inflight)
+
+
+def _no_missing(data: Mapping[str, Any], time: Mapping[str, Any] | None, where: str) -> None:
+    """Every missing required key in one message, not one per run."""
+    missing = [f"'{key}'" for key in REQUIRED_KEYS if key not in data]
+    if time is None:
+        missing.append("table [time]")
+    else:
+        missing += [f"'time.{key}'" for key in TIME_KEYS
+                    if key not in TIME_DEFAULTS and key not in time]
+    if missing:
+        raise SpecError(f"{where}: missing {'key' if len(missing) == 1 else 'keys'} "
+                        f"{', '.join(missing)}")
 
 
 def _no_unknown(table: Mapping[str, Any], allowed: tuple[str, ...], where: str,

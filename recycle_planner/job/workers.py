@@ -8,6 +8,7 @@ from typing import Iterable
 from recycle_planner.errors import FailureSetError
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.schedules.ops import Worker
+from recycle_planner.words import plural
 
 
 def parse_worker(text: str) -> Worker:
@@ -31,7 +32,7 @@ def check_failed(spec: JobSpec, failed: Iterable[Iterable[int]]) -> tuple[Worker
                                   f"pair") from None
         if not (0 <= d < spec.pipelines and 0 <= s < spec.stages):
             raise FailureSetError(f"failed worker {d}:{s} is outside the grid of "
-                                  f"{spec.pipelines} pipelines x {spec.stages} stages")
+                                  f"{plural(spec.pipelines, 'pipeline')} x {plural(spec.stages, 'stage')}")
         if (d, s) in seen:
             raise FailureSetError(f"failed worker {d}:{s} is listed twice")
         seen.add((d, s))

@@ -29,7 +29,7 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     shash = spec_hash(spec, policy)
-    old_entries = reusable_entries(folder, spec, shash, force)
+    old_entries = reusable_entries(folder, spec, shash, force, max_failures)
     wanted = situations(spec, max_failures)
     keep = {}
     to_prove = {}  # --prove: intact entries that are not proven yet, improved from their plan
@@ -83,4 +83,9 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
     if index is None:  # nothing was planned: the index still records this build's threshold
         index = write_index(folder, spec, policy, max_failures, settings, shash, reference,
                              entries, wanted)
+    listed = {e["file"] for e in index["entries"]}
+    for entry in old_entries:  # a --force rebuild leaves no plan file outside its index
+        name = str(entry.get("file", ""))
+        if name and name not in listed and "/" not in name and (folder / name).is_file():
+            (folder / name).unlink()
     return index

@@ -4,6 +4,7 @@ entry read back against the job."""
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,9 @@ from recycle_planner.job.spec import JobSpec
 from recycle_planner.library.placement import plan_best_placement
 from recycle_planner.library.prove import prove_plan
 from recycle_planner.timing.plan import Plan
+
+
+LIBRARY_FILE = re.compile(r"k[0-9]+(-[0-9]+)*\.json\.gz")  # situation_file's names
 
 
 def situation_file(counts: tuple[int, ...]) -> str:

@@ -11,13 +11,18 @@ from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.library.entries import LibraryEntry
 from recycle_planner.library.settings import Settings
+from recycle_planner.words import plural
 
 LIBRARY_FORMAT = "recycle-plan-library"
 LIBRARY_VERSION = 1
 INDEX = "index.json"
 
 
-def reusable_entries(folder: Path, spec: JobSpec, shash: str, force: bool) -> list[dict]:
+def reusable_entries(folder: Path, spec: JobSpec, shash: str, force: bool,
+                     max_failures: int) -> list[dict]:
+    """The entries of the library already in `folder` that a build for `max_failures` may
+    keep; a library of another job, a corrupted index or one for more failures (which the
+    build would shrink) is refused unless `force`."""
     path = folder / INDEX
     if not path.exists():
         return []
@@ -32,6 +37,13 @@ def reusable_entries(folder: Path, spec: JobSpec, shash: str, force: bool) -> li
         raise RecycleError(f"{folder} holds a library for another spec or policy ({other}, hash "
                            f"{index['spec_hash']}, this one is {shash}); pass --force to rebuild "
                            f"it there or choose another folder")
+    if index["max_failures"] > max_failures and not force:
+        dropped = sum(sum(e.get("failed_per_stage", ())) > max_failures for e in index["entries"])
+        raise RecycleError(f"{folder} holds a library for up to {index['max_failures']} "
+                           f"failures; building it for {max_failures} would drop "
+                           f"{plural(dropped, 'situation')}: pass -f {index['max_failures']} "
+                           f"to keep it complete, --force to shrink it, or choose another "
+                           f"folder")
     return index["entries"]
 
 

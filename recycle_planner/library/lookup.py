@@ -13,10 +13,11 @@ from recycle_planner.job.policy import Policy
 from recycle_planner.job.situations import Mapping, canonical, map_failure
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import check_failed, dead_per_stage
-from recycle_planner.library.entries import LibraryEntry
+from recycle_planner.library.entries import LIBRARY_FILE, LibraryEntry
 from recycle_planner.library.hashing import file_sha256, spec_hash
 from recycle_planner.library.index import INDEX, check_index
 from recycle_planner.timing.plan import Plan
+from recycle_planner.words import plural
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,28 @@ class PlanLibrary:
                                f"plan-all' for this one")
         return lib
 
+    def _check_folder_is_ours(self) -> None:
+        """A folder whose plan files are none of those its index lists holds another library's
+        index (copied or moved there): say so rather than call one plan file missing."""
+        listed = {str(e["file"]) for e in self.index["entries"]}
+        here = {p.name for p in self.folder.iterdir() if LIBRARY_FILE.fullmatch(p.name)}
+        if here and not here & {name for name in listed
+                                if file_sha256(self.folder / name) is not None}:
+            name = self.spec.name or "a job"
+            raise PlanFileError(f"{self.folder / INDEX}: this index is another library's "
+                                f"({name}, {self.spec.stages}x{self.spec.pipelines}): none of its "
+                                f"{plural(len(listed), 'plan file')} is in the folder, which "
+                                f"holds {plural(len(here), 'other plan file')}; run plan-all "
+                                f"for this folder's job to rebuild its index")
+        for name in sorted(listed & here)[:1]:
+            data = read_json(self.folder / name)
+            other = data.get("spec") if isinstance(data, dict) else None
+            if isinstance(other, dict) and other != self.index["spec"]:
+                raise PlanFileError(f"{self.folder / INDEX}: this index is another library's: "
+                                    f"its plan file {name} is of another job "
+                                    f"({other.get('name') or 'unnamed'}); run plan-all for "
+                                    f"this folder's job to rebuild its index")
+
     @property
     def fault_free_period(self) -> float:
         return float(self.index["fault_free_period"])
@@ -109,6 +132,8 @@ class PlanLibrary:
         mapping = map_failure(self.spec, dead, placement)
         path = self.folder / entry["file"]
         digest = file_sha256(path)
+        if digest is None or digest != entry.get("sha256", digest):
+            self._check_folder_is_ours()
         if digest is None:
             raise PlanFileError(f"{path}: the library's plan file for {list(counts)} is missing "
                                 f"(run plan-all again to restore it)")

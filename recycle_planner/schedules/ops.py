@@ -23,6 +23,9 @@ import numpy as np
 
 F, I, W, B, AR, OPT = range(6)
 KIND_NAMES = ("F", "I", "W", "B", "ALLREDUCE", "OPTIMIZER")
+# What each kind is, for legends.
+KIND_TITLES = ("forward", "input gradient", "weight gradient", "full backward (I+W)",
+               "gradient all-reduce", "optimizer step")
 KIND_CODES = {name: code for code, name in enumerate(KIND_NAMES)}
 COMPUTE_KINDS = 4  # kind codes below this are compute ops (F, I, W, B)
 COLLECTIVE_KINDS = frozenset({AR, OPT})  # one per worker and iteration, no micro-batch

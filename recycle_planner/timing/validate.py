@@ -6,7 +6,8 @@ backward matches the policy (fused B, or I and W). Timing: each op lasts its cos
 a worker overlap and a worker runs them in its listed order; every dependency waits for its
 source plus the p2p latency; the all-reduce of a stage starts at the same time on all its
 workers. Memory: no worker holds more in-flight micro-batches than its cap. Orders: the orders
-alone must not deadlock. Metrics: the iteration time is the one the times give.
+alone must not deadlock. Metrics: the iteration time is the one the times give, the period
+the one re-simulating the orders gives, and degradation, gap and counts follow from them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from recycle_planner.schedules.ops import (AR, B, F, I, W, is_collective, worker
                                           worker_name)
 from recycle_planner.timing.plan import Plan, peak_inflight
 from recycle_planner.timing.simulate import DependencyGraph, cost_table, data_edges
+from recycle_planner.words import plural
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,8 @@ def validate(plan: Plan) -> list[Violation]:
     try:
         DependencyGraph(plan.schedule)
     except ScheduleError as exc:
-        out.append(Violation("deadlock", str(exc)))
-    out += _metrics(plan)
-    return out
+        return out + [Violation("deadlock", str(exc))]  # orders that deadlock have no period
+    return out + _metrics(plan)
 
 
 def _tol(x: np.ndarray | float) -> np.ndarray | float:
@@ -72,12 +73,12 @@ def _structure(plan: Plan) -> list[Violation]:
         i = int(wrong[0])
         out.append(Violation("wrong-stage", f"{space.to_op(int(ids[i]))} runs on worker "
                              f"{worker_name(S, workers[i])}, which holds stage "
-                             f"{held[i]} ({wrong.size} such ops)"))
+                             f"{held[i]} ({plural(wrong.size, 'such op')})"))
     counts = np.bincount(ids, minlength=space.size)
     dup = np.flatnonzero(counts > 1)
     if dup.size:
         out.append(Violation("duplicate-op", f"{space.to_op(int(dup[0]))} is scheduled "
-                             f"{counts[dup[0]]} times ({dup.size} such ops)"))
+                             f"{counts[dup[0]]} times ({plural(dup.size, 'such op')})"))
     present = counts > 0
     grid = space.compute(np.arange(4)[:, None, None, None], np.arange(D)[None, :, None, None],
                          np.arange(S)[None, None, :, None], np.arange(M)[None, None, None, :])
@@ -94,7 +95,7 @@ def _structure(plan: Plan) -> list[Violation]:
         if bad.any():
             d, s, m = (int(x[0]) for x in np.nonzero(bad))
             missing.append(f"{name} of micro-batch {m} of pipeline {d} at stage {s} "
-                           f"({int(bad.sum())} such)")
+                           f"({plural(int(bad.sum()), 'such case')})")
     both = has[B] & split
     if both.any():
         d, s, m = (int(x[0]) for x in np.nonzero(both))
@@ -113,7 +114,7 @@ def _structure(plan: Plan) -> list[Violation]:
         d = worker_at(S, workers[i])[0]
         out.append(Violation("split-microbatch", f"{space.to_op(int(ids[i]))} runs on worker "
                              f"{d}:{stage[i]} but its forward on another worker "
-                             f"({apart.size} such ops)"))
+                             f"({plural(apart.size, 'such op')})"))
     # Collectives: each live worker's own all-reduce then optimizer step, last.
     for w, order in enumerate(sched.orders):
         d, s = worker_at(S, w)
@@ -151,7 +152,7 @@ def _timing(plan: Plan) -> list[Violation]:
         i = int(bad[0])
         out.append(Violation("duration", f"{space.to_op(int(ids[i]))} lasts "
                              f"{end[i] - start[i]:g} ms but costs {cost[i]:g} ms "
-                             f"({bad.size} such ops)"))
+                             f"({plural(bad.size, 'such op')})"))
     same = np.flatnonzero(workers[1:] == workers[:-1])
     over = same[start[same + 1] < end[same] - _tol(end[same])]
     if over.size:
@@ -160,7 +161,7 @@ def _timing(plan: Plan) -> list[Violation]:
         out.append(Violation("overlap", f"on worker {worker_name(S, w)}, "
                              f"{space.to_op(int(ids[i + 1]))} starts at {start[i + 1]:g} before "
                              f"{space.to_op(int(ids[i]))} ends at {end[i]:g} "
-                             f"({over.size} such pairs)"))
+                             f"({plural(over.size, 'such pair')})"))
     loc = np.full(space.size, -1, dtype=np.int64)
     loc[ids] = np.arange(len(ids))
     src, dst, lat = data_edges(sched, ids, loc, kind, pipe, stage, mb)
@@ -170,7 +171,7 @@ def _timing(plan: Plan) -> list[Violation]:
         out.append(Violation("dependency", f"{space.to_op(int(ids[dst[e]]))} starts at "
                              f"{start[dst[e]]:g} but needs {space.to_op(int(ids[src[e]]))}, which "
                              f"ends at {end[src[e]]:g}, plus {lat[e]:g} ms of transfer "
-                             f"({early.size} such)"))
+                             f"({plural(early.size, 'such op')})"))
     ar = np.flatnonzero(kind == AR)
     for s in np.unique(stage[ar]).tolist():
         times = start[ar[stage[ar] == s]]
@@ -198,12 +199,35 @@ def _memory(plan: Plan) -> list[Violation]:
 
 
 def _metrics(plan: Plan) -> list[Violation]:
+    """The figures a plan claims are the ones its ops give: the iteration time is the span of
+    the times, and re-simulating the orders gives the period; the rest follows from those."""
+    from recycle_planner.timing.simulate import simulate
+
     ids, _ = plan.schedule.flat
     times = plan.timing
+    m = plan.metrics
     actual = float(times.end[ids].max() - times.start[ids].min())
-    claimed = plan.metrics.get("iteration_time")
+    claimed = m.get("iteration_time")
     if claimed is None or abs(claimed - actual) > _tol(actual):
         return [Violation("metrics", f"metrics.iteration_time is {claimed} but the ops span "
                           f"{actual:g} ms")]
-    return []
-
+    period = simulate(plan.schedule).period
+    ff = m["fault_free_period"]
+    lb = m["lower_bound"]
+    expected = {"period": period,
+                "degradation": period / ff - 1.0 if ff > 0 else 0.0,
+                "gap": max(0.0, period / lb - 1.0) if lb > 0 else 0.0,
+                "ops": plan.schedule.n_ops, "rerouted_ops": plan.schedule.rerouted_count()}
+    if "samples_per_iteration" in m and period > 0:
+        expected["throughput"] = m["samples_per_iteration"] / (period / 1000.0)
+    out = []
+    for key, value in expected.items():
+        got = m.get(key, value)
+        if not isinstance(got, (int, float)) or abs(got - value) > _tol(value):
+            what = "the ops repeat every" if key == "period" else "the ops give"
+            unit = " ms" if key == "period" else ""
+            out.append(Violation("metrics", f"metrics.{key} is {got} but {what} {value:g}{unit}"))
+    if lb > period + _tol(period):
+        out.append(Violation("metrics", f"metrics.lower_bound {lb:g} is above the period "
+                             f"{period:g} ms: no plan can beat its own lower bound"))
+    return out

@@ -11,7 +11,10 @@ FORMATS = (".png", ".svg", ".pdf")
 
 
 def picture_format(path: Path) -> str:
-    """'png', 'svg' or 'pdf' from the name; a clear error for anything else, before any work."""
+    """'png', 'svg' or 'pdf' from the name ('-', standard output, is PNG); a clear error for
+    anything else, before any work."""
+    if str(path) == "-":
+        return "png"
     if path.suffix.lower() not in FORMATS:
         raise RecycleError(f"{path}: unknown picture format {path.suffix!r} (use "
                            f"{', '.join(FORMATS)})")

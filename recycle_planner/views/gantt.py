@@ -14,14 +14,16 @@ from typing import Sequence
 import numpy as np
 
 from recycle_planner.job.workers import format_workers
-from recycle_planner.schedules.ops import KIND_NAMES, worker_at, worker_index
+from recycle_planner.schedules.ops import KIND_NAMES, KIND_TITLES, worker_at, worker_index
 from recycle_planner.schedules.schedule import rerouted
 from recycle_planner.timing.plan import Plan
 from recycle_planner.views.figures import picture_format, pyplot, save_figure
 from recycle_planner.views.timeline import shown_pipelines
 
 COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#3A3A3A")
-LABEL_LIMIT = 700  # above this many ops in a panel, bars are not labelled
+LABEL_LIMIT = 700  # above this many ops in a panel, only re-routed bars are labelled
+FONT = 6  # points, of the labels in the bars
+CHAR = 0.62 * FONT  # points per character of those labels, with room to spare
 
 
 def plan_title(plan: Plan) -> str:
@@ -48,25 +50,26 @@ def draw_gantt(plans: Sequence[Plan], path: str | Path, titles: Sequence[str] | 
     height = sum(0.24 * r + 1.1 for r in rows) + 0.9
     fig, axes = plt.subplots(len(plans), 1, figsize=(14, height), sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": [r + 3 for r in rows]})
-    t_max = 0.0
+    t_max = max(float(np.nanmax(plan.timing.end[plan.schedule.flat[0]])) for plan in plans)
     for i, (plan, pipelines) in enumerate(panels):
         ax = axes[i][0]
-        t_max = max(t_max, _draw_panel(ax, plan, pipelines, PolyCollection))
+        ax.set_xlim(0, t_max * 1.01)
+        width_pt = ax.get_position().width * fig.get_figwidth() * 72
+        _draw_panel(ax, plan, pipelines, PolyCollection, ms_per_pt=t_max * 1.01 / width_pt)
         title = titles[i] if titles else plan_title(plan)
         if len(pipelines) < plan.spec.pipelines:
             title += f"  (showing {len(pipelines)} of {plan.spec.pipelines} pipelines)"
         ax.set_title(title, fontsize=9, loc="left")
-    for row in axes:
-        row[0].set_xlim(0, t_max * 1.01)
     axes[-1][0].set_xlabel("time (ms)")
     # The legend names what the picture shows.
     kinds = set()
     for plan, _ in panels:
         kinds |= set(plan.schedule.space.decode(plan.schedule.flat[0])[0].tolist())
-    handles = [Patch(facecolor=COLOURS[k], label=KIND_NAMES[k]) for k in range(6) if k in kinds]
+    handles = [Patch(facecolor=COLOURS[k], label=f"{KIND_NAMES[k]}: {KIND_TITLES[k]}"
+                     if k < 4 else KIND_TITLES[k]) for k in range(6) if k in kinds]
     if any(plan.schedule.rerouted_count() for plan, _ in panels):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
-                             label="re-routed (label: its pipeline)"))
+                             label="re-routed (label: pPIPELINE:MICRO-BATCH, or pPIPELINE)"))
     if any(plan.failed for plan, _ in panels):
         handles.append(Patch(facecolor="#d9d9d9", edgecolor="#7f7f7f", hatch="xx",
                              label="dead worker"))
@@ -75,7 +78,10 @@ def draw_gantt(plans: Sequence[Plan], path: str | Path, titles: Sequence[str] | 
     save_figure(fig, path, fmt)
 
 
-def _draw_panel(ax, plan: Plan, pipelines: list[int], PolyCollection) -> float:
+def _draw_panel(ax, plan: Plan, pipelines: list[int], PolyCollection, ms_per_pt: float) -> None:
+    """One plan's rows. A bar is labelled only where its label fits inside it (`ms_per_pt`:
+    milliseconds per point of the axis): micro-batch numbers on up to LABEL_LIMIT ops, and
+    every re-routed op with its own pipeline (and micro-batch where there is room)."""
     sched, timing = plan.schedule, plan.timing
     S = sched.spec.stages
     dead = set(plan.failed)
@@ -113,22 +119,23 @@ def _draw_panel(ax, plan: Plan, pipelines: list[int], PolyCollection) -> float:
         if worker_at(S, w) in dead:
             ax.add_patch(_dead_patch(t_end, yy, h))
             ax.text(t_end / 2, yy, "dead", ha="center", va="center", fontsize=8, color="#404040")
-    if len(ids_k) <= LABEL_LIMIT:
-        min_w = t_end / 140
-        for x0, x1, yy, k, p, m, rr in zip(start, end, ys, kind, pipe, mb, moved):
-            if x1 - x0 < min_w or m < 0:
-                continue
-            text = f"p{p}" if rr else str(m)
-            if rr and x1 - x0 >= 2.2 * min_w:
-                text = f"p{p}:{m}"
-            ax.text((x0 + x1) / 2, yy, text, ha="center", va="center", fontsize=6,
-                    color="black" if rr else "white")
+    fits = lambda text, x0, x1: (x1 - x0) / ms_per_pt >= CHAR * len(text) + 2  # noqa: E731
+    plain = len(ids_k) <= LABEL_LIMIT
+    for x0, x1, yy, p, m, rr in zip(start, end, ys, pipe, mb, moved):
+        if m < 0 or not (rr or plain):
+            continue
+        text = next((t for t in ((f"p{p}:{m}", f"p{p}") if rr else (str(m),))
+                     if fits(t, x0, x1)), None)
+        if text is not None:
+            ax.text((x0 + x1) / 2, yy, text, ha="center", va="center", fontsize=FONT,
+                    color="black" if rr else "white",
+                    bbox=dict(boxstyle="square,pad=0.05", facecolor="white", edgecolor="none")
+                    if rr else None)
     ax.set_yticks(ticks)
     ax.set_yticklabels(labels, fontsize=7)
     ax.set_ylim(y - 0.6 + 0.5, -0.7)
     ax.grid(axis="x", color="#e0e0e0", linewidth=0.5)
     ax.set_axisbelow(True)
-    return t_end
 
 
 def _dead_patch(t_end: float, y: float, h: float):

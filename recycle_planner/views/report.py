@@ -7,6 +7,7 @@ from pathlib import Path
 
 from recycle_planner.library import PlanLibrary
 from recycle_planner.views.figures import picture_format, pyplot, save_figure
+from recycle_planner.words import grid, number, plural
 
 
 def library_rows(lib: PlanLibrary) -> list[dict]:
@@ -31,14 +32,24 @@ def library_rows(lib: PlanLibrary) -> list[dict]:
     return rows
 
 
+def library_dict(lib: PlanLibrary) -> dict:
+    """`report --json`: the library's job, threshold, rows per failure count and entries."""
+    return {"format": "recycle-library-report", "version": 1, "library": str(lib.folder),
+            "spec": lib.spec.to_dict(), "policy": lib.policy.to_dict(),
+            "max_failures": lib.max_failures, "complete": lib.index.get("complete", True),
+            "fault_free_period": lib.fault_free_period, "rows": library_rows(lib),
+            "situations": [{k: e[k] for k in ("failed_per_stage", "file", "metrics", "solver")
+                            if k in e} for e in lib.entries()]}
+
+
 def library_text(lib: PlanLibrary) -> str:
     spec = lib.spec
     entries = lib.entries()
     gaps = [e["metrics"].get("gap", 0.0) for e in entries]
-    lines = [f"library {lib.folder}: {spec.name or 'job'}, {spec.stages} stages x "
-             f"{spec.pipelines} pipelines x {spec.microbatches} micro-batches, "
-             f"policy {lib.policy.label}, up to {lib.max_failures} failures",
-             f"fault-free period {lib.fault_free_period:.4g} ms; {len(entries)} situations; "
+    lines = [f"library {lib.folder}: {spec.name or 'job'}, {grid(spec)}, "
+             f"policy {lib.policy.label}, up to {plural(lib.max_failures, 'failure')}",
+             f"fault-free period {number(lib.fault_free_period)} ms; "
+             f"{plural(len(entries), 'situation')}; "
              f"mean gap to lower bound {sum(gaps) / max(1, len(gaps)):.2%}"
              + ("" if lib.index.get("complete", True) else "  (INCOMPLETE: run plan-all again)"),
              "",
@@ -54,7 +65,7 @@ def library_text(lib: PlanLibrary) -> str:
         lines += ["", "worst situations (dead workers per stage):"]
         for e in worst:
             m = e["metrics"]
-            lines.append(f"  {e['failed_per_stage']}  period {m['period']:.4g} ms, "
+            lines.append(f"  {e['failed_per_stage']}  period {number(m['period'])} ms, "
                          f"degradation {m['degradation']:+.1%}, gap {m.get('gap', 0):.1%}, "
                          f"solver {e.get('solver', {}).get('name', '?')}  ({e['file']})")
     return "\n".join(lines)

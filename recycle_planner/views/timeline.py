@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recycle_planner.schedules.ops import KIND_NAMES, is_collective, worker_at, worker_index
+from recycle_planner.schedules.ops import KIND_TITLES, is_collective, worker_at, worker_index
 from recycle_planner.schedules.schedule import rerouted
 from recycle_planner.timing.plan import Plan
 
@@ -64,6 +64,6 @@ def text_timeline(plan: Plan, width: int = 96, max_workers: int = 32) -> str:
     if len(pipelines) < spec.pipelines:
         lines.append(f"(showing {len(pipelines)} of {spec.pipelines} pipelines: those with dead "
                      f"workers or re-routed work first)")
-    lines.append("legend: " + ", ".join(f"{LETTERS[i]}={KIND_NAMES[i]}" for i in range(6))
+    lines.append("legend: " + ", ".join(f"{LETTERS[i]}={KIND_TITLES[i]}" for i in range(6))
                  + "; lower case = re-routed from another pipeline; . = idle; x = dead")
     return "\n".join(lines)

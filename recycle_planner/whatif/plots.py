@@ -26,8 +26,10 @@ def bin_width(duration: float, most: int = 300) -> float:
 
 
 def plot_over_time(study: Study, run: Run, path: str | Path) -> None:
-    """Top: each strategy's training speed (mean per bin, % of fault-free), failures marked
-    below it. Bottom: net samples trained so far (rollbacks subtracted) against fault-free."""
+    """Top: one strip per strategy, its training speed (mean per bin, % of fault-free) filled
+    in its colour, with the failures marked above them: strips do not hide each other the
+    way overlapping step lines do. Bottom: net samples trained so far (rollbacks subtracted)
+    against fault-free, in plain units (no offset exponent)."""
     path = Path(path)
     fmt = picture_format(path)
     plt = pyplot()
@@ -38,38 +40,55 @@ def plot_over_time(study: Study, run: Run, path: str | Path) -> None:
         else (60.0, "minutes")
     width = bin_width(T)
     edges = np.append(np.arange(0.0, T, width), T)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True,
-                                      gridspec_kw={"height_ratios": [3, 2]})
-    peak = 100.0  # above 100% when re-routing's policy is faster than the baseline's
-    for o in run.outcomes:
-        colour = COLOURS.get(o.strategy)
-        rate = o.binned_rate(edges)
-        peak = max(peak, 100 * float(rate.max()) / ff)
-        top.step(edges / scale, 100 * np.append(rate, rate[-1]) / ff, where="post",
-                 color=colour, linewidth=1.1, label=f"{o.title} (mean {o.relative:.1%})")
-        at = np.linspace(0.0, T, 600)
-        bottom.plot(at / scale, o.cumulative(at), color=colour, linewidth=1.2)
-    at = np.linspace(0.0, T, 2)
-    bottom.plot(at / scale, ff * at, "--", color="#555555", linewidth=1, label="fault-free")
+    outcomes = list(run.outcomes)
+    n = len(outcomes)
+    fig, axes = plt.subplots(n + 2, 1, figsize=(11, 2.6 + 0.75 * n + 2.6), sharex=True,
+                             gridspec_kw={"height_ratios": [0.35] + [1.0] * n + [3.2]})
+    marks, strips, bottom = axes[0], axes[1:-1], axes[-1]
     fails = np.array([s.time for s in run.trace.steps() if s.kind == FAIL])
-    if fails.size:
-        top.plot(fails / scale, np.full(fails.size, -4.0), "|", color="#333333", markersize=7,
-                 label=f"failures ({fails.size})")
-    top.set_ylim(-8, peak + 8)
-    top.set_ylabel(f"throughput, % of fault-free\n(mean per {format_duration(width)})")
-    top.grid(alpha=0.3)
-    top.legend(fontsize=7.5, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=4,
-               frameon=False)
+    marks.vlines(fails / scale, 0, 1, color="#333333", linewidth=0.8)
+    marks.set_yticks([])
+    marks.set_ylim(0, 1)
+    marks.set_ylabel(f"{fails.size} failures", rotation=0, ha="right", va="center", fontsize=8)
+    for spine in ("top", "right", "left"):
+        marks.spines[spine].set_visible(False)
+    rates = [100 * o.binned_rate(edges) / ff for o in outcomes]
+    peak = max([100.0] + [float(r.max()) for r in rates])  # above 100% when re-routing's
+    for ax, o, rate in zip(strips, outcomes, rates):      # policy beats the baseline's
+        colour = COLOURS.get(o.strategy, "#555555")
+        ax.fill_between(edges / scale, np.append(rate, rate[-1]), step="post", color=colour,
+                        alpha=0.55, linewidth=0)
+        ax.step(edges / scale, np.append(rate, rate[-1]), where="post", color=colour,
+                linewidth=0.8)
+        ax.set_ylim(0, peak * 1.05)
+        ax.set_yticks([0, 50, 100])
+        ax.tick_params(axis="y", labelsize=7)
+        ax.grid(alpha=0.3)
+        ax.text(1.005, 0.5, f"{o.title}\nmean {o.relative:.1%}", transform=ax.transAxes,
+                fontsize=8, va="center", ha="left", color=colour)
+    strips[n // 2].set_ylabel(f"throughput, % of fault-free (mean per "
+                              f"{format_duration(width)})", fontsize=9)
+    total = max(ff * T, 1.0)
+    power = 3 * int(np.floor(np.log10(total) / 3)) if total >= 1e3 else 0
+    factor, word = 10.0 ** power, {0: "", 3: "thousands", 6: "millions", 9: "billions",
+                                   12: "trillions"}.get(power, f"x 1e{power}")
+    at = np.linspace(0.0, T, 600)
+    for o in outcomes:
+        bottom.plot(at / scale, o.cumulative(at) / factor, color=COLOURS.get(o.strategy),
+                    linewidth=1.4, label=o.title)
+    bottom.plot(at / scale, ff * at / factor, "--", color="#555555", linewidth=1,
+                label="fault-free")
+    bottom.set_ylabel(f"{ctx.unit} trained (net" + (f", {word})" if word else ")"))
+    bottom.set_xlabel(unit)
+    bottom.grid(alpha=0.3)
+    bottom.legend(fontsize=7.5, loc="upper left", ncol=2, frameon=False)
+    bottom.set_xlim(0, T / scale)
+    bottom.set_ylim(0, None)
     spec = ctx.spec
     fig.suptitle(f"{spec.name or 'job'} ({spec.stages}x{spec.pipelines}, {ctx.policy.label}), "
                  f"trace {run.label}: {run.trace.failures} failures", fontsize=10, x=0.01,
                  ha="left")
-    bottom.set_ylabel(f"{ctx.unit} trained (net)")
-    bottom.set_xlabel(unit)
-    bottom.grid(alpha=0.3)
-    bottom.legend(fontsize=8, loc="upper left")
-    bottom.set_xlim(0, T / scale)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.84, 1))
     save_figure(fig, path, fmt)
 
 
