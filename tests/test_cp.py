@@ -144,7 +144,7 @@ def test_plan_all_prove_closes_gaps_and_resumes(tmp_path):
         m, old = e["metrics"], before[k]["metrics"]
         assert m["period"] <= old["period"] + 1e-9
         assert m["lower_bound"] >= old["lower_bound"] - 1e-9
-        assert e["proved"] == 2 or old["optimal"]
+        assert e.get("proved") == 2 or old["optimal"]  # optional: absent when never proved
     assert sum(e["metrics"]["gap"] for e in after.values()) < \
         sum(e["metrics"]["gap"] for e in before.values())
     lib = PlanLibrary.open(folder)

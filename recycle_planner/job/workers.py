@@ -32,7 +32,8 @@ def check_failed(spec: JobSpec, failed: Iterable[Iterable[int]]) -> tuple[Worker
                                   f"pair") from None
         if not (0 <= d < spec.pipelines and 0 <= s < spec.stages):
             raise FailureSetError(f"failed worker {d}:{s} is outside the grid of "
-                                  f"{plural(spec.pipelines, 'pipeline')} x {plural(spec.stages, 'stage')}")
+                                  f"{plural(spec.pipelines, 'pipeline')} x "
+                                  f"{plural(spec.stages, 'stage')}")
         if (d, s) in seen:
             raise FailureSetError(f"failed worker {d}:{s} is listed twice")
         seen.add((d, s))

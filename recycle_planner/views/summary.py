@@ -40,15 +40,16 @@ def plan_summary(plan: Plan) -> str:
     lines = [
         f"{name}: {grid(spec)}, failed: {format_workers(plan.failed)}",
         f"  policy          {plan.policy.label}   {made}",
-        f"  period          {number(m['period'])} ms   (fault-free {number(m['fault_free_period'])} ms, "
-        f"degradation {m['degradation']:+.1%})",
+        f"  period          {number(m['period'])} ms   "
+        f"(fault-free {number(m['fault_free_period'])} ms, degradation {m['degradation']:+.1%})",
         f"  iteration time  {number(m['iteration_time'])} ms",
         f"  lower bound     {number(m['lower_bound'])} ms   (gap {m.get('gap', 0.0):.1%}"
         + (f": {m['lower_bound_reason']}" if m.get("lower_bound_reason") else "") + ")",
     ]
     if milp:
         size = milp.get("model", {})
-        lines.append(_engine_line("milp", milp, m["period"], f"{size.get('binaries', '?')} binaries, "
+        lines.append(_engine_line("milp", milp, m["period"],
+                                  f"{size.get('binaries', '?')} binaries, "
                                   f"{size.get('constraints', '?')} constraints, "
                                   f"{milp.get('seconds', 0):.1f} s ({milp.get('backend')}, "
                                   f"warm start {milp.get('warm_start')})"))
@@ -56,7 +57,8 @@ def plan_summary(plan: Plan) -> str:
         cp = plan.solver.get(name)
         if cp:
             probes = len(cp.get("probes", ()))
-            lines.append(_engine_line(name, cp, m["period"], f"{cp.get('seconds', 0):.1f} s (work limit "
+            lines.append(_engine_line(name, cp, m["period"],
+                                      f"{cp.get('seconds', 0):.1f} s (work limit "
                                       f"{cp.get('work_limit')}, warm start {cp.get('warm_start')}"
                                       + (f", {probes} probes" if probes else "") + ")"))
     budget = plan.solver.get("budget")
