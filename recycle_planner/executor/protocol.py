@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.job.workers import format_workers
-from recycle_planner.schedules.ops import Worker
+from recycle_planner.schedules.ops import Worker, worker_at, worker_index
 
 
 def hello_key(rank: int, incarnation: int) -> str:
@@ -111,12 +111,13 @@ def bye_key(node_rank: int) -> str:
 
 def worker_of(rank: int, stages: int) -> Worker:
     """Physical (pipeline, stage) of a global rank: ranks are pipeline-major, like
-    `Schedule.workers()`."""
-    return rank // stages, rank % stages
+    `Schedule.workers()` (the planner's `worker_at`)."""
+    return worker_at(stages, rank)
 
 
 def rank_of(worker: Worker, stages: int) -> int:
-    return worker[0] * stages + worker[1]
+    """The global rank of physical worker (pipeline, stage) (the planner's `worker_index`)."""
+    return worker_index(stages, *worker)
 
 
 def dumps(data: Any) -> str:

@@ -84,7 +84,7 @@ def compile_program(plan: Plan, mapping: Mapping, worker: tuple[int, int],
 
     def peer(table: dict, stage: int, p: int, m: int) -> int:
         q = table[(p, m)]
-        rank = rank_of((mapping.physical_of_logical[stage][q], stage), S)
+        rank = rank_of(mapping.to_physical((q, stage)), S)
         if rank not in group_rank:
             raise RecycleError(f"the plan sends micro-batch {m} of pipeline {p} to logical "
                                f"worker {q}:{stage}, whose physical worker is not alive")
