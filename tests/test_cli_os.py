@@ -97,11 +97,12 @@ def test_permission_denied_is_one_line():
 
 
 def test_ctrl_c_stops_a_milp_promptly_with_status_130(tmp_path):
-    """SIGINT while HiGHS works on a 30-second budget: stopped within seconds, exit 130, one
-    line, no traceback, no plan file."""
+    """SIGINT while HiGHS works on a 120-second budget: stopped long before it (HiGHS stops at
+    its next check, which can take seconds on a loaded machine), exit 130, one line, no
+    traceback, no plan file."""
     out = tmp_path / "p.json"
     proc = subprocess.Popen([*CLI, "plan", SMALL, "--fail", "1:2", "--fail", "0:1", "--solver",
-                             "milp", "--time-limit", "30", "-v", "-o", str(out)],
+                             "milp", "--time-limit", "120", "-v", "-o", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     seen = ""
@@ -113,8 +114,8 @@ def test_ctrl_c_stops_a_milp_promptly_with_status_130(tmp_path):
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     t0 = time.monotonic()
-    stdout, stderr = proc.communicate(timeout=60)
-    assert time.monotonic() - t0 < 10
+    stdout, stderr = proc.communicate(timeout=150)
+    assert time.monotonic() - t0 < 30  # without the interrupt it runs to its 120 s limit
     assert proc.returncode == 130, stderr
     assert stderr.strip().splitlines()[-1] == "interrupted"
     assert "Traceback" not in stderr and not out.exists()
