@@ -487,17 +487,14 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
                         prove_work=prove_work if prove else None)
     bar = tqdm(total=None, unit="situation", desc="planning", file=sys.stderr, disable=None)
 
-    stopping: list[int] = []
-
     def progress(done: int, total: int) -> None:
-        if stopping:  # the interrupt was swallowed (it hit a fork handler): stop now
-            raise KeyboardInterrupt
         bar.total = total
         bar.n = done
         bar.refresh()
 
-    def stop(signum: int, frame: object) -> None:  # SIGTERM (a supervisor) is like Ctrl-C:
-        stopping.append(signum)  # the worker processes are stopped, the index stays whole
+    # SIGTERM (a supervisor) is like Ctrl-C: the worker processes are stopped, the index stays
+    # whole. A signal that lands while the pool forks is held and raised again by planning_pool.
+    def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
