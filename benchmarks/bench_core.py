@@ -29,7 +29,7 @@ def once() -> dict:
     times: dict = {}
     policy = Policy()
     with stopwatch(times, "fault-free reference"):
-        reference = plan_situation(SPEC, policy).metrics["period"]
+        reference = plan_situation(SPEC, policy).metrics.period
     with stopwatch(times, "build + simulate"):
         plan = plan_situation(SPEC, policy, FAILED, reference=reference)
     with stopwatch(times, "validate"):
@@ -37,8 +37,8 @@ def once() -> dict:
     assert not problems, problems
     times["total"] = sum(times.values())
     times["ops"] = plan.schedule.n_ops
-    times["period"] = plan.metrics["period"]
-    times["degradation"] = plan.metrics["degradation"]
+    times["period"] = plan.metrics.period
+    times["degradation"] = plan.metrics.degradation
     return times
 
 

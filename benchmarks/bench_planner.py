@@ -79,7 +79,11 @@ MILP_MAX_PAIRS = 200_000  # beyond this the big-M model takes minutes just to bu
 
 
 def gpt16() -> JobSpec:
-    return load_spec(ROOT / "examples" / "gpt.toml").with_changes(microbatches=16)
+    """The GPT example with 16 micro-batches (JobSpec.with_changes is gone: a spec is edited
+    as its dict and read back, which re-validates it)."""
+    data = load_spec(ROOT / "examples" / "gpt.toml").to_dict()
+    data["microbatches"] = 16
+    return JobSpec.from_dict(data)
 
 
 def optimality(node_limit: int, time_limit: float, work_limit: float) -> dict:
@@ -152,7 +156,7 @@ def quality() -> dict:
     rows = []
     for path in (ROOT / "examples" / "gpt.toml", ROOT / "examples" / "small.toml"):
         job = load_spec(path)
-        plain_ff = plan_situation(job, BASELINE).metrics["period"]
+        plain_ff = plan_situation(job, BASELINE).metrics.period
         for label, policy in POLICIES:
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.perf_counter()
@@ -162,26 +166,26 @@ def quality() -> dict:
                 lib = PlanLibrary.open(tmp)
                 entries = lib.entries()
             for n in (1, 2, 3):
-                es = [e for e in entries if sum(e["failed_per_stage"]) == n]
+                es = [e for e in entries if sum(e.failed_per_stage) == n]
                 if not es:
                     continue
-                deg = [e["metrics"]["degradation"] for e in es]
-                vs_plain = [e["metrics"]["period"] / plain_ff - 1 for e in es]
-                gap = [e["metrics"]["gap"] for e in es]
+                deg = [e.metrics.degradation for e in es]
+                vs_plain = [e.metrics.period / plain_ff - 1 for e in es]
+                gap = [e.metrics.gap for e in es]
                 rows.append({"example": job.name, "policy": label, "failures": n,
                              "situations": len(es), "mean_degradation": statistics.mean(deg),
                              "worst_degradation": max(deg),
                              "mean_vs_plain_fault_free": statistics.mean(vs_plain),
                              "worst_vs_plain_fault_free": max(vs_plain),
                              "mean_gap": statistics.mean(gap), "worst_gap": max(gap),
-                             "optimal": sum(bool(e["metrics"]["optimal"]) for e in es),
+                             "optimal": sum(bool(e.metrics.optimal) for e in es),
                              "library_seconds": secs, "fault_free": lib.fault_free_period,
                              "plain_fault_free": plain_ff})
-            all_gaps = [e["metrics"]["gap"] for e in entries]
+            all_gaps = [e.metrics.gap for e in entries]
             rows.append({"example": job.name, "policy": label, "failures": "all",
                          "situations": len(entries), "mean_gap": statistics.mean(all_gaps),
                          "worst_gap": max(all_gaps), "library_seconds": secs,
-                         "optimal": sum(bool(e["metrics"]["optimal"]) for e in entries)})
+                         "optimal": sum(bool(e.metrics.optimal) for e in entries)})
     lines = ["| example | policy | failures | situations | mean / worst degradation | "
              "mean / worst vs plain 1F1B fault-free | mean / worst gap | optimal |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]

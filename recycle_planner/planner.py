@@ -11,6 +11,7 @@ from recycle_planner.job.workers import check_failed, format_workers
 from recycle_planner.solvers import Solution
 from recycle_planner.solvers.bounds import Bound, lower_bound
 from recycle_planner.solvers.registry import SolverSettings
+from recycle_planner.timing.metrics import Metrics
 from recycle_planner.timing.plan import Plan, worker_stats
 from recycle_planner.timing.simulate import Simulation
 
@@ -91,7 +92,8 @@ def finish_plan(sim: Simulation, fault_free_period: float, solver: dict[str, Any
 
 
 def compute_metrics(sim: Simulation, fault_free_period: float,
-                    bounds: Iterable[Bound] = ()) -> dict[str, Any]:
+                    bounds: Iterable[Bound] = ()) -> Metrics:
+    """The plan's figures; the best of the analytic bound and `bounds` certifies it."""
     schedule = sim.schedule
     spec = schedule.spec
     stats = worker_stats(schedule, sim.timing, sim.period)
@@ -102,28 +104,29 @@ def compute_metrics(sim: Simulation, fault_free_period: float,
             # Never above the plan itself: a solver's bound is only trusted to its tolerance.
             bound = Bound(min(other.value, sim.period), other.reason)
     lb = max(bound.value, 0.0)
-    metrics: dict[str, Any] = {
-        "iteration_time": sim.iteration_time,
-        "period": sim.period,
-        "fault_free_period": fault_free_period,
-        "degradation": _clean(sim.period / fault_free_period - 1.0) if fault_free_period > 0
-        else 0.0,
-        "lower_bound": lb,
-        "lower_bound_reason": bound.reason,
-        "gap": max(0.0, sim.period / lb - 1.0) if lb > 0 else 0.0,
-        "optimal": bool(lb > 0 and sim.period <= lb * (1 + 1e-6)),
-        "bubble_rate": float(stats.bubble_rate[alive].mean()) if alive else 0.0,
-        "max_bubble_rate": float(stats.bubble_rate[alive].max()) if alive else 0.0,
-        "peak_inflight": int(stats.peak_inflight.max()) if alive else 0,
-        "rerouted_ops": schedule.rerouted_count(),
-        "ops": schedule.n_ops,
-        "steady_state_iterations": sim.iterations_simulated,
-    }
+    samples = throughput = None
     if spec.microbatch_size is not None and sim.period > 0:
         samples = spec.pipelines * spec.microbatches * spec.microbatch_size
-        metrics["samples_per_iteration"] = samples
-        metrics["throughput"] = samples / (sim.period / 1000.0)
-    return metrics
+        throughput = samples / (sim.period / 1000.0)
+    return Metrics(
+        iteration_time=sim.iteration_time,
+        period=sim.period,
+        fault_free_period=fault_free_period,
+        degradation=_clean(sim.period / fault_free_period - 1.0) if fault_free_period > 0
+        else 0.0,
+        lower_bound=lb,
+        lower_bound_reason=bound.reason,
+        gap=max(0.0, sim.period / lb - 1.0) if lb > 0 else 0.0,
+        optimal=bool(lb > 0 and sim.period <= lb * (1 + 1e-6)),
+        bubble_rate=float(stats.bubble_rate[alive].mean()) if alive else 0.0,
+        max_bubble_rate=float(stats.bubble_rate[alive].max()) if alive else 0.0,
+        peak_inflight=int(stats.peak_inflight.max()) if alive else 0,
+        rerouted_ops=schedule.rerouted_count(),
+        ops=schedule.n_ops,
+        steady_state_iterations=sim.iterations_simulated,
+        samples_per_iteration=samples,
+        throughput=throughput,
+    )
 
 
 

@@ -188,7 +188,7 @@ def test_a_milp_that_kept_the_warm_start_says_so(plans):
     from recycle_planner.views.summary import plan_summary
 
     p = read_plan(plans / "fail.json")
-    period = p.metrics["period"]
+    period = p.metrics.period
     p.solver.update(name="milp", detail="W deferred", milp={
         "status": "Feasible (stopped at the time limit)", "objective": period + 0.25,
         "best_bound": period - 1, "gap": 0.01, "improved": False, "model": {}})

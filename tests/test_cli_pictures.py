@@ -29,7 +29,7 @@ def test_rerouted_ops_of_the_gpt_chart_are_labelled(monkeypatch, tmp_path):
     plan = plan_situation(load_spec(EXAMPLES / "gpt.toml"), Policy(), [(1, 3)])
     assert plan.schedule.n_ops > gantt.LABEL_LIMIT  # the plain bars are not labelled
     texts = [t for t, _ in labels(drawn(monkeypatch, [plan], tmp_path))]
-    assert len(texts) >= plan.metrics["rerouted_ops"] * 0.9
+    assert len(texts) >= plan.metrics.rerouted_ops * 0.9
     assert all(t.startswith("p1") for t in texts)
 
 

@@ -47,7 +47,7 @@ def test_fault_free_plan_peaks_match_the_schedules_memory():
         plan = plan_situation(spec, policy)
         from recycle_planner.timing.plan import worker_stats
 
-        stats = worker_stats(plan.schedule, plan.timing, plan.metrics["period"])
+        stats = worker_stats(plan.schedule, plan.timing, plan.metrics.period)
         assert stats.peak_inflight[:4].tolist() == peaks
 
 

@@ -58,8 +58,8 @@ def test_cp_and_milp_cross_check(kw, policy, failed):
     assert cp.status == "Optimal" and milp.status == "Optimal"
     assert cp.objective == pytest.approx(milp.objective, abs=1e-6)
     plan = plan_situation(spec, policy, failed, solver="cp", time_limit=10)
-    assert validate(plan) == [] and plan.metrics["optimal"]
-    assert plan.metrics["period"] == pytest.approx(cp.objective)
+    assert validate(plan) == [] and plan.metrics.optimal
+    assert plan.metrics.period == pytest.approx(cp.objective)
 
 
 def test_the_issues_example_is_proven_optimal():
@@ -72,7 +72,7 @@ def test_the_issues_example_is_proven_optimal():
     cp = plan.solver["cp"]
     assert cp["engine"] == "cp-sat" and cp["status"] == "Optimal" and cp["improved"]
     assert cp["best_bound"] == pytest.approx(50) and cp["seconds"] >= 0
-    assert plan.metrics["period"] == pytest.approx(50) and plan.metrics["optimal"]
+    assert plan.metrics.period == pytest.approx(50) and plan.metrics.optimal
     assert plan.solver["detail"] == "cp" and validate(plan) == []
 
 
@@ -135,7 +135,7 @@ def test_plan_all_prove_closes_gaps_and_resumes(tmp_path):
     folder = tmp_path / "lib"
     fast = Settings(solver="heuristic", max_placements=1)
     build_library(spec, Policy(), 1, folder, fast, jobs=1)
-    before = {tuple(e["failed_per_stage"]): e for e in PlanLibrary.open(folder).entries()}
+    before = {tuple(e.failed_per_stage): e.to_dict() for e in PlanLibrary.open(folder).entries()}
     proving = Settings(solver="heuristic", max_placements=1, prove_work=2)
     index = build_library(spec, Policy(), 1, folder, proving, jobs=1)
     after = {tuple(e["failed_per_stage"]): e for e in index["entries"]}
@@ -149,7 +149,7 @@ def test_plan_all_prove_closes_gaps_and_resumes(tmp_path):
         sum(e["metrics"]["gap"] for e in before.values())
     lib = PlanLibrary.open(folder)
     for e in lib.entries():
-        assert validate(lib.lookup([tuple(w) for w in e["failed"]]).plan()) == []
+        assert validate(lib.lookup([tuple(w) for w in e.failed]).plan()) == []
     stamp = (folder / "index.json").stat().st_mtime_ns
     mtimes = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
     build_library(spec, Policy(), 1, folder, proving, jobs=1)  # resumes: nothing to redo

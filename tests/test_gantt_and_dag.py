@@ -20,7 +20,7 @@ def plans():
 def test_critical_path_ends_at_the_iteration_time(plans):
     _, fail = plans
     chain = critical_path(plan_graph(fail.schedule))
-    assert chain[-1][3] == pytest.approx(fail.metrics["iteration_time"])
+    assert chain[-1][3] == pytest.approx(fail.metrics.iteration_time)
     assert chain[0][2] == 0.0
     for (_, _, _, end), (_, _, start, _) in zip(chain, chain[1:]):
         assert start >= end - 1e-9
@@ -31,7 +31,7 @@ def test_critical_path_ends_at_the_iteration_time(plans):
 def test_job_graph_bounds_every_plan(plans):
     for plan in plans:
         bound = longest_path_length(job_graph(plan.schedule))
-        assert bound <= plan.metrics["iteration_time"] + 1e-9
+        assert bound <= plan.metrics.iteration_time + 1e-9
 
 
 def test_text_timeline_marks_dead_and_rerouted(plans):
@@ -66,4 +66,4 @@ def test_default_policy_never_slower_than_plain_on_examples():
         for s in range(spec.stages):
             default = plan_situation(spec, Policy(), [(1, s)])
             plain = plan_situation(spec, BASELINE, [(1, s)])
-            assert default.metrics["period"] <= plain.metrics["period"] + 1e-9, (path.name, s)
+            assert default.metrics.period <= plain.metrics.period + 1e-9, (path.name, s)

@@ -268,10 +268,10 @@ def test_fault_free_bound_certifies_failure_plans():
 
     spec = make_spec(stages=2, pipelines=3, microbatches=2, p2p=0.25)
     plan = plan_situation(spec, Policy(), [(1, 1)], reference_bound=1e6)
-    assert plan.metrics["lower_bound"] == pytest.approx(plan.metrics["period"])
-    assert plan.metrics["lower_bound_reason"] == "the fault-free optimum's bound"
+    assert plan.metrics.lower_bound == pytest.approx(plan.metrics.period)
+    assert plan.metrics.lower_bound_reason == "the fault-free optimum's bound"
     plain = plan_situation(spec, Policy(), [(1, 1)])
-    assert plain.metrics["lower_bound"] <= plain.metrics["period"]
+    assert plain.metrics.lower_bound <= plain.metrics.period
 
 
 def _boom(x: int) -> int:

@@ -39,7 +39,7 @@ def test_profile_measures_every_stage_and_writes_a_spec_the_planner_reads(tmp_pa
     # Stage 0 has no input gradient: its I is bookkeeping, its W the whole backward.
     assert spec.backward_input[0] < spec.backward_weight[0]
     plan = plan_situation(spec, Policy(), [(1, 0)])
-    assert plan.metrics["period"] > 0
+    assert plan.metrics.period > 0
 
 
 def test_profile_with_given_communication_costs(tmp_path):

@@ -64,11 +64,11 @@ def test_every_plan_is_valid(case):
     plan = make(*case)
     assert validate(plan) == []
     m = plan.metrics
-    assert m["period"] <= m["iteration_time"] + 1e-9
-    assert m["period"] >= m["lower_bound"] - 1e-9, "a plan beat a lower bound: the bound is wrong"
+    assert m.period <= m.iteration_time + 1e-9
+    assert m.period >= m.lower_bound - 1e-9, "a plan beat a lower bound: the bound is wrong"
     spec = plan.spec
     per_mb = 3 if plan.policy.decouple else 2
-    assert m["rerouted_ops"] == len(plan.failed) * spec.microbatches * per_mb
+    assert m.rerouted_ops == len(plan.failed) * spec.microbatches * per_mb
 
 
 @given(situations(max_stages=4, max_pipelines=3, max_microbatches=5))
@@ -82,7 +82,7 @@ def test_simulator_agrees_with_networkx_longest_paths(case):
         if isinstance(op, tuple) and op[0] == "sync":
             continue
         assert plan.timing.start[space.id_of(op)] == pytest.approx(t, abs=1e-9)
-    assert longest_path_length(graph) == pytest.approx(plan.metrics["iteration_time"])
+    assert longest_path_length(graph) == pytest.approx(plan.metrics.iteration_time)
 
 
 @given(jobs(max_stages=4, max_pipelines=4, max_microbatches=8), st.data())
@@ -92,7 +92,7 @@ def test_default_mechanisms_never_lose_to_plain_rerouting(spec, data):
                data.draw(st.integers(0, spec.stages - 1))),)
     default = plan_situation(spec, Policy(), failed)
     plain = plan_situation(spec, BASELINE, failed)
-    assert default.metrics["period"] <= plain.metrics["period"] + 1e-9
+    assert default.metrics.period <= plain.metrics.period + 1e-9
 
 
 @given(situations(max_stages=4, max_pipelines=4, max_microbatches=6))

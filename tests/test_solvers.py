@@ -97,8 +97,8 @@ def test_milp_improves_on_the_heuristic_and_reports_itself():
     assert res.objective == pytest.approx(26.0) and res.bound == pytest.approx(26.0)
     assert res.size["binaries"] > 0 and res.size["constraints"] > res.size["binaries"]
     plan = plan_situation(spec, policy, failed, solver="milp", time_limit=120, node_limit=1000)
-    assert plan.metrics["period"] == pytest.approx(26.0) and plan.metrics["optimal"]
-    assert plan.metrics["lower_bound"] == pytest.approx(26.0)  # the MILP's bound certifies it
+    assert plan.metrics.period == pytest.approx(26.0) and plan.metrics.optimal
+    assert plan.metrics.lower_bound == pytest.approx(26.0)  # the MILP's bound certifies it
     assert plan.solver["milp"]["improved"] and validate(plan) == []
 
 

@@ -1,6 +1,8 @@
 """Hand-broken plans: each is rejected, and for the right reason."""
 
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -31,7 +33,7 @@ def rebuild(plan, orders=None, start=None, end=None, spec=None, metrics=None, po
                         orders=tuple(orders if orders is not None else sched.orders))
     timing = Timing(plan.timing.start.copy() if start is None else start,
                     plan.timing.end.copy() if end is None else end)
-    return Plan(schedule, timing, dict(metrics or plan.metrics), plan.solver)
+    return Plan(schedule, timing, metrics or plan.metrics, plan.solver)
 
 
 def rules(plan):
@@ -147,13 +149,12 @@ def test_all_reduce_not_simultaneous(plan):
     for op in (space.allreduce(0, 1), space.optimizer(0, 1)):
         start[op] += 1.0
         end[op] += 1.0
-    metrics = dict(plan.metrics)
-    metrics["iteration_time"] = float(np.nanmax(end) - np.nanmin(start))
+    metrics = replace(plan.metrics, iteration_time=float(np.nanmax(end) - np.nanmin(start)))
     assert rules(rebuild(plan, start=start, end=end, metrics=metrics)) == {"collective"}
 
 
 def test_claimed_iteration_time_must_match(plan):
-    metrics = dict(plan.metrics, iteration_time=plan.metrics["iteration_time"] - 1)
+    metrics = replace(plan.metrics, iteration_time=plan.metrics.iteration_time - 1)
     assert rules(rebuild(plan, metrics=metrics)) == {"metrics"}
 
 

@@ -36,7 +36,7 @@ def test_pipeline_of_all_stages_is_the_job_itself():
     one = pipeline_spec(GPT, GPT.stages, GPT.microbatches)
     assert one.forward == GPT.forward and one.memory.static == GPT.memory.static
     assert PeriodModel(policy).period(one) == pytest.approx(
-        plan_situation(GPT, policy).metrics["period"])
+        plan_situation(GPT, policy).metrics.period)
 
 
 def test_shortest_gpt_pipeline_that_fits():

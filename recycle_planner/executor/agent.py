@@ -488,7 +488,7 @@ class Agent:
 
         def lookup(dead):
             hit = lib.lookup(dead)
-            return hit.file.name, float(hit.entry["metrics"].get("degradation", 0.0))
+            return hit.file.name, hit.entry.metrics.degradation
 
         gen = self.gen + 1
         decision = P.decide(gen, lib.spec.pipelines, lib.spec.stages, steps, lookup, initial,

@@ -19,6 +19,7 @@ from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import check_failed
 from recycle_planner.schedules.ops import COLLECTIVE_NAMES, KIND_CODES, Op, OpSpace, worker_index
 from recycle_planner.schedules.schedule import Schedule
+from recycle_planner.timing.metrics import Metrics
 from recycle_planner.timing.plan import Plan, worker_stats
 from recycle_planner.timing.simulate import Timing
 
@@ -30,7 +31,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     sched, timing = plan.schedule, plan.timing
     spec = sched.spec
     S = spec.stages
-    stats = worker_stats(sched, timing, plan.metrics["period"])
+    stats = worker_stats(sched, timing, plan.metrics.period)
     workers = []
     for d, s in sched.live_workers():
         w = worker_index(S, d, s)
@@ -51,7 +52,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "failed": [list(w) for w in plan.failed],
         "solver": dict(plan.solver),
         "workers": workers,
-        "metrics": dict(plan.metrics),
+        "metrics": plan.metrics.to_dict(),
     }
     if plan.mapping is not None:
         out["mapping"] = plan.mapping
@@ -120,17 +121,11 @@ def plan_from_dict(data: Any, where: str = "plan") -> Plan:
             a, b = _time(op, "start", f"{at}.ops[{j}]"), _time(op, "end", f"{at}.ops[{j}]")
             start[ids[j]], end[ids[j]] = a, b
         orders[w] = ids
-    metrics = data["metrics"]
-    if not isinstance(metrics, dict):
-        raise PlanFileError(f"{where}: 'metrics' must be an object")
-    for key in ("iteration_time", "period", "fault_free_period", "degradation", "lower_bound"):
-        value = metrics.get(key)
-        if not _is_number(value):
-            raise PlanFileError(f"{where}: metrics.{key} must be a number")
+    metrics = Metrics.from_dict(data["metrics"], where)
     schedule = Schedule(spec=spec, policy=policy, failed=failed, orders=tuple(orders))
     solver = data.get("solver") if isinstance(data.get("solver"), dict) else {}
     mapping = data.get("mapping") if isinstance(data.get("mapping"), dict) else None
-    return Plan(schedule=schedule, timing=Timing(start, end), metrics=dict(metrics),
+    return Plan(schedule=schedule, timing=Timing(start, end), metrics=metrics,
                 solver=solver, mapping=mapping)
 
 

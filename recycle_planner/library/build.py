@@ -15,6 +15,7 @@ from recycle_planner.library.hashing import file_sha256, spec_hash
 from recycle_planner.library.index import reusable_entries, write_index
 from recycle_planner.library.pool import planning_pool
 from recycle_planner.library.settings import Settings
+from recycle_planner.timing.metrics import Metrics
 
 log = logging.getLogger("recycle_planner.library")
 
@@ -39,7 +40,7 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
                 and entry.get("sha256") is not None
                 and file_sha256(folder / str(entry.get("file", ""))) == entry["sha256"]):
             # a missing, damaged or replaced plan file is planned again
-            if settings.prove_work is None or entry["metrics"].get("optimal") or \
+            if settings.prove_work is None or Metrics.from_dict(entry["metrics"]).optimal or \
                     (entry.get("proved") or 0) >= settings.prove_work:
                 keep[counts] = entry
             else:
@@ -67,8 +68,8 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
                                      to_prove.get(zero)))
         todo.remove(zero)
         done += 1
-    reference = entries[zero]["metrics"]["period"]
-    reference_bound = entries[zero]["metrics"]["lower_bound"]
+    fault_free = Metrics.from_dict(entries[zero]["metrics"])
+    reference, reference_bound = fault_free.period, fault_free.lower_bound
     if zero not in keep:
         index = save()
     jobs = jobs or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")

@@ -15,6 +15,7 @@ from recycle_planner.job.situations import counts_of, failure_sets
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.library.placement import plan_best_placement
 from recycle_planner.library.prove import prove_plan
+from recycle_planner.timing.metrics import Metrics
 from recycle_planner.timing.plan import Plan
 
 
@@ -25,11 +26,6 @@ def situation_file(counts: tuple[int, ...]) -> str:
     return "k" + "-".join(str(k) for k in counts) + ".json.gz"
 
 
-# The plan metrics an entry repeats, so that reports and launchers need not open plan files.
-ENTRY_METRICS = ("period", "iteration_time", "fault_free_period", "degradation", "lower_bound",
-                 "gap", "optimal")
-
-
 @dataclass(frozen=True)
 class LibraryEntry:
     """One situation in index.json. The optional fields are absent from hand-made or older
@@ -38,7 +34,7 @@ class LibraryEntry:
     failed_per_stage: list[int]
     file: str
     placement: list[list[int]]
-    metrics: dict[str, Any]
+    metrics: Metrics                        # the plan's, Metrics.entry()
     failed: list[list[int]] | None = None   # the plan's dead workers (logical)
     failure_sets: int | None = None         # physical failure sets this entry covers
     solver: dict[str, Any] | None = None
@@ -51,7 +47,8 @@ class LibraryEntry:
     def to_dict(self) -> dict[str, Any]:
         order = ("failed_per_stage", "file", "placement", "failed", "failure_sets", "metrics",
                  "solver", "gap", "spec_hash", "settings_hash", "sha256", "proved")
-        return {k: getattr(self, k) for k in order if getattr(self, k) is not None}
+        out = {k: getattr(self, k) for k in order if getattr(self, k) is not None}
+        return dict(out, metrics=self.metrics.to_dict())
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "LibraryEntry":
@@ -64,7 +61,8 @@ class LibraryEntry:
         name = data["file"]
         if "/" in name or "\\" in name or name.startswith("."):
             raise PlanFileError(f"{where}.file {name!r} must be a file in the folder")
-        return cls(**{f.name: data.get(f.name) for f in fields(cls)})
+        values = {f.name: data.get(f.name) for f in fields(cls)}
+        return cls(**dict(values, metrics=Metrics.from_dict(data["metrics"], where)))
 
     def check(self, spec: JobSpec, where: str) -> None:
         """The situation and placement must fit the spec (an edited index is not trusted)."""
@@ -95,8 +93,8 @@ def build_entry(args: tuple) -> dict[str, Any]:
     else:
         plan, placement = plan_best_placement(spec, policy, counts, settings, reference,
                                               reference_bound)
-    if settings.prove_work is not None and not plan.metrics["optimal"]:
-        ref = plan.metrics["fault_free_period"] if reference is None else reference
+    if settings.prove_work is not None and not plan.metrics.optimal:
+        ref = plan.metrics.fault_free_period if reference is None else reference
         plan = prove_plan(plan, ref, settings.prove_work, reference_bound)
     plan = Plan(plan.schedule, plan.timing, plan.metrics, plan.solver,
                 mapping={"placement": [list(g) for g in placement]})
@@ -106,6 +104,6 @@ def build_entry(args: tuple) -> dict[str, Any]:
     return LibraryEntry(
         failed_per_stage=list(counts), file=name, placement=[list(g) for g in placement],
         failed=[list(w) for w in plan.failed], failure_sets=failure_sets(spec, counts),
-        metrics={k: m[k] for k in ENTRY_METRICS if k in m}, solver=plan.solver, gap=m["gap"],
+        metrics=m.entry(), solver=plan.solver, gap=m.gap,
         spec_hash=shash, settings_hash=settings.hash, sha256=digest,
         proved=settings.prove_work).to_dict()

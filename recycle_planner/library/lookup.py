@@ -27,7 +27,7 @@ class Lookup:
     file: Path
     failed_per_stage: tuple[int, ...]
     mapping: Mapping
-    entry: dict[str, Any]
+    entry: LibraryEntry
     spec: JobSpec
 
     def plan(self) -> Plan:
@@ -36,7 +36,7 @@ class Lookup:
         if plan.schedule.spec != self.spec:
             raise PlanFileError(f"{self.file}: the plan is for another job than its library")
         failed = [list(w) for w in plan.failed]
-        if failed != [list(w) for w in self.entry.get("failed", failed)] or tuple(
+        if failed != [list(w) for w in (self.entry.failed or failed)] or tuple(
                 dead_per_stage(self.spec, plan.failed)) != self.failed_per_stage:
             raise PlanFileError(f"{self.file}: the plan's dead workers {failed} are not the "
                                 f"library entry's ({list(self.failed_per_stage)} per stage)")
@@ -44,8 +44,8 @@ class Lookup:
 
     def to_dict(self) -> dict[str, Any]:
         return {"file": str(self.file), "failed_per_stage": list(self.failed_per_stage),
-                "mapping": self.mapping.to_dict(), "placement": self.entry["placement"],
-                "failed_logical": self.entry.get("failed", []), "metrics": self.entry["metrics"]}
+                "mapping": self.mapping.to_dict(), "placement": self.entry.placement,
+                "failed_logical": self.entry.failed or [], "metrics": self.entry.metrics.to_dict()}
 
 
 class PlanLibrary:
@@ -64,10 +64,12 @@ class PlanLibrary:
                                 f"spec_hash (was the index edited?); rebuild it with "
                                 f"'recycle-planner plan-all --force'")
         self.max_failures = int(index["max_failures"])
-        for i, entry in enumerate(index["entries"]):
+        self._by_counts: dict[tuple[int, ...], LibraryEntry] = {}
+        for i, data in enumerate(index["entries"]):
             where = f"{folder / INDEX}: entries[{i}]"
-            LibraryEntry.from_dict(entry, where).check(self.spec, where)
-        self._by_counts = {tuple(e["failed_per_stage"]): e for e in index["entries"]}
+            entry = LibraryEntry.from_dict(data, where)
+            entry.check(self.spec, where)
+            self._by_counts[tuple(entry.failed_per_stage)] = entry
 
     @classmethod
     def open(cls, folder: str | Path, spec: JobSpec | None = None) -> "PlanLibrary":
@@ -109,10 +111,10 @@ class PlanLibrary:
     def fault_free_period(self) -> float:
         return float(self.index["fault_free_period"])
 
-    def entries(self) -> list[dict[str, Any]]:
-        return list(self.index["entries"])
+    def entries(self) -> list[LibraryEntry]:
+        return list(self._by_counts.values())
 
-    def entry(self, counts: tuple[int, ...]) -> dict[str, Any] | None:
+    def entry(self, counts: tuple[int, ...]) -> LibraryEntry | None:
         return self._by_counts.get(tuple(counts))
 
     def lookup(self, failed: Iterable[Iterable[int]]) -> Lookup:
@@ -128,16 +130,16 @@ class PlanLibrary:
         if entry is None:
             raise PlanFileError(f"{self.folder}: the library has no plan for per-stage failures "
                                 f"{list(counts)} (incomplete library: run plan-all again)")
-        placement = canonical(entry["placement"])
+        placement = canonical(entry.placement)
         mapping = map_failure(self.spec, dead, placement)
-        path = self.folder / entry["file"]
+        path = self.folder / entry.file
         digest = file_sha256(path)
-        if digest is None or digest != entry.get("sha256", digest):
+        if digest is None or digest != (entry.sha256 or digest):
             self._check_folder_is_ours()
         if digest is None:
             raise PlanFileError(f"{path}: the library's plan file for {list(counts)} is missing "
                                 f"(run plan-all again to restore it)")
-        if entry.get("sha256") is not None and digest != entry["sha256"]:
+        if entry.sha256 is not None and digest != entry.sha256:
             raise PlanFileError(f"{path}: the plan file has changed since the library was built "
                                 f"(its SHA-256 differs from the index); run plan-all again")
         return Lookup(path, counts, mapping, entry, self.spec)

@@ -36,7 +36,7 @@ def plan_best_placement(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
     for placement in options:
         plan = plan_situation(spec, policy, logical_failed(placement), settings,
                               reference=reference, reference_bound=reference_bound)
-        if best is None or plan.metrics["period"] < best[0].metrics["period"] - 1e-9:
+        if best is None or plan.metrics.period < best[0].metrics.period - 1e-9:
             best = (plan, placement)
     assert best is not None
     return best

@@ -15,7 +15,7 @@ def prove_plan(plan: Plan, reference: float, work: float,
     is found, and the best bound proven (the plan's own bounds kept)."""
     sim = simulate(plan.schedule)
     new, info, bound = cp_prove(plan.spec, plan.policy, plan.failed, work, sim)
-    bounds = [Bound(plan.metrics["lower_bound"], plan.metrics.get("lower_bound_reason", ""))]
+    bounds = [Bound(plan.metrics.lower_bound, plan.metrics.lower_bound_reason or "")]
     if bound is not None:
         bounds.append(Bound(bound, "the CP engine's bound (prove mode)"))
     if reference_bound is not None and plan.failed:

@@ -11,6 +11,7 @@ from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.schedules.ops import B, F, W, Worker
 from recycle_planner.schedules.schedule import Schedule
+from recycle_planner.timing.metrics import Metrics
 from recycle_planner.timing.simulate import Timing, cost_table
 
 
@@ -25,7 +26,7 @@ class WorkerStats:
 class Plan:
     schedule: Schedule
     timing: Timing
-    metrics: dict[str, Any]
+    metrics: Metrics
     solver: dict[str, Any] = field(default_factory=dict)
     mapping: dict[str, Any] | None = None
 

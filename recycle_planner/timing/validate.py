@@ -207,23 +207,23 @@ def _metrics(plan: Plan) -> list[Violation]:
     times = plan.timing
     m = plan.metrics
     actual = float(times.end[ids].max() - times.start[ids].min())
-    claimed = m.get("iteration_time")
-    if claimed is None or abs(claimed - actual) > _tol(actual):
+    claimed = m.iteration_time
+    if abs(claimed - actual) > _tol(actual):
         return [Violation("metrics", f"metrics.iteration_time is {claimed} but the ops span "
                           f"{actual:g} ms")]
     period = simulate(plan.schedule).period
-    ff = m["fault_free_period"]
-    lb = m["lower_bound"]
+    ff = m.fault_free_period
+    lb = m.lower_bound
     expected = {"period": period,
                 "degradation": period / ff - 1.0 if ff > 0 else 0.0,
                 "gap": max(0.0, period / lb - 1.0) if lb > 0 else 0.0,
                 "ops": plan.schedule.n_ops, "rerouted_ops": plan.schedule.rerouted_count()}
-    if "samples_per_iteration" in m and period > 0:
-        expected["throughput"] = m["samples_per_iteration"] / (period / 1000.0)
+    if m.samples_per_iteration is not None and period > 0:
+        expected["throughput"] = m.samples_per_iteration / (period / 1000.0)
     out = []
     for key, value in expected.items():
-        got = m.get(key, value)
-        if not isinstance(got, (int, float)) or abs(got - value) > _tol(value):
+        got = getattr(m, key)
+        if got is not None and abs(got - value) > _tol(value):
             what = "the ops repeat every" if key == "period" else "the ops give"
             unit = " ms" if key == "period" else ""
             out.append(Violation("metrics", f"metrics.{key} is {got} but {what} {value:g}{unit}"))

@@ -30,8 +30,8 @@ def plan_title(plan: Plan) -> str:
     m = plan.metrics
     name = plan.spec.name or "job"
     return (f"{name} | failed: {format_workers(plan.failed)} | {plan.policy.label} | "
-            f"period {m['period']:.4g} ms ({m['degradation']:+.1%} vs fault-free), "
-            f"lower bound {m['lower_bound']:.4g} ms")
+            f"period {m.period:.4g} ms ({m.degradation:+.1%} vs fault-free), "
+            f"lower bound {m.lower_bound:.4g} ms")
 
 
 def draw_gantt(plans: Sequence[Plan], path: str | Path, titles: Sequence[str] | None = None,

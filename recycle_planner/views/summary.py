@@ -20,7 +20,7 @@ def summary_dict(plan: Plan) -> dict[str, Any]:
             "name": plan.spec.name, "stages": plan.spec.stages,
             "pipelines": plan.spec.pipelines, "microbatches": plan.spec.microbatches,
             "failed": [list(w) for w in plan.failed], "policy": plan.policy.to_dict(),
-            "solver": dict(plan.solver), "metrics": dict(plan.metrics)}
+            "solver": dict(plan.solver), "metrics": plan.metrics.to_dict()}
 
 
 def plan_summary(plan: Plan) -> str:
@@ -40,15 +40,15 @@ def plan_summary(plan: Plan) -> str:
     lines = [
         f"{name}: {grid(spec)}, failed: {format_workers(plan.failed)}",
         f"  policy          {plan.policy.label}   {made}",
-        f"  period          {number(m['period'])} ms   "
-        f"(fault-free {number(m['fault_free_period'])} ms, degradation {m['degradation']:+.1%})",
-        f"  iteration time  {number(m['iteration_time'])} ms",
-        f"  lower bound     {number(m['lower_bound'])} ms   (gap {m.get('gap', 0.0):.1%}"
-        + (f": {m['lower_bound_reason']}" if m.get("lower_bound_reason") else "") + ")",
+        f"  period          {number(m.period)} ms   "
+        f"(fault-free {number(m.fault_free_period)} ms, degradation {m.degradation:+.1%})",
+        f"  iteration time  {number(m.iteration_time)} ms",
+        f"  lower bound     {number(m.lower_bound)} ms   (gap {m.gap or 0.0:.1%}"
+        + (f": {m.lower_bound_reason}" if m.lower_bound_reason else "") + ")",
     ]
     if milp:
         size = milp.get("model", {})
-        lines.append(_engine_line("milp", milp, m["period"],
+        lines.append(_engine_line("milp", milp, m.period,
                                   f"{size.get('binaries', '?')} binaries, "
                                   f"{size.get('constraints', '?')} constraints, "
                                   f"{milp.get('seconds', 0):.1f} s ({milp.get('backend')}, "
@@ -57,7 +57,7 @@ def plan_summary(plan: Plan) -> str:
         cp = plan.solver.get(name)
         if cp:
             probes = len(cp.get("probes", ()))
-            lines.append(_engine_line(name, cp, m["period"],
+            lines.append(_engine_line(name, cp, m.period,
                                       f"{cp.get('seconds', 0):.1f} s (work limit "
                                       f"{cp.get('work_limit')}, warm start {cp.get('warm_start')}"
                                       + (f", {probes} probes" if probes else "") + ")"))
@@ -65,15 +65,15 @@ def plan_summary(plan: Plan) -> str:
     if budget:
         lines.append(f"  auto budget     {budget['time_limit']:g} s MILP, {budget['work_limit']:g} "
                      f"CP work; spent {budget['seconds']:.1f} s")
-    if "bubble_rate" in m:
-        lines.append(f"  bubble rate     {m['bubble_rate']:.1%} mean, "
-                     f"{m.get('max_bubble_rate', m['bubble_rate']):.1%} worst worker")
-    if "peak_inflight" in m:
-        lines.append(f"  peak in-flight  {plural(m['peak_inflight'], 'micro-batch')} per worker")
-    if "rerouted_ops" in m:
-        lines.append(f"  re-routed ops   {m['rerouted_ops']:,} of {m.get('ops', 0):,}")
-    if "throughput" in m:
-        lines.append(f"  throughput      {number(m['throughput'], 5)} samples/s")
+    if m.bubble_rate is not None:
+        worst = m.bubble_rate if m.max_bubble_rate is None else m.max_bubble_rate
+        lines.append(f"  bubble rate     {m.bubble_rate:.1%} mean, {worst:.1%} worst worker")
+    if m.peak_inflight is not None:
+        lines.append(f"  peak in-flight  {plural(m.peak_inflight, 'micro-batch')} per worker")
+    if m.rerouted_ops is not None:
+        lines.append(f"  re-routed ops   {m.rerouted_ops:,} of {m.ops or 0:,}")
+    if m.throughput is not None:
+        lines.append(f"  throughput      {number(m.throughput, 5)} samples/s")
     return "\n".join(lines)
 
 

@@ -88,7 +88,7 @@ class PeriodModel:
         found = self._cache.get(key)
         if found is None:
             t0 = time.perf_counter()
-            found = float(plan_situation(spec, self.policy).metrics["period"])
+            found = plan_situation(spec, self.policy).metrics.period
             self.seconds += time.perf_counter() - t0
             self.evaluations += 1
             self._cache[key] = found
