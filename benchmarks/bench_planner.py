@@ -31,7 +31,8 @@ from recycle_planner.solvers.dp import dp_plan
 from recycle_planner.solvers.exhaustive import exhaustive
 from recycle_planner.solvers.heuristic import heuristic
 from recycle_planner.solvers.cp import run_cp
-from recycle_planner.solvers.milp import estimated_pairs, run_milp
+from recycle_planner.solvers.milp import run_milp
+from recycle_planner.solvers.milp_model import estimated_pairs
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

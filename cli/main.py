@@ -14,7 +14,7 @@ from recycle_planner import __version__
 from recycle_planner.errors import RecycleError
 from recycle_planner.job.policy import SCHEDULES
 from recycle_planner.library import Settings
-from recycle_planner.solvers.milp import BACKENDS
+from recycle_planner.solvers.milp_backends import BACKENDS
 from recycle_planner.solvers.registry import PROVE_WORK, SOLVERS, SolverSettings, solver_help
 from recycle_planner.cli.progress import Ticker
 from recycle_planner.words import plural

@@ -23,7 +23,8 @@ from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers.cp import cp_fits, cp_prove, cp_solution
 from recycle_planner.solvers.dp import dp_plan
 from recycle_planner.solvers.heuristic import Candidate, heuristic
-from recycle_planner.solvers.milp import estimated_pairs, milp_solution
+from recycle_planner.solvers.milp import milp_solution
+from recycle_planner.solvers.milp_model import estimated_pairs
 
 if TYPE_CHECKING:
     from recycle_planner.solvers.registry import SolverSettings

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.solvers import Solution
-from recycle_planner.solvers.milp import BACKENDS
+from recycle_planner.solvers.milp_backends import BACKENDS
 from recycle_planner.solvers.portfolio import (solve_auto, solve_cp, solve_dp, solve_heuristic,
                                                solve_milp)
 

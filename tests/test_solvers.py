@@ -13,7 +13,9 @@ from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers.dp import Slot, dp_assignment, dp_plan, match
 from recycle_planner.solvers.exhaustive import exhaustive
 from recycle_planner.solvers.heuristic import heuristic
-from recycle_planner.solvers.milp import ReroutingModel, estimated_pairs, run_milp
+from recycle_planner.solvers.milp import run_milp
+from recycle_planner.solvers.milp_model import ReroutingModel, estimated_pairs
+from recycle_planner.solvers.milp_warm import warm_values
 from recycle_planner.timing.validate import validate
 
 from conftest import EXAMPLES, make_spec
@@ -131,7 +133,7 @@ def test_warm_start_matches_the_model():
     for policy in (Policy(), BASELINE):
         warm = heuristic(spec, policy, failed).simulation
         model = ReroutingModel(spec, policy, failed, warm)
-        values = model.warm_values(warm)
+        values = warm_values(model, warm)
         assert values is not None and model.model.violation(values) <= 1e-6
         # The model's objective at the warm start is the plan's period (stagger: the largest
         # span in the steady state) or its iteration time (barrier).
