@@ -34,15 +34,15 @@ stages are matched independently (their windows come from the fault-free plan).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from recycle_planner.job.policy import Policy, budget_caps
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.schedules.ops import B, F, I, OpSpace, Worker, is_collective, worker_index
-from recycle_planner.solvers.heuristic import (Candidate, fault_free_simulation, list_schedule,
-                                               template_keys)
+from recycle_planner.solvers.heuristic import (Candidate, ListSettings, fault_free_simulation,
+                                               list_schedule, template_keys)
 from recycle_planner.timing.simulate import Simulation, simulate
 
 
@@ -156,13 +156,12 @@ def dp_plan(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Candid
     """The DP's assignment and priorities, list-scheduled (W in its template place, and with
     the I/W split also deferred into idle time); the shorter period wins."""
     assign, op_keys, _ = dp_assignment(spec, policy, failed)
-    caps = budget_caps(spec, policy)
-    keys = template_keys(spec, policy)
+    base = ListSettings(assign, budget_caps(spec, policy), template_keys(spec, policy),
+                        op_keys=op_keys)
     variants = [("slots", False)] + ([("slots, W deferred", True)] if policy.decouple else [])
     best: Candidate | None = None
     for name, defer in variants:
-        sim = simulate(list_schedule(spec, policy, failed, assign, caps, keys, defer_w=defer,
-                                     op_keys=op_keys))
+        sim = simulate(list_schedule(spec, policy, failed, replace(base, defer_w=defer)))
         if best is None or sim.period < best.simulation.period - 1e-9:
             best = Candidate(f"dp: {name}", sim)
     assert best is not None

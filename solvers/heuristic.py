@@ -29,7 +29,8 @@ import numpy as np
 from recycle_planner.job.policy import Policy, budget_caps
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.schedules.generators import fault_free
-from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker, worker_at, worker_index
+from recycle_planner.schedules.ops import (B, COMPUTE_KINDS, F, I, W, OpSpace, Worker, worker_at,
+                                          worker_index)
 from recycle_planner.schedules.schedule import Schedule, with_collectives
 from recycle_planner.timing.simulate import Simulation, simulate
 
@@ -77,145 +78,37 @@ def template_keys(spec: JobSpec, policy: Policy) -> np.ndarray:
     return keys
 
 
+@dataclass(frozen=True, eq=False)
+class ListSettings:
+    """How one list schedule chooses (see the module docstring); None takes the job's own."""
+
+    assignment: np.ndarray | None = None  # [d, s, m]: the pipeline whose stage-s worker runs
+    #                                       micro-batch m of pipeline d (default_assignment)
+    caps: tuple[int, ...] | None = None   # [s]: in-flight micro-batches of a stage-s worker
+    #                                       (the memory budget, budget_caps)
+    keys: np.ndarray | None = None        # [kind, s, m]: priorities (template_keys)
+    defer_w: bool = False                 # W only when nothing else is ready
+    op_keys: dict[tuple[int, int, int, int], float] | None = None  # (kind, d, s, m): one op's
+    #                                       priority, overriding `keys`
+    patient: bool = False  # rather than start an op, wait for one of higher priority that
+    #                        arrives before it would finish (keeps the template's order
+    #                        wherever the data comes in time)
+
+
 def list_schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
-                  assignment: np.ndarray | None = None, caps: tuple[int, ...] | None = None,
-                  keys: np.ndarray | None = None, defer_w: bool = False,
-                  op_keys: dict[tuple[int, int, int, int], float] | None = None,
-                  patient: bool = False) -> Schedule:
-    """One list schedule (see the module docstring).
-
-    `assignment[d, s, m]`: the pipeline whose stage-s worker runs micro-batch m of pipeline d;
-    `caps[s]`: in-flight micro-batch limit of a stage-s worker (default: the memory budget);
-    `keys`: priorities from `template_keys`; `defer_w`: W only when nothing else is ready;
-    `op_keys[(kind, d, s, m)]`: a priority for one op that overrides `keys`; `patient`: rather
-    than start an op, wait for one of higher priority that arrives before it would finish (the
-    fault-free schedule's order is then kept wherever the data comes in time)."""
-    D, S, M = spec.pipelines, spec.stages, spec.microbatches
-    if assignment is None:
-        assignment = default_assignment(spec, failed)
-    if caps is None:
-        caps = budget_caps(spec, policy)
-    if keys is None:
-        keys = template_keys(spec, policy)
-    space = OpSpace(S, D, M)
-    split = policy.decouple
-    bwd = I if split else B
-    fwd_cost, p2p, w_cost = spec.forward, spec.p2p, spec.backward_weight
-    bwd_cost = spec.backward_input if split else spec.backward
-    key_of = _priorities(keys, defer_w)
-    exe, remaining = _executors(spec, failed, assignment, ops_per_microbatch=3 if split else 2)
-    n_workers = D * S
-    # Op ids as in OpSpace: ((kind * D + d) * S + s) * M + m; unit = (d * S + s) * M + m.
-    DSM = D * S * M
-    deps_left = _inputs_needed(spec, bwd)   # inputs an op still waits for
-    ready_at = [0.0] * (4 * DSM)  # when the last of them arrived
-    cap = [caps[worker_at(S, w)[1]] for w in range(n_workers)]
-    inflight = [0] * n_workers
-    free_at = [0.0] * n_workers
-    wake = [math.inf] * n_workers       # time of the worker's next decision event
-    future: list[list] = [[] for _ in range(n_workers)]   # (ready time, key, tie, op)
-    ready_f: list[list] = [[] for _ in range(n_workers)]  # forwards, gated by memory
-    ready_o: list[list] = [[] for _ in range(n_workers)]  # everything else
-    orders: list[list[int]] = [[] for _ in range(n_workers)]
-    events: list[tuple[float, int]] = []
-    heappush, heappop = heapq.heappush, heapq.heappop
-    tie_kind = [KIND_TIEBREAK[k] for k in range(4)]
-
-    def release(op: int, t: float) -> None:
-        """Op `op` has all its inputs at time t: queue it on its worker."""
-        kind, u = divmod(op, DSM)
-        m = u % M
-        d, s = divmod(u // M, S)
-        w = exe[u]
-        key = key_of[kind][s][m] if op_keys is None else \
-            op_keys.get((kind, d, s, m), key_of[kind][s][m])
-        tie = ((tie_kind[kind] * 2 + (d != w // S)) * D + d) * M + m
-        heappush(future[w], (t, key, tie, op))
-        if t < wake[w] and free_at[w] <= t:  # a busy worker decides when it is free anyway
-            wake[w] = t
-            heappush(events, (t, w))
-
-    for d in range(D):
-        for m in range(M):
-            release(F * DSM + d * S * M + m, 0.0)
-
-    while events:
-        t, w = heappop(events)
-        if t != wake[w] or free_at[w] > t or remaining[w] == 0:
-            continue  # superseded, busy, or done
-        wake[w] = math.inf
-        fut = future[w]
-        while fut and fut[0][0] <= t:
-            item = heappop(fut)
-            heappush(ready_f[w] if item[3] < DSM else ready_o[w], item[1:])
-        qf = ready_f[w] if inflight[w] < cap[w] else None
-        qo = ready_o[w]
-        if qf and (not qo or qf[0] < qo[0]):
-            q = qf
-        elif qo:
-            q = qo
-        else:
-            if fut:
-                wake[w] = fut[0][0]
-                heappush(events, (wake[w], w))
-            continue
-        if patient and fut:
-            best = q[0]
-            kind0, u0 = divmod(best[2], DSM)
-            s0 = (u0 // M) % S
-            finish = t + (fwd_cost[s0] if kind0 == F else w_cost[s0] if kind0 == W
-                          else bwd_cost[s0])
-            # The earliest-arriving op that outranks the candidate and comes before it is done.
-            soon = [item for item in fut if item[0] < finish and item[1:3] < best[:2]
-                    and (item[3] >= DSM or inflight[w] < cap[w])]
-            if soon:
-                wake[w] = min(item[0] for item in soon)
-                heappush(events, (wake[w], w))
-                continue
-        op = heappop(q)[2]
-        kind, u = divmod(op, DSM)
-        s = (u // M) % S
-        if kind == F:
-            end = t + fwd_cost[s]
-            inflight[w] += 1
-        elif kind == W:
-            end = t + w_cost[s]
-            inflight[w] -= 1
-        else:
-            end = t + bwd_cost[s]
-            if kind == B:
-                inflight[w] -= 1
-        free_at[w] = end
-        orders[w].append(op)
-        remaining[w] -= 1
-        wake[w] = end
-        heappush(events, (end, w))
-        # Inputs this op produces: the next stage's forward, this micro-batch's backward,
-        # the previous stage's backward, this micro-batch's W.
-        if kind == F:
-            if s < S - 1:
-                nxt = op + M
-                ready_at[nxt] = end + p2p[s]
-                release(nxt, ready_at[nxt])
-            nxt = bwd * DSM + u
-            deps_left[nxt] -= 1
-            if end > ready_at[nxt]:
-                ready_at[nxt] = end
-            if deps_left[nxt] == 0:
-                release(nxt, ready_at[nxt])
-        else:
-            if kind == I:
-                release(W * DSM + u, end)
-            if kind != W and s > 0:
-                nxt = op - M
-                t_in = end + p2p[s]
-                deps_left[nxt] -= 1
-                if t_in > ready_at[nxt]:
-                    ready_at[nxt] = t_in
-                if deps_left[nxt] == 0:
-                    release(nxt, ready_at[nxt])
-    if any(remaining):  # a bug, not bad input: with every cap >= 1 the last stage always drains
-        raise RuntimeError("list scheduling stalled")
+                  settings: ListSettings = ListSettings()) -> Schedule:
+    """One list schedule (see the module docstring), in passes: the priorities, which worker
+    runs each unit, how many inputs each op waits for, the event loop, and the schedule."""
+    space = OpSpace(spec.stages, spec.pipelines, spec.microbatches)
+    assignment = default_assignment(spec, failed) if settings.assignment is None \
+        else settings.assignment
+    caps = budget_caps(spec, policy) if settings.caps is None else settings.caps
+    keys = template_keys(spec, policy) if settings.keys is None else settings.keys
+    bwd = I if policy.decouple else B
+    exe, remaining = _executors(spec, failed, assignment, ops_per_microbatch=3 if bwd == I else 2)
+    orders = _event_loop(spec, policy, space, _priorities(keys, settings.defer_w),
+                         settings.op_keys, settings.patient, exe, remaining,
+                         _inputs_needed(space, bwd), caps)
     return _schedule(spec, policy, failed, space, orders)
 
 
@@ -231,8 +124,9 @@ def _priorities(keys: np.ndarray, defer_w: bool) -> list:
 
 def _executors(spec: JobSpec, failed: tuple[Worker, ...], assignment: np.ndarray,
                ops_per_microbatch: int) -> tuple[list[int], list[int]]:
-    """exe[unit]: the worker index that runs unit (d * S + s) * M + m, and how many ops each
-    worker must run; an error if the assignment gives work to a dead worker."""
+    """exe[unit]: the worker index that runs each unit (OpSpace's order is the assignment's
+    [d, s, m]), and how many ops each worker must run; an error if the assignment gives work to
+    a dead worker."""
     S = spec.stages
     exe = worker_index(S, assignment, np.arange(S)[None, :, None]).ravel().tolist()
     remaining = (np.bincount(exe, minlength=spec.workers) * ops_per_microbatch).tolist()
@@ -242,22 +136,126 @@ def _executors(spec: JobSpec, failed: tuple[Worker, ...], assignment: np.ndarray
     return exe, remaining
 
 
-def _inputs_needed(spec: JobSpec, bwd: int) -> list[int]:
-    """Per op id, how many inputs it waits for: F its previous stage's (none at stage 0), the
-    backward its forward and the next stage's gradient (the last stage only its forward), W
-    its I."""
-    D, S, M = spec.pipelines, spec.stages, spec.microbatches
-    DSM = D * S * M
-    deps_left = [0] * (4 * DSM)
-    for s in range(S):
-        for d in range(D):
-            base = worker_index(S, d, s) * M
-            for m in range(M):
-                u = base + m
-                deps_left[F * DSM + u] = 1 if s > 0 else 0
-                deps_left[bwd * DSM + u] = 2 if s < S - 1 else 1
-                deps_left[W * DSM + u] = 1
-    return deps_left
+def _inputs_needed(space: OpSpace, bwd: int) -> list[int]:
+    """Per compute op id, how many inputs it waits for: F its previous stage's (none at stage
+    0), the backward its forward and the next stage's gradient (the last stage only its
+    forward), W its I."""
+    _, _, stage, _ = space.decode(np.arange(space.per_kind))  # of every unit
+    n = space.per_kind
+    deps = np.zeros(COMPUTE_KINDS * n, dtype=np.int64)
+    deps[F * n:(F + 1) * n] = stage > 0
+    deps[bwd * n:(bwd + 1) * n] = np.where(stage < space.S - 1, 2, 1)
+    deps[W * n:(W + 1) * n] = 1
+    return deps.tolist()
+
+
+def _event_loop(spec: JobSpec, policy: Policy, space: OpSpace, key_of: list,
+                op_keys: dict[tuple[int, int, int, int], float] | None, patient: bool,
+                exe: list[int], remaining: list[int], deps_left: list[int],
+                caps: tuple[int, ...]) -> list[list[int]]:
+    """Every worker's op order: whenever a worker is free it starts its best ready op (see
+    the module docstring); an op becomes ready when the last of its inputs arrives."""
+    S, M, D = space.S, space.M, space.D
+    n, step = space.per_kind, space.stage_step
+    _, unit_d, unit_s, unit_m = (a.tolist() for a in space.decode(np.arange(n)))
+    bwd = I if policy.decouple else B
+    cost = [spec.forward, spec.backward_input, spec.backward_weight, spec.backward]  # by kind
+    holds = [1, 0, -1, -1]  # by kind: the in-flight micro-batches it takes or releases
+    p2p = spec.p2p
+    n_workers = spec.workers
+    ready_at = [0.0] * (COMPUTE_KINDS * n)  # when the last input of each op arrived
+    cap = [caps[worker_at(S, w)[1]] for w in range(n_workers)]
+    inflight = [0] * n_workers
+    free_at = [0.0] * n_workers
+    wake = [math.inf] * n_workers       # time of the worker's next decision event
+    future: list[list] = [[] for _ in range(n_workers)]   # (ready time, key, tie, op)
+    ready_f: list[list] = [[] for _ in range(n_workers)]  # forwards, gated by memory
+    ready_o: list[list] = [[] for _ in range(n_workers)]  # everything else
+    orders: list[list[int]] = [[] for _ in range(n_workers)]
+    events: list[tuple[float, int]] = []
+    heappush, heappop = heapq.heappush, heapq.heappop
+    tie_kind = [KIND_TIEBREAK[k] for k in range(COMPUTE_KINDS)]
+
+    def release(op: int, t: float) -> None:
+        """Op `op` has all its inputs at time t: queue it on its worker."""
+        kind, u = divmod(op, n)
+        d, s, m = unit_d[u], unit_s[u], unit_m[u]
+        w = exe[u]
+        key = key_of[kind][s][m] if op_keys is None else \
+            op_keys.get((kind, d, s, m), key_of[kind][s][m])
+        tie = ((tie_kind[kind] * 2 + (d != w // S)) * D + d) * M + m
+        heappush(future[w], (t, key, tie, op))
+        if t < wake[w] and free_at[w] <= t:  # a busy worker decides when it is free anyway
+            wake[w] = t
+            heappush(events, (t, w))
+
+    def deliver(op: int, t: float) -> None:
+        """One input of `op` arrives at time t."""
+        deps_left[op] -= 1
+        if t > ready_at[op]:
+            ready_at[op] = t
+        if deps_left[op] == 0:
+            release(op, ready_at[op])
+
+    for d in range(D):
+        for m in range(M):
+            release(space.compute(F, d, 0, m), 0.0)
+
+    while events:
+        t, w = heappop(events)
+        if t != wake[w] or free_at[w] > t or remaining[w] == 0:
+            continue  # superseded, busy, or done
+        wake[w] = math.inf
+        fut = future[w]
+        while fut and fut[0][0] <= t:
+            item = heappop(fut)
+            heappush(ready_f[w] if item[3] < n else ready_o[w], item[1:])
+        qf = ready_f[w] if inflight[w] < cap[w] else None
+        qo = ready_o[w]
+        if qf and (not qo or qf[0] < qo[0]):
+            q = qf
+        elif qo:
+            q = qo
+        else:
+            if fut:
+                wake[w] = fut[0][0]
+                heappush(events, (wake[w], w))
+            continue
+        if patient and fut:
+            best = q[0]
+            kind0, u0 = divmod(best[2], n)
+            finish = t + cost[kind0][unit_s[u0]]
+            # The earliest-arriving op that outranks the candidate and comes before it is done.
+            soon = [item for item in fut if item[0] < finish and item[1:3] < best[:2]
+                    and (item[3] >= n or inflight[w] < cap[w])]
+            if soon:
+                wake[w] = min(item[0] for item in soon)
+                heappush(events, (wake[w], w))
+                continue
+        op = heappop(q)[2]
+        kind, u = divmod(op, n)
+        s = unit_s[u]
+        end = t + cost[kind][s]
+        inflight[w] += holds[kind]
+        free_at[w] = end
+        orders[w].append(op)
+        remaining[w] -= 1
+        wake[w] = end
+        heappush(events, (end, w))
+        # Inputs this op produces: the next stage's forward, this micro-batch's backward,
+        # the previous stage's backward, this micro-batch's W.
+        if kind == F:
+            if s < S - 1:
+                deliver(op + step, end + p2p[s])
+            deliver(bwd * n + u, end)
+        else:
+            if kind == I:
+                deliver(W * n + u, end)
+            if kind != W and s > 0:
+                deliver(op - step, end + p2p[s])
+    if any(remaining):  # a bug, not bad input: with every cap >= 1 the last stage always drains
+        raise RuntimeError("list scheduling stalled")
+    return orders
 
 
 def _schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], space: OpSpace,
@@ -301,9 +299,8 @@ class Candidate:
 def heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Candidate:
     """The best of the list-scheduling candidates (see the module docstring); without failures
     the schedule's own generator competes too."""
-    assignment = default_assignment(spec, failed)
-    caps = budget_caps(spec, policy)
-    keys = template_keys(spec, policy)
+    base = ListSettings(default_assignment(spec, failed), budget_caps(spec, policy),
+                        template_keys(spec, policy))
     # With the I/W split, ZB-H1's order is 1F1B's with W deferred into the bubbles: it fits
     # the same memory (every worker holds at most S micro-batches, 1F1B's peak), so a 1F1B job
     # may run it. A GPipe job keeps its forward-first shape (its template orders only).
@@ -316,20 +313,19 @@ def heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Cand
             # the plan keeps the job's policy: only its order is ZB-H1's
             candidates.append(("zb-h1 generator", lambda: replace(fault_free(spec, zb),
                                                                   policy=policy)))
-    candidates.append(("template order", lambda: list_schedule(
-        spec, policy, failed, assignment, caps, keys)))
+    candidates.append(("template order", lambda: list_schedule(spec, policy, failed, base)))
     if policy.decouple:
         candidates.append(("W deferred", lambda: list_schedule(
-            spec, policy, failed, assignment, caps, keys, defer_w=True)))
+            spec, policy, failed, replace(base, defer_w=True))))
         candidates.append(("W deferred, patient", lambda: list_schedule(
-            spec, policy, failed, assignment, caps, keys, defer_w=True, patient=True)))
+            spec, policy, failed, replace(base, defer_w=True, patient=True))))
         if zb_orders:
             candidates.append(("zb-h1 order, patient", lambda: list_schedule(
-                spec, policy, failed, assignment, caps, template_keys(spec, zb), patient=True)))
+                spec, policy, failed, replace(base, keys=template_keys(spec, zb), patient=True))))
         if policy.schedule != "zb-h1":
             fused = Policy(policy.schedule, decouple=False, stagger=policy.stagger)
             candidates.append(("fused order, split", lambda: split_backwards(list_schedule(
-                spec, fused, failed, assignment, caps, template_keys(spec, fused)), policy)))
+                spec, fused, failed, replace(base, keys=template_keys(spec, fused))), policy)))
     best: Candidate | None = None
     seen: set[tuple[bytes, ...]] = set()
     for name, build in candidates:

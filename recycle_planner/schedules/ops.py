@@ -103,13 +103,18 @@ def worker_name(stages: int, index: int) -> str:
 class OpSpace:
     """Integer ids for every op a job of this shape can have in one iteration.
 
-    Compute ops: id = ((kind * D + d) * S + s) * M + m for kind in F, I, W, B.
-    Collectives: ALLREDUCE of worker (d, s) is 4DSM + d*S + s, OPTIMIZER is 4DSM + DS + d*S + s.
+    Compute ops: id = ((kind * D + d) * S + s) * M + m for kind in F, I, W, B, that is
+    kind * `per_kind` + the *unit* (d * S + s) * M + m (one micro-batch of one pipeline at one
+    stage: worker_index(S, d, s) * M + m); the same micro-batch one stage on is `stage_step`
+    further. Collectives: ALLREDUCE of worker (d, s) is 4DSM + d*S + s, OPTIMIZER is
+    4DSM + DS + d*S + s.
     """
 
     def __init__(self, stages: int, pipelines: int, microbatches: int):
         self.S, self.D, self.M = stages, pipelines, microbatches
-        self.n_compute = COMPUTE_KINDS * pipelines * stages * microbatches
+        self.per_kind = pipelines * stages * microbatches  # units, = compute ids of one kind
+        self.stage_step = microbatches
+        self.n_compute = COMPUTE_KINDS * self.per_kind
         self.size = self.n_compute + 2 * pipelines * stages
 
     def compute(self, kind, d, s, m):
