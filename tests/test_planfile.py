@@ -9,6 +9,7 @@ from recycle_planner.errors import PlanFileError
 from recycle_planner.files.planfile import plan_to_dict, read_plan, write_plan
 from recycle_planner.job.policy import Policy
 from recycle_planner.planner import plan_situation
+from recycle_planner.timing.metrics import Metrics
 from recycle_planner.timing.plan import Plan
 from recycle_planner.timing.validate import validate
 
@@ -78,6 +79,11 @@ def test_truncated_file(plan, tmp_path):
     (lambda d: d.update(failed=[[0, 0], [1, 0], [2, 0]]), "every worker of stage 0 is dead"),
     (lambda d: d["spec"]["time"].update(forward=-1), "'time.forward' must be positive"),
     (lambda d: d["metrics"].update(period=None), "metrics.period must be a number"),
+    (lambda d: d["metrics"].pop("lower_bound"), "metrics.lower_bound must be a number"),
+    (lambda d: d["metrics"].update(optimal="yes"), "metrics.optimal must be true or false"),
+    (lambda d: d["metrics"].update(ops=True), "metrics.ops must be a number"),
+    (lambda d: d["metrics"].update(lower_bound_reason=3), "metrics.lower_bound_reason must be a string"),
+    (lambda d: d.update(metrics=[]), "'metrics' must be an object"),
     (lambda d: d["workers"].append(d["workers"][0]), "appears twice"),
     (lambda d: d["policy"].update(decouple="false"), "'policy.decouple' must be a boolean"),
     (lambda d: d["policy"].update(schedule="zb-h2"), "unknown schedule 'zb-h2'"),
@@ -90,6 +96,19 @@ def test_foreign_or_inconsistent_file(plan, tmp_path, mutate, message):
     with pytest.raises(PlanFileError, match=message) as err:
         read_plan(path)
     assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_metrics_keep_the_plan_file_format(plan):
+    """Metrics.to_dict writes the keys the plan file always had; what a hand-made file leaves
+    out stays out, and a library entry repeats only its figures."""
+    data = plan.metrics.to_dict()
+    assert list(data)[:8] == ["iteration_time", "period", "fault_free_period", "degradation",
+                              "lower_bound", "lower_bound_reason", "gap", "optimal"]
+    assert Metrics.from_dict(data) == plan.metrics
+    bare = {k: data[k] for k in ("iteration_time", "period", "fault_free_period", "degradation",
+                                 "lower_bound")}
+    assert Metrics.from_dict(dict(bare, future_figure=1)).to_dict() == bare
+    assert set(plan.metrics.entry().to_dict()) == set(bare) | {"gap", "optimal"}
 
 
 def test_not_json_at_all(tmp_path):

@@ -69,24 +69,23 @@ def test_op_on_dead_worker(plan):
     assert "dead-worker" in rules(rebuild(plan, orders))
 
 
-def test_op_on_worker_of_another_stage(plan):
+def moved(plan, op, src, dst):
+    """The plan's orders with `op` taken from worker `src` to `dst`, before its collectives."""
     orders = list(plan.schedule.orders)
-    space = plan.schedule.space
-    op = space.compute(W, 0, 1, 2)
-    src, dst = idx(plan, (0, 1)), idx(plan, (0, 3))
+    src, dst = idx(plan, src), idx(plan, dst)
     orders[src] = orders[src][orders[src] != op]
     orders[dst] = np.insert(orders[dst], len(orders[dst]) - 2, op)
-    assert "wrong-stage" in rules(rebuild(plan, orders))
+    return orders
+
+
+def test_op_on_worker_of_another_stage(plan):
+    op = plan.schedule.space.compute(W, 0, 1, 2)
+    assert "wrong-stage" in rules(rebuild(plan, moved(plan, op, (0, 1), (0, 3))))
 
 
 def test_microbatch_split_across_workers(plan):
-    orders = list(plan.schedule.orders)
-    space = plan.schedule.space
-    op = space.compute(W, 0, 1, 2)
-    src, dst = idx(plan, (0, 1)), idx(plan, (2, 1))
-    orders[src] = orders[src][orders[src] != op]
-    orders[dst] = np.insert(orders[dst], len(orders[dst]) - 2, op)
-    assert rules(rebuild(plan, orders)) == {"split-microbatch"}
+    op = plan.schedule.space.compute(W, 0, 1, 2)
+    assert rules(rebuild(plan, moved(plan, op, (0, 1), (2, 1)))) == {"split-microbatch"}
 
 
 def test_dependency_ignores_transfer_latency(plan):

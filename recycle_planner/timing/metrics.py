@@ -11,7 +11,7 @@ and from library entries, which repeat only `ENTRY_FIELDS`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 from recycle_planner.errors import PlanFileError
@@ -67,8 +67,7 @@ class Metrics:
 
     def entry(self) -> "Metrics":
         """The figures a library entry repeats (ENTRY_FIELDS), the others left out."""
-        return replace(Metrics(**{k: getattr(self, k) for k in REQUIRED}),
-                       gap=self.gap, optimal=self.optimal)
+        return Metrics(**{k: getattr(self, k) for k in ENTRY_FIELDS})
 
 
 def _fits(value: Any, annotation: str) -> bool:
