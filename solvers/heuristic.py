@@ -163,6 +163,7 @@ def _event_loop(spec: JobSpec, policy: Policy, space: OpSpace, key_of: list,
     holds = [1, 0, -1, -1]  # by kind: the in-flight micro-batches it takes or releases
     p2p = spec.p2p
     n_workers = spec.workers
+    pipeline_of = [worker_at(S, w)[0] for w in range(n_workers)]
     ready_at = [0.0] * (COMPUTE_KINDS * n)  # when the last input of each op arrived
     cap = [caps[worker_at(S, w)[1]] for w in range(n_workers)]
     inflight = [0] * n_workers
@@ -183,7 +184,7 @@ def _event_loop(spec: JobSpec, policy: Policy, space: OpSpace, key_of: list,
         w = exe[u]
         key = key_of[kind][s][m] if op_keys is None else \
             op_keys.get((kind, d, s, m), key_of[kind][s][m])
-        tie = ((tie_kind[kind] * 2 + (d != w // S)) * D + d) * M + m
+        tie = ((tie_kind[kind] * 2 + (d != pipeline_of[w])) * D + d) * M + m
         heappush(future[w], (t, key, tie, op))
         if t < wake[w] and free_at[w] <= t:  # a busy worker decides when it is free anyway
             wake[w] = t

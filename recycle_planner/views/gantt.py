@@ -14,7 +14,8 @@ from typing import Sequence
 import numpy as np
 
 from recycle_planner.job.workers import format_workers
-from recycle_planner.schedules.ops import KIND_NAMES, KIND_TITLES, worker_at, worker_index
+from recycle_planner.schedules.ops import (KIND_NAMES, KIND_TITLES, is_collective, worker_at,
+                                          worker_index)
 from recycle_planner.schedules.schedule import rerouted
 from recycle_planner.timing.plan import Plan
 from recycle_planner.views.figures import picture_format, pyplot, save_figure
@@ -66,7 +67,8 @@ def draw_gantt(plans: Sequence[Plan], path: str | Path, titles: Sequence[str] | 
     for plan, _ in panels:
         kinds |= set(plan.schedule.space.decode(plan.schedule.flat[0])[0].tolist())
     handles = [Patch(facecolor=COLOURS[k], label=f"{KIND_NAMES[k]}: {KIND_TITLES[k]}"
-                     if k < 4 else KIND_TITLES[k]) for k in range(6) if k in kinds]
+                     if not is_collective(k) else KIND_TITLES[k])
+               for k in range(len(KIND_NAMES)) if k in kinds]
     if any(plan.schedule.rerouted_count() for plan, _ in panels):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
                              label="re-routed (label: pPIPELINE:MICRO-BATCH, or pPIPELINE)"))
