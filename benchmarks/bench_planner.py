@@ -162,7 +162,7 @@ def quality() -> dict:
                 lib = PlanLibrary.open(tmp)
                 entries = lib.entries()
             for n in (1, 2, 3):
-                es = [e for e in entries if sum(e["failed_per_stage"]) == n]
+                es = [e.to_dict() for e in entries if sum(e.failed_per_stage) == n]
                 if not es:
                     continue
                 deg = [e["metrics"]["degradation"] for e in es]

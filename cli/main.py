@@ -526,11 +526,11 @@ def lookup(library: Path, failed: tuple[str, ...], as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(hit.to_dict(), indent=2))
         return
-    m = hit.entry["metrics"]
+    m = hit.entry.metrics
     click.echo(f"plan: {hit.file}")
     click.echo(f"dead (physical): {format_workers(sorted(parse_worker(f) for f in failed))}; "
                f"per stage {list(hit.failed_per_stage)}; in the plan (logical): "
-               f"{format_workers(tuple(map(tuple, hit.entry.get('failed', []))))}")
+               f"{format_workers(tuple(map(tuple, hit.entry.failed or [])))}")
     click.echo(f"period {m['period']:.4g} ms, degradation {m['degradation']:+.1%}, "
                f"gap {m.get('gap', 0):.1%}")
     click.echo("logical pipeline of each physical worker, by stage (pipeline 0, 1, ...):")

@@ -135,7 +135,7 @@ def test_plan_all_prove_closes_gaps_and_resumes(tmp_path):
     folder = tmp_path / "lib"
     fast = Settings(solver="heuristic", max_placements=1)
     build_library(spec, Policy(), 1, folder, fast, jobs=1)
-    before = {tuple(e["failed_per_stage"]): e for e in PlanLibrary.open(folder).entries()}
+    before = {e.counts: e.to_dict() for e in PlanLibrary.open(folder).entries()}
     proving = Settings(solver="heuristic", max_placements=1, prove_work=2)
     index = build_library(spec, Policy(), 1, folder, proving, jobs=1)
     after = {tuple(e["failed_per_stage"]): e for e in index["entries"]}
@@ -149,7 +149,7 @@ def test_plan_all_prove_closes_gaps_and_resumes(tmp_path):
         sum(e["metrics"]["gap"] for e in before.values())
     lib = PlanLibrary.open(folder)
     for e in lib.entries():
-        assert validate(lib.lookup([tuple(w) for w in e["failed"]]).plan()) == []
+        assert validate(lib.lookup([tuple(w) for w in e.failed]).plan()) == []
     stamp = (folder / "index.json").stat().st_mtime_ns
     mtimes = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
     build_library(spec, Policy(), 1, folder, proving, jobs=1)  # resumes: nothing to redo

@@ -16,18 +16,18 @@ def library_rows(lib: PlanLibrary) -> list[dict]:
     ref = lib.fault_free_period
     groups: dict[int, list[dict]] = defaultdict(list)
     for entry in lib.entries():
-        groups[sum(entry["failed_per_stage"])].append(entry)
+        groups[sum(entry.failed_per_stage)].append(entry)
     rows = []
     for n in sorted(groups):
         es = groups[n]
-        deg = [e["metrics"]["degradation"] for e in es]
-        gap = [e["metrics"].get("gap", 0.0) for e in es]
-        bound = [e["metrics"]["lower_bound"] / ref - 1 for e in es]
+        deg = [e.metrics["degradation"] for e in es]
+        gap = [e.metrics.get("gap", 0.0) for e in es]
+        bound = [e.metrics["lower_bound"] / ref - 1 for e in es]
         rows.append({"failures": n, "situations": len(es),
-                     "failure_sets": sum(e.get("failure_sets", 0) for e in es),
+                     "failure_sets": sum(e.failure_sets or 0 for e in es),
                      "mean_degradation": sum(deg) / len(deg), "worst_degradation": max(deg),
                      "mean_gap": sum(gap) / len(gap), "worst_gap": max(gap),
-                     "optimal": sum(bool(e["metrics"].get("optimal")) for e in es),
+                     "optimal": sum(bool(e.metrics.get("optimal")) for e in es),
                      "mean_lower_bound_degradation": sum(bound) / len(bound)})
     return rows
 
@@ -38,14 +38,15 @@ def library_dict(lib: PlanLibrary) -> dict:
             "spec": lib.spec.to_dict(), "policy": lib.policy.to_dict(),
             "max_failures": lib.max_failures, "complete": lib.index.get("complete", True),
             "fault_free_period": lib.fault_free_period, "rows": library_rows(lib),
-            "situations": [{k: e[k] for k in ("failed_per_stage", "file", "metrics", "solver")
-                            if k in e} for e in lib.entries()]}
+            "situations": [{k: v for k, v in e.to_dict().items()
+                            if k in ("failed_per_stage", "file", "metrics", "solver", "made")}
+                           for e in lib.entries()]}
 
 
 def library_text(lib: PlanLibrary) -> str:
     spec = lib.spec
     entries = lib.entries()
-    gaps = [e["metrics"].get("gap", 0.0) for e in entries]
+    gaps = [e.metrics.get("gap", 0.0) for e in entries]
     lines = [f"library {lib.folder}: {spec.name or 'job'}, {grid(spec)}, "
              f"policy {lib.policy.label}, up to {plural(lib.max_failures, 'failure')}",
              f"fault-free period {number(lib.fault_free_period)} ms; "
@@ -60,14 +61,14 @@ def library_text(lib: PlanLibrary) -> str:
                      f"{r['mean_degradation']:>10.1%} {r['worst_degradation']:>11.1%} "
                      f"{r['mean_gap']:>9.2%} {r['worst_gap']:>9.2%} "
                      f"{r['optimal']:>4}/{r['situations']:<3}")
-    worst = sorted(entries, key=lambda e: -e["metrics"]["degradation"])[:5]
-    if worst and worst[0]["metrics"]["degradation"] > 0:
+    worst = sorted(entries, key=lambda e: -e.metrics["degradation"])[:5]
+    if worst and worst[0].metrics["degradation"] > 0:
         lines += ["", "worst situations (dead workers per stage):"]
         for e in worst:
-            m = e["metrics"]
-            lines.append(f"  {e['failed_per_stage']}  period {number(m['period'])} ms, "
+            m = e.metrics
+            lines.append(f"  {e.failed_per_stage}  period {number(m['period'])} ms, "
                          f"degradation {m['degradation']:+.1%}, gap {m.get('gap', 0):.1%}, "
-                         f"solver {e.get('solver', {}).get('name', '?')}  ({e['file']})")
+                         f"solver {(e.solver or {}).get('name', '?')}  ({e.file})")
     return "\n".join(lines)
 
 
@@ -78,8 +79,8 @@ def plot_library(lib: PlanLibrary, path: str | Path) -> None:
     fmt = picture_format(path)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    xs = [sum(e["failed_per_stage"]) for e in lib.entries()]
-    ys = [100 * e["metrics"]["degradation"] for e in lib.entries()]
+    xs = [sum(e.failed_per_stage) for e in lib.entries()]
+    ys = [100 * e.metrics["degradation"] for e in lib.entries()]
     # Spread the dots of one failure count sideways so that equal values stay visible.
     jitter = list(map(float, xs))
     for n in set(xs):
