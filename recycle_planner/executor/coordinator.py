@@ -30,9 +30,8 @@ import time
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor import protocol as P
 from recycle_planner.executor.agent import (Agent, LaunchConfig, LaunchResult, TrainingStopped,
-                                            _Proc)
+                                            _Proc, prepare_library)
 from recycle_planner.executor.config import CONFIG_ERROR
-from recycle_planner.library import PlanLibrary
 
 class Coordinator(Agent):
     """`Agent` for workers on other hosts: exits come from host agents, hangs are leases."""
@@ -111,11 +110,7 @@ def coordinate(config: LaunchConfig, nnodes: int, on_event=None) -> LaunchResult
     if nnodes < 1 or config.nproc % nnodes:
         raise RecycleError(f"{config.nproc} workers cannot be spread evenly over {nnodes} "
                            f"hosts")
-    if config.library is not None:
-        spec = PlanLibrary.open(config.library).spec
-        if spec.workers != config.nproc:
-            raise RecycleError(f"the plan library {config.library} is for {spec.workers} "
-                               f"workers, not {config.nproc}")
+    config = prepare_library(config)  # plans made on demand go to the shared run folder
     result = Coordinator(config, nnodes, on_event).run()
     if result.status != "completed":
         raise TrainingStopped(result.message, result)

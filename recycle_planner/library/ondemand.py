@@ -12,11 +12,16 @@ the budget); the coordinator switches to it only when it is better by a margin.
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import time
+from pathlib import Path
 
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.situations import Placement, logical_failed, packed
 from recycle_planner.job.spec import JobSpec
+from recycle_planner.library.entries import ON_DEMAND, LibraryEntry
 from recycle_planner.library.placement import plan_best_placement
 from recycle_planner.library.settings import Settings
 from recycle_planner.planner import finish_plan, solve
@@ -35,6 +40,9 @@ REFINE_BUDGET = 60.0
 REFINE_MARGIN = 0.01
 """Switch to a refined plan only if its period is shorter by at least this fraction: a switch
 costs the survivors an iteration boundary and a plan load."""
+REFINE_WHICH = ("on-demand", "heuristic", "off")
+"""Which plans a run refines in the background once it uses them: those made on demand; those
+and the library's heuristic plans; none."""
 
 
 def plan_on_demand(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
@@ -73,3 +81,45 @@ def refine(spec: JobSpec, policy: Policy, counts: tuple[int, ...], reference: fl
 
 def refine_settings_hash(budget: float = REFINE_BUDGET) -> str:
     return Settings(solver="auto", time_limit=budget, work_limit=budget).hash
+
+
+def wants_refinement(entry: LibraryEntry, which: str) -> bool:
+    """Whether a run using `entry` should refine it (`which` is one of REFINE_WHICH); a plan
+    proven optimal never is."""
+    if entry.metrics.get("optimal") or which == "off":
+        return False
+    heuristic = (entry.solver or {}).get("name") == "heuristic"
+    return entry.made == ON_DEMAND or (which == "heuristic" and heuristic)
+
+
+def refine_command(folder: Path, counts: tuple[int, ...], budget: float, out: Path) -> list[str]:
+    """The background process that refines `counts` and writes the plan (compact) to `out`;
+    it dies with the process that starts it."""
+    return [sys.executable, "-m", "recycle_planner.library.ondemand", str(folder),
+            ",".join(map(str, counts)), repr(budget), str(out), str(os.getpid())]
+
+
+def main(argv: list[str]) -> None:
+    from recycle_planner.files.planfile import write_plan
+    from recycle_planner.library.lookup import PlanLibrary
+    from recycle_planner.library.pool import _worker_setup
+
+    folder, counts_text, budget, out, parent = argv
+    _worker_setup(int(parent))
+    os.nice(10)  # the workers come first on a shared core
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    lib = PlanLibrary.open(folder)
+    counts = tuple(int(k) for k in counts_text.split(","))
+    zero = lib.entry((0,) * lib.spec.stages)
+    t0 = time.perf_counter()
+    plan, placement = refine(lib.spec, lib.policy, counts, zero.period if zero else None,
+                             float(budget))
+    plan = Plan(plan.schedule, plan.timing, plan.metrics, plan.solver,
+                mapping={"placement": [list(g) for g in placement]})
+    write_plan(plan, out, compact=True)
+    logging.info("refined %s in %.1f s: period %.6g ms (%s)", list(counts),
+                 time.perf_counter() - t0, plan.metrics["period"], plan.solver.get("detail"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
