@@ -132,6 +132,15 @@ def test_a_plan_added_on_demand_is_found_by_another_reader_and_kept_by_plan_all(
     assert entry.sha256 == hashlib.sha256((folder / entry.file).read_bytes()).hexdigest()
     hit = reader.lookup([(0, 0), (1, 1)])  # reads the index again
     assert hit.entry == entry and validate(hit.plan()) == []
+    # a refined plan replaces it; a generation decided before still finds the one it runs
+    better, where = plan_on_demand(spec, Policy(), (1, 1, 0), lib.fault_free_period, 10.0)
+    refined = lib.add(better, where, "refined")
+    assert refined.file == "k1-1-0.refined1.json.gz"
+    assert reader.lookup([(1, 1), (0, 0)]).entry == refined
+    assert reader.lookup([(1, 1), (0, 0)], entry.file).entry == entry
+    with pytest.raises(PlanFileError, match="no plan file k0-1-0.json.gz for per-stage"):
+        reader.lookup([(1, 1), (0, 0)], "k0-1-0.json.gz")
+    entry = refined
     # a plan-all rebuild keeps what runs added beyond its threshold
     build_library(spec, Policy(), 1, folder, Settings(solver="heuristic"), jobs=1)
     assert PlanLibrary.open(folder).entry((1, 1, 0)) == entry

@@ -639,7 +639,12 @@ class Agent:
                 self._event("warning", f"the refinement of {list(counts)} failed (exit "
                                        f"status {code}; see logs/refine-*.log)")
                 continue
-            plan = read_plan(job.out)
+            try:
+                plan = read_plan(job.out)
+            except RecycleError as exc:
+                self._event("warning", f"the refinement of {list(counts)} wrote no usable "
+                                       f"plan: {exc}")
+                continue
             current = self.lib.entry(counts)
             period = plan.metrics["period"]
             better = period < current.period * (1 - self.config.refine_margin)

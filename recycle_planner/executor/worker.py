@@ -292,7 +292,7 @@ class Worker:
                                f"starts at {decision.restart}")
 
     def _program(self, decision: P.Decision):
-        hit = self.lib.lookup(decision.dead)
+        hit = self.lib.lookup(decision.dead, decision.plan)  # the decided one, even if replaced
         key = str(hit.file)
         if key not in self._plans:
             self._plans[key] = hit.plan()

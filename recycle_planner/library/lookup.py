@@ -3,8 +3,8 @@ adding the plans a run makes on demand.
 
 The library is a cache, not a wall: a dead set it lacks is a `MissingPlan`, which the
 coordinator answers by planning it (`library/ondemand.py`) and `add`ing it. Only the
-coordinator writes (the plan file first, then index.json, each atomically); a worker whose
-lookup misses reads the index again if it changed, so it sees what the coordinator added."""
+coordinator writes (the plan file first, then index.json, each atomically); every lookup reads
+the index again if it changed, so a worker sees what the coordinator added or replaced."""
 
 from __future__ import annotations
 
@@ -88,6 +88,9 @@ class PlanLibrary:
             entry = LibraryEntry.from_dict(data, where)
             entry.check(self.spec, where)
             self._by_counts[entry.counts] = entry
+        # Entries a run replaced by better plans: a generation decided just before still runs one.
+        self._replaced = {e["file"]: LibraryEntry.from_dict(e, f"{folder / INDEX}: replaced")
+                          for e in index.get("replaced", [])}
         self._stamp = _stamp(folder / INDEX)
 
     @classmethod
@@ -144,14 +147,18 @@ class PlanLibrary:
                            situation_file(counts, made, serial), self.index["spec_hash"],
                            settings_hash, made)
         entries = dict(self._by_counts)
-        entries[counts] = entry
         index = dict(self.index)
+        if counts in entries:
+            index["replaced"] = [*index.get("replaced", []), entries[counts].to_dict()]
+        entries[counts] = entry
         index["version"] = LIBRARY_VERSION
         if not any(counts):
             index["fault_free_period"] = entry.period
         index["entries"] = [e.to_dict() for e in entries.values()]
         write_json(self.folder / INDEX, index)
         self.index, self._by_counts = index, entries
+        self._replaced = {e["file"]: LibraryEntry.from_dict(e, "replaced")
+                          for e in index.get("replaced", [])}
         self._stamp = _stamp(self.folder / INDEX)
         return entry
 
@@ -189,21 +196,26 @@ class PlanLibrary:
     def entry(self, counts: tuple[int, ...]) -> LibraryEntry | None:
         return self._by_counts.get(tuple(counts))
 
-    def lookup(self, failed: Iterable[Iterable[int]]) -> Lookup:
+    def lookup(self, failed: Iterable[Iterable[int]], file: str | None = None) -> Lookup:
         """The plan and mapping for these dead physical workers; an error if a worker is outside
-        the grid or listed twice, if a stage has no live worker left, or if the set is beyond
-        the library's threshold."""
+        the grid or listed twice, if a stage has no live worker left, or a `MissingPlan` if the
+        library has none for them. `file` asks for that plan file of the situation, also one
+        a run has replaced since (what a launcher decided before the replacement)."""
         dead = check_failed(self.spec, failed)
         counts = dead_per_stage(self.spec, dead)
+        self.reload()  # one stat; the index is read again only if a run added a plan
         entry = self._by_counts.get(counts)
-        if entry is None and self.reload():
-            entry = self._by_counts.get(counts)
         if entry is None and len(dead) > self.max_failures:
             raise MissingPlan(f"{len(dead)} dead workers is beyond this library's threshold "
                               f"of {self.max_failures}", counts)
         if entry is None:
             raise MissingPlan(f"{self.folder}: the library has no plan for per-stage failures "
                               f"{list(counts)} (incomplete library: run plan-all again)", counts)
+        if file is not None and entry.file != file:
+            entry = self._replaced.get(file)
+            if entry is None or entry.counts != counts:
+                raise PlanFileError(f"{self.folder}: the library has no plan file {file} for "
+                                    f"per-stage failures {list(counts)}")
         placement = canonical(entry.placement)
         mapping = map_failure(self.spec, dead, placement)
         path = self.folder / entry.file
