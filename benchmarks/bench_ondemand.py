@@ -9,7 +9,9 @@ Usage: python benchmarks/bench_ondemand.py [latency|storage|executor|all] [--max
   planning it (`plan_on_demand`, default budget), adding it to the library (compact plan file,
   checksum, index), a worker's lookup (it reads the changed index), loading the plan (parse
   the action strings, recompute the times with the simulator) and compiling that worker's
-  program (each worker compiles its own, in parallel). Three missing situations per job.
+  program (each worker compiles its own, in parallel). Three missing situations per job, and
+  the start of a run without a library (its empty library created, the fault-free situation
+  planned the same way).
 - `storage`: the 1,024-worker job's library up to F failures (plan-all defaults, all cores):
   its size on disk in the compact form against the same plans in the timed form (what every
   library held before), the time to open it, look up a dead set and load its plan.
@@ -64,7 +66,8 @@ def latency_once(lib: PlanLibrary, reader: PlanLibrary, dead: list) -> dict:
     decision = P.decide(1, spec.pipelines, spec.stages, steps, lambda d: None)
     assert decision.action == "plan"
     counts = dead_per_stage(spec, dead)
-    plan, placement = plan_on_demand(spec, lib.policy, counts, lib.fault_free_period,
+    zero = lib.entry((0,) * spec.stages)
+    plan, placement = plan_on_demand(spec, lib.policy, counts, zero.period if zero else None,
                                      ON_DEMAND_BUDGET)
     t1 = time.perf_counter()
     entry = lib.add(plan, placement, "on-demand")
@@ -95,12 +98,19 @@ def latency() -> dict:
             lib = PlanLibrary.open(tmp)
             reader = PlanLibrary.open(tmp)  # a worker's copy, opened at its start
             rows = [latency_once(lib, reader, dead) for dead in MISSING[name]]
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            lib = PlanLibrary.create(tmp, spec)
+            created = time.perf_counter() - t0
+            start = latency_once(lib, PlanLibrary.open(tmp), [])
+            start["total_s"] += created
         out[name] = {"rows": rows, "median_total_s": statistics.median(r["total_s"] for r in rows),
-                     "max_total_s": max(r["total_s"] for r in rows)}
+                     "max_total_s": max(r["total_s"] for r in rows), "startup": start}
         print(f"{name}: " + "; ".join(
             f"{len(d)} dead: plan {r['plan_s']:.3f} + add {r['add_s']:.3f} + lookup "
             f"{r['lookup_s']:.3f} + load {r['load_s']:.3f} + compile {r['compile_s']:.3f} = "
-            f"{r['total_s']:.3f} s" for d, r in zip(MISSING[name], rows)), flush=True)
+            f"{r['total_s']:.3f} s" for d, r in zip(MISSING[name], rows))
+              + f"; start without a library {start['total_s']:.3f} s", flush=True)
     return out
 
 

@@ -4,7 +4,7 @@ The coordinator meets a dead set with no plan (beyond the library's threshold, a
 plan-all skipped, or no library at all) and must not stop training for it. `plan_on_demand`
 gives a plan at once: one list-scheduling pass (0.9 s for 200k ops on one core; the
 schedule's own generator for the fault-free situation), then the whole heuristic if the
-budget leaves room for its passes. Its holes are packed (`situations.packed`), the placement
+budget leaves room for it at the planner's own estimate of its speed (`OPS_PER_SECOND`). Its holes are packed (`situations.packed`), the placement
 the heuristic screens first. `refine` is what a background process then runs: plan-all's own
 planning of the situation (every placement, the fast solvers, then the exact engines that fit
 the budget); the coordinator switches to it only when it is better by a margin.
@@ -24,7 +24,7 @@ from recycle_planner.job.spec import JobSpec
 from recycle_planner.library.entries import ON_DEMAND, LibraryEntry
 from recycle_planner.library.placement import plan_best_placement
 from recycle_planner.library.settings import Settings
-from recycle_planner.planner import finish_plan, solve
+from recycle_planner.planner import OPS_PER_SECOND, finish_plan, solve
 from recycle_planner.solvers.heuristic import fault_free_simulation, list_schedule
 from recycle_planner.timing.plan import Plan
 from recycle_planner.timing.simulate import simulate
@@ -32,9 +32,6 @@ from recycle_planner.timing.simulate import simulate
 ON_DEMAND_BUDGET = 2.0
 """Seconds the coordinator may spend planning a missing situation (the first pass always
 runs): GPT-sized jobs get the whole heuristic, 200k-op jobs one pass."""
-HEURISTIC_PASSES = 5
-"""The whole heuristic costs about this many first passes (its candidates, measured at 200k
-ops: 4.4 s against 0.9 s)."""
 REFINE_BUDGET = 60.0
 """Seconds of the background refinement's solver time limit (and CP work limit)."""
 REFINE_MARGIN = 0.01
@@ -57,18 +54,16 @@ def plan_on_demand(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
         sim, detail = simulate(list_schedule(spec, policy, failed)), "template order"
     else:
         sim, detail = fault_free_simulation(spec, policy), f"{policy.schedule} generator"
-    first = time.perf_counter() - t0
-    passes = 1
-    if first * (1 + HEURISTIC_PASSES) <= budget:
-        whole = solve(spec, policy, failed, "heuristic")
-        passes += HEURISTIC_PASSES
-        if whole.simulation.period < sim.period - 1e-9:
-            sim, detail = whole.simulation, whole.info.get("detail", detail)
+    whole = time.perf_counter() - t0 + sim.schedule.n_ops / OPS_PER_SECOND <= budget
+    if whole:  # at 200k ops it would take 4.4 s (estimated 8 s): not within 2 s
+        found = solve(spec, policy, failed, "heuristic")
+        if found.simulation.period < sim.period - 1e-9:
+            sim, detail = found.simulation, found.info.get("detail", detail)
     if reference is None:
         reference = sim.period if not failed else fault_free_simulation(spec, policy).period
     info = {"name": "heuristic", "detail": detail, "on_demand": {
         "budget_s": budget, "seconds": round(time.perf_counter() - t0, 3),
-        "whole_heuristic": passes > 1}}
+        "whole_heuristic": whole}}
     return finish_plan(sim, reference, info), placement
 
 
