@@ -91,3 +91,25 @@ def test_a_run_without_a_library_plans_every_situation_when_first_met(tmp_path):
     _, params = checkpoint_params(run, 2)
     assert_params_equal(params, ref.params)
     assert_losses_equal(result.losses, ref.losses)
+
+
+def test_a_run_without_a_library_gets_one_in_its_run_folder_checked_against_the_job(tmp_path):
+    from recycle_planner.errors import RecycleError
+    from recycle_planner.executor.agent import prepare_library
+
+    spec = tmp_path / "job.toml"
+    spec.write_text('stages = 2\npipelines = 2\nmicrobatches = 4\n[time]\nforward = 1\n'
+                    'backward_input = 1\nbackward_weight = 1\n')
+    config = prepare_library(LaunchConfig(nproc=4, run_dir=str(tmp_path / "run"),
+                                          spec=str(spec)))
+    assert config.library == str((tmp_path / "run" / "plans").resolve())
+    assert PlanLibrary.open(config.library).entries() == []
+    with pytest.raises(RecycleError, match="is for 2 pipelines x 2 stages = 4 workers, not 6"):
+        prepare_library(LaunchConfig(nproc=6, run_dir=str(tmp_path / "run"), spec=str(spec)))
+    other = tmp_path / "other.toml"
+    other.write_text(spec.read_text().replace("microbatches = 4", "microbatches = 8"))
+    with pytest.raises(RecycleError, match="built for another spec"):
+        prepare_library(LaunchConfig(nproc=4, run_dir=str(tmp_path / "run"), spec=str(other),
+                                     library=config.library))
+    with pytest.raises(RecycleError, match="refine 'always' is not one of on-demand"):
+        LaunchConfig(nproc=4, refine="always")

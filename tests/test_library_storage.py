@@ -161,3 +161,31 @@ def test_a_run_without_a_library_starts_from_an_empty_one(tmp_path):
     again = PlanLibrary.create(tmp_path / "plans", spec)  # a resumed run keeps its plans
     assert [e.counts for e in again.entries()] == [(0, 0)]
     assert logical_failed(packed((0, 0))) == ()
+
+
+def test_on_demand_planning_spends_its_budget_only_where_the_heuristic_fits():
+    spec = make_spec(stages=2, pipelines=2, microbatches=4, p2p=0.1)
+    quick, where = plan_on_demand(spec, Policy(), (1, 1), None, 0.0)
+    assert where == ((0, 1),) and quick.failed == ((0, 0), (0, 1))
+    assert quick.solver["detail"] == "template order"
+    assert not quick.solver["on_demand"]["whole_heuristic"]
+    full, _ = plan_on_demand(spec, Policy(), (1, 1), None, 10.0)
+    assert full.solver["on_demand"]["whole_heuristic"]
+    assert full.metrics["period"] < quick.metrics["period"]
+    assert full.metrics["fault_free_period"] == quick.metrics["fault_free_period"] > 0
+    assert validate(full) == [] and validate(quick) == []
+
+
+def test_which_plans_a_run_refines():
+    from recycle_planner.library.ondemand import wants_refinement
+
+    def entry(made, solver, optimal=False):
+        return LibraryEntry([0, 1], "k.json.gz", [[1]], {"period": 1.0, "optimal": optimal},
+                            solver={"name": solver}, made=made)
+
+    assert wants_refinement(entry("on-demand", "heuristic"), "on-demand")
+    assert not wants_refinement(entry("on-demand", "heuristic", optimal=True), "on-demand")
+    assert not wants_refinement(entry("plan-all", "heuristic"), "on-demand")
+    assert wants_refinement(entry("plan-all", "heuristic"), "heuristic")
+    assert not wants_refinement(entry("plan-all", "auto"), "heuristic")
+    assert not wants_refinement(entry("on-demand", "heuristic"), "off")

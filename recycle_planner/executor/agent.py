@@ -187,7 +187,8 @@ def prepare_library(config: LaunchConfig) -> LaunchConfig:
         PlanLibrary.create(folder, load_spec(config.spec))
         config = replace(config, library=str(folder.resolve()))
     if config.library is not None:
-        spec = PlanLibrary.open(config.library).spec
+        spec = PlanLibrary.open(config.library, load_spec(config.spec) if config.spec
+                                else None).spec
         if spec.workers != config.nproc:
             raise RecycleError(f"the plan library {config.library} is for {spec.pipelines} "
                                f"pipelines x {spec.stages} stages = {spec.workers} workers, "
@@ -551,7 +552,13 @@ class Agent:
         decision = P.decide(gen, lib.spec.pipelines, lib.spec.stages, steps, lookup, initial,
                             bug)
         if decision.action == "plan":
-            self._plan_on_demand(decision.dead)
+            try:
+                self._plan_on_demand(decision.dead)
+            except RecycleError as exc:  # e.g. no schedule fits the memory: a clean stop
+                failed = f"planning dead workers {format_workers(decision.dead)} failed: {exc}"
+
+                def lookup(dead):
+                    raise RecycleError(failed)
             decision = P.decide(gen, lib.spec.pipelines, lib.spec.stages, steps, lookup,
                                 initial, bug)
             assert decision.action != "plan"

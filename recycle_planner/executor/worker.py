@@ -77,7 +77,7 @@ class Worker:
         library = config.library or job.library
         if library is None:
             raise RecycleError("the job names no plan library: set Job.library or pass "
-                               "--library to the launcher")
+                               "--library (or --spec, to plan on demand) to the launcher")
         self.library_path = str(library)
         self.lib = PlanLibrary.open(library)
         spec = self.lib.spec
