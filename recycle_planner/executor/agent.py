@@ -610,9 +610,10 @@ class Agent:
                                          self.config.plan_budget)
         entry = lib.add(plan, placement, ON_DEMAND)
         seconds = time.perf_counter() - t0
-        self._event("planned", f"no plan for dead {format_workers(dead)} in the library: "
-                               f"planned on demand in {seconds:.3f} s ({entry.file}, period "
-                               f"{entry.period:.4g} ms)", counts=list(counts),
+        what = f"dead {format_workers(dead)}" if dead else "the fault-free situation"
+        self._event("planned", f"the library has no plan for {what}: planned on demand in "
+                               f"{seconds:.3f} s ({entry.file}, period {entry.period:.4g} ms)",
+                    counts=list(counts),
                     plan=entry.file, seconds=seconds, period=entry.period)
 
     def _maybe_refine(self, counts: tuple[int, ...]) -> None:

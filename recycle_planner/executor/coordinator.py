@@ -17,6 +17,10 @@ knows of a worker:
   kill it, should the host come back;
 - its exit, reported by its host agent within milliseconds.
 
+A dead set the library lacks is planned here, on demand, and added to the library (which must
+be on the shared filesystem, like the run folder), and refined in a background process of this
+machine: the coordinator is the library's only writer (`agent.Agent._plan_on_demand`).
+
 Losing the coordinator is the one failure that stops training: the workers notice within
 the lease, write a consistent checkpoint and exit; a coordinator started again with
 `--resume`, and the host agents, continue from it.
