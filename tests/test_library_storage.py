@@ -189,3 +189,20 @@ def test_which_plans_a_run_refines():
     assert wants_refinement(entry("plan-all", "heuristic"), "heuristic")
     assert not wants_refinement(entry("plan-all", "auto"), "heuristic")
     assert not wants_refinement(entry("on-demand", "heuristic"), "off")
+
+
+def test_a_refined_entry_is_plan_alls_own(tmp_path):
+    """The background refinement plans as plan-all does, so plan-all keeps what it stored."""
+    from recycle_planner.library.ondemand import REFINE_BUDGET, refine, refine_settings_hash
+
+    spec = make_spec(stages=2, pipelines=2, microbatches=2, p2p=0.1)
+    folder = tmp_path / "plans"
+    lib = PlanLibrary.create(folder, spec)
+    plan, where = plan_on_demand(spec, Policy(), (0, 0), None, 0.0)
+    lib.add(plan, where, "on-demand")
+    plan, where = refine(spec, Policy(), (1, 0), lib.fault_free_period)
+    entry = lib.add(plan, where, "refined", refine_settings_hash())
+    assert refine_settings_hash(REFINE_BUDGET) == Settings().hash
+    build_library(spec, Policy(), 1, folder, jobs=1)
+    assert PlanLibrary.open(folder).entry((1, 0)) == entry  # kept, not planned again
+    assert PlanLibrary.open(folder).entry((0, 0)).made == "plan-all"  # replanned

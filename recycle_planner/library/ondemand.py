@@ -4,10 +4,12 @@ The coordinator meets a dead set with no plan (beyond the library's threshold, a
 plan-all skipped, or no library at all) and must not stop training for it. `plan_on_demand`
 gives a plan at once: one list-scheduling pass (0.9 s for 200k ops on one core; the
 schedule's own generator for the fault-free situation), then the whole heuristic if the
-budget leaves room for it at the planner's own estimate of its speed (`OPS_PER_SECOND`). Its holes are packed (`situations.packed`), the placement
-the heuristic screens first. `refine` is what a background process then runs: plan-all's own
+budget leaves room for it at the planner's own estimate of its speed (`OPS_PER_SECOND`). Its
+holes are packed (`situations.packed`), the placement the heuristic screens first. `refine` is what a background process then runs: plan-all's own
 planning of the situation (every placement, the fast solvers, then the exact engines that fit
-the budget); the coordinator switches to it only when it is better by a margin.
+the budget, with plan-all's deterministic node and work limits), so that a refined entry is
+the one plan-all would have stored, and a later plan-all keeps it. The coordinator switches to
+it only when it is better by a margin.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from recycle_planner.library.entries import ON_DEMAND, LibraryEntry
 from recycle_planner.library.placement import plan_best_placement
 from recycle_planner.library.settings import Settings
 from recycle_planner.planner import OPS_PER_SECOND, finish_plan, solve
+from recycle_planner.solvers.registry import TIME_LIMIT
 from recycle_planner.solvers.heuristic import fault_free_simulation, list_schedule
 from recycle_planner.timing.plan import Plan
 from recycle_planner.timing.simulate import simulate
@@ -32,8 +35,9 @@ from recycle_planner.timing.simulate import simulate
 ON_DEMAND_BUDGET = 2.0
 """Seconds the coordinator may spend planning a missing situation (the first pass always
 runs): GPT-sized jobs get the whole heuristic, 200k-op jobs one pass."""
-REFINE_BUDGET = 60.0
-"""Seconds of the background refinement's solver time limit (and CP work limit)."""
+REFINE_BUDGET = TIME_LIMIT
+"""Seconds of the background refinement's solver time limit: plan-all's, so that a refined
+entry counts as plan-all's own."""
 REFINE_MARGIN = 0.01
 """Switch to a refined plan only if its period is shorter by at least this fraction: a switch
 costs the survivors an iteration boundary and a plan load."""
@@ -69,13 +73,12 @@ def plan_on_demand(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
 
 def refine(spec: JobSpec, policy: Policy, counts: tuple[int, ...], reference: float | None,
            budget: float = REFINE_BUDGET) -> tuple[Plan, Placement]:
-    """The best plan plan-all would make for `counts` with `budget` seconds of solver limits."""
-    settings = Settings(solver="auto", time_limit=budget, work_limit=budget)
-    return plan_best_placement(spec, policy, counts, settings, reference)
+    """The plan plan-all would make for `counts`, with `budget` seconds of solver time limit."""
+    return plan_best_placement(spec, policy, counts, Settings(time_limit=budget), reference)
 
 
 def refine_settings_hash(budget: float = REFINE_BUDGET) -> str:
-    return Settings(solver="auto", time_limit=budget, work_limit=budget).hash
+    return Settings(time_limit=budget).hash
 
 
 def wants_refinement(entry: LibraryEntry, which: str) -> bool:
