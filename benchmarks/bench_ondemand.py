@@ -1,7 +1,8 @@
 """Plans made at run time (issue 12): the latency of a situation missing from the library, and
 the size and lookup time of the compact library storage.
 
-Usage: python benchmarks/bench_ondemand.py [latency|storage|executor|all] [--max-failures F]
+Usage: python benchmarks/bench_ondemand.py [latency|refine|storage|executor|all]
+       [--max-failures F]
 
 - `latency`: on one core (the process pins itself to CPU 0), for examples/gpt.toml and a
   synthetic 1,024-worker job (S=16, D=64, M=64, about 200k ops per plan): the time from the
@@ -12,6 +13,9 @@ Usage: python benchmarks/bench_ondemand.py [latency|storage|executor|all] [--max
   program (each worker compiles its own, in parallel). Three missing situations per job, and
   the start of a run without a library (its empty library created, the fault-free situation
   planned the same way).
+- `refine`: on one core, the background refinement of the first missing situation of each
+  job (plan-all's planning, default budget): its time and its period against the on-demand
+  plan's.
 - `storage`: the 1,024-worker job's library up to F failures (plan-all defaults, all cores):
   its size on disk in the compact form against the same plans in the timed form (what every
   library held before), the time to open it, look up a dead set and load its plan.
@@ -43,7 +47,8 @@ from recycle_planner.job.policy import Policy  # noqa: E402
 from recycle_planner.job.spec import JobSpec, load_spec  # noqa: E402
 from recycle_planner.job.workers import dead_per_stage  # noqa: E402
 from recycle_planner.library import PlanLibrary, Settings, build_library  # noqa: E402
-from recycle_planner.library.ondemand import ON_DEMAND_BUDGET, plan_on_demand  # noqa: E402
+from recycle_planner.library.ondemand import (ON_DEMAND_BUDGET, REFINE_BUDGET,  # noqa: E402
+                                              plan_on_demand, refine)
 
 
 def big_spec() -> JobSpec:
@@ -114,6 +119,28 @@ def latency() -> dict:
     return out
 
 
+def refinement() -> dict:
+    os.sched_setaffinity(0, {0})
+    out = {}
+    for name, make in JOBS.items():
+        spec = make()
+        dead = MISSING[name][0]
+        counts = dead_per_stage(spec, dead)
+        reference = plan_on_demand(spec, Policy(), (0,) * spec.stages, None)[0].metrics["period"]
+        t0 = time.perf_counter()
+        quick, _ = plan_on_demand(spec, Policy(), counts, reference)
+        t1 = time.perf_counter()
+        better, _ = refine(spec, Policy(), counts, reference, REFINE_BUDGET)
+        t2 = time.perf_counter()
+        out[name] = {"dead": dead, "on_demand_s": t1 - t0, "refine_s": t2 - t1,
+                     "on_demand_period": quick.metrics["period"],
+                     "refined_period": better.metrics["period"],
+                     "refined_solver": better.solver.get("detail"),
+                     "gain": 1 - better.metrics["period"] / quick.metrics["period"]}
+        print(name, out[name], flush=True)
+    return out
+
+
 def storage(max_failures: int) -> dict:
     spec = big_spec()
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,12 +207,13 @@ def executor() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("part", nargs="?", default="all",
-                        choices=["latency", "storage", "executor", "all"])
+                        choices=["latency", "refine", "storage", "executor", "all"])
     parser.add_argument("--max-failures", type=int, default=1,
                         help="threshold of the 1,024-worker library of `storage`")
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
-    parts = {"latency": latency, "storage": lambda: storage(args.max_failures),
+    parts = {"latency": latency, "refine": refinement,
+             "storage": lambda: storage(args.max_failures),
              "executor": executor}
     for part in parts if args.part == "all" else [args.part]:
         result = {"machine": machine(), **parts[part]()}
