@@ -14,9 +14,9 @@ worker with torchrun's environment variables, then loops:
   time budget (`library/ondemand.py`) and added to the library; training stops (with a
   checkpoint) only when a stage has no live worker left. A background process then refines
   such a plan; when it is better by a margin, the survivors switch to it at an iteration
-  boundary (nothing in training waits for it). A worker that does not report within the group timeout plus
-  `hang_timeout` of the abort is stuck and gets killed; a failure during recovery is just one
-  more death;
+  boundary (nothing in training waits for it). A worker that does not report within the
+  group timeout plus `hang_timeout` of the abort is stuck and gets killed; a failure during
+  recovery is just one more death;
 - with `restart_delay` set, a dead worker is started again after that many seconds; when it
   says hello the live workers stop at an iteration boundary, it copies its stage's state from
   a peer, and the plan switches back;

@@ -2,14 +2,14 @@
 
 The coordinator meets a dead set with no plan (beyond the library's threshold, a situation
 plan-all skipped, or no library at all) and must not stop training for it. `plan_on_demand`
-gives a plan at once: one list-scheduling pass (0.9 s for 200k ops on one core; the
-schedule's own generator for the fault-free situation), then the whole heuristic if the
-budget leaves room for it at the planner's own estimate of its speed (`OPS_PER_SECOND`). Its
-holes are packed (`situations.packed`), the placement the heuristic screens first. `refine` is what a background process then runs: plan-all's own
-planning of the situation (every placement, the fast solvers, then the exact engines that fit
-the budget, with plan-all's deterministic node and work limits), so that a refined entry is
-the one plan-all would have stored, and a later plan-all keeps it. The coordinator switches to
-it only when it is better by a margin.
+gives a plan at once: one list-scheduling pass (0.9 s for 200k ops on one core; the schedule's
+own generator for the fault-free situation), then the whole heuristic if the budget leaves room
+for it at the planner's own estimate of its speed (`OPS_PER_SECOND`). Its holes are packed
+(`situations.packed`), the placement the heuristic screens first. `refine` is what a background
+process then runs: plan-all's own planning of the situation (every placement, the fast solvers,
+then the exact engines that fit the budget, with plan-all's deterministic node and work
+limits), so that a refined entry is the one plan-all would have stored, and a later plan-all
+keeps it. The coordinator switches to it only when it is better by a margin.
 """
 
 from __future__ import annotations
