@@ -102,7 +102,7 @@ def run_workload(name: str, args: list[str], repeat: int, iterations: int, work:
                          "measured_degradation": after / before - 1,
                          "predicted_degradation": gen["degradation"],
                          "predicted_period_ms": lib.lookup([tuple(map(int, worker.split(":")))])
-                         .entry.metrics.period,
+                         .entry.period,
                          "recovery_s": res.recoveries[0]["seconds"],
                          "replan_s": res.recoveries[0]["replanned_after"], "plan": gen["plan"]})
         out["failures"][worker] = {key: statistics.median(r[key] for r in rows)

@@ -10,6 +10,8 @@ from pathlib import Path
 import click
 
 from recycle_planner.cli.progress import Ticker
+from recycle_planner.library.ondemand import (ON_DEMAND_BUDGET, REFINE_BUDGET, REFINE_MARGIN,
+                                              REFINE_WHICH)
 
 BYTES_HELP = "bytes, or a size like 80GiB"
 
@@ -20,6 +22,27 @@ def _settings(f):
     options = [
         click.option("--library", type=click.Path(file_okay=False, path_type=Path),
                      help="Plan library folder (overrides the job's)."),
+        click.option("--spec", type=click.Path(dir_okay=False, exists=True),
+                     help="Job spec (TOML/JSON, as for plan-all) for a run without a library: "
+                          "every failure situation, the fault-free one at start, is planned "
+                          "when first met, into RUN_DIR/plans."),
+        click.option("--on-demand/--no-on-demand", default=True, show_default=True,
+                     help="Plan a failure set the library lacks at once (--no-on-demand: "
+                          "stop with a checkpoint beyond the library's threshold)."),
+        click.option("--plan-budget", type=click.FloatRange(min=0), default=ON_DEMAND_BUDGET,
+                     show_default=True, metavar="SECONDS",
+                     help="Time for such a plan: one list-scheduling pass always, the whole "
+                          "heuristic when it fits."),
+        click.option("--refine", type=click.Choice(REFINE_WHICH), default="on-demand",
+                     show_default=True,
+                     help="Which plans in use a background process improves (the survivors "
+                          "switch at an iteration boundary when it is better by the margin)."),
+        click.option("--refine-budget", type=click.FloatRange(min=0), default=REFINE_BUDGET,
+                     show_default=True, metavar="SECONDS",
+                     help="Solver time of one background refinement (0: none)."),
+        click.option("--refine-margin", type=click.FloatRange(min=0, max=1),
+                     default=REFINE_MARGIN, show_default=True, metavar="FRACTION",
+                     help="Switch to a refined plan only if its period is this much shorter."),
         click.option("--run-dir", default="recycle-run", show_default=True,
                      type=click.Path(file_okay=False, path_type=Path),
                      help="Checkpoints, worker logs and result.json go here (on a cluster: a "
@@ -124,9 +147,11 @@ def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
     that calls recycle_planner.executor.run (started like torchrun starts it: RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). A dead worker's micro-batches are
     re-routed to its stage's peers with the library's plan for the new failure set; one
-    whose lease expires is declared dead. Beyond the library's threshold, or with a stage
-    without a live worker, training stops with a checkpoint (exit status 2); an exception
-    in user code stops it too (exit status 2, traceback shown once), never re-routed.
+    whose lease expires is declared dead. A failure set the library lacks (beyond its
+    threshold, or no library: --spec) is planned on the spot and added to the library, and
+    improved in the background. Training stops with a checkpoint (exit status 2) only when a
+    stage has no live worker left; an exception in user code stops it too (exit status 2,
+    traceback shown once), never re-routed.
 
     \b
     One machine (the launcher hosts the store):

@@ -49,6 +49,13 @@ echo "== the same training; worker 1:0 (rank 2) is killed mid-forward in iterati
 "$RP" launch -n 4 --run-dir "$OUT/tiny-killed" --inject-fault 2:10:F1 "$TINY" -- \
     --library "$OUT/tiny-plans" --iterations 30
 echo
+echo "== no library at all: every situation is planned when first met (here two dead workers)"
+rm -rf "$OUT/tiny-no-library"
+"$RP" launch -n 4 --run-dir "$OUT/tiny-no-library" --spec "$OUT/tiny.toml" \
+    --inject-fault 2:10:F1 --inject-fault 1:15:I0 "$TINY" -- --iterations 30
+echo
 echo "== the final parameters and losses equal the fault-free run's and one process's"
 "$BIN/python" examples/compare_runs.py "$OUT/tiny-fault-free" "$OUT/tiny-killed" \
+    --reference "$TINY" -- --iterations 30
+"$BIN/python" examples/compare_runs.py "$OUT/tiny-fault-free" "$OUT/tiny-no-library" \
     --reference "$TINY" -- --iterations 30

@@ -97,13 +97,13 @@ def _umask() -> int:
     return mask
 
 
-def write_json(path: str | Path, data: dict[str, Any]) -> bytes:
-    """Atomically write `data` as JSON, gzip-compressed when the name ends in .gz; returns the
-    bytes written (to checksum them without reading the file back)."""
+def write_json(path: str | Path, data: dict[str, Any], level: int = 3) -> bytes:
+    """Atomically write `data` as JSON, gzip-compressed (at `level`) when the name ends in .gz;
+    returns the bytes written (to checksum them without reading the file back)."""
     path = Path(path)
     text = json.dumps(data, separators=(",", ":"), allow_nan=False)
     if path.suffix == ".gz":
-        blob = gzip.compress(text.encode(), compresslevel=3, mtime=0)
+        blob = gzip.compress(text.encode(), compresslevel=level, mtime=0)
     else:
         blob = (text + "\n").encode()
     atomic_write(path, lambda fh: fh.write(blob), binary=True)

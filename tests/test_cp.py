@@ -135,7 +135,7 @@ def test_plan_all_prove_closes_gaps_and_resumes(tmp_path):
     folder = tmp_path / "lib"
     fast = Settings(solver="heuristic", max_placements=1)
     build_library(spec, Policy(), 1, folder, fast, jobs=1)
-    before = {tuple(e.failed_per_stage): e.to_dict() for e in PlanLibrary.open(folder).entries()}
+    before = {e.counts: e.to_dict() for e in PlanLibrary.open(folder).entries()}
     proving = Settings(solver="heuristic", max_placements=1, prove_work=2)
     index = build_library(spec, Policy(), 1, folder, proving, jobs=1)
     after = {tuple(e["failed_per_stage"]): e for e in index["entries"]}

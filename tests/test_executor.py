@@ -112,7 +112,8 @@ def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path):
 
 
 def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_path):
-    """Plain re-routing (fused backward, global barrier), a library for one failure. Worker
+    """Without on-demand planning (the launcher's old behaviour, kept as --no-on-demand):
+    plain re-routing (fused backward, global barrier), a library for one failure. Worker
     1:0 dies mid-backward; then worker 0:1's training thread stalls while its heartbeats go
     on: it is caught within the lease (1 s; the group timeout is 60 s), and this second
     failure stops training cleanly with a consistent checkpoint of every stage, from which a
@@ -124,7 +125,7 @@ def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_pa
     run = tmp_path / "run"
     faults = [parse_fault(f) for f in ("2:2:B1", "1:4:F0:stall")]
     config = LaunchConfig(nproc=4, run_dir=str(run), faults=faults, pg_timeout=60.0,
-                          hang_timeout=1.0)
+                          hang_timeout=1.0, on_demand=False)
     t0 = time.time()
     with pytest.raises(TrainingStopped, match="beyond this library's threshold of 1") as info:
         launch(TINY, config, args)

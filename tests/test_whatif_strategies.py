@@ -69,9 +69,9 @@ def run(ctx, name, tr=TRACE_A):
 def test_the_periods_the_hand_computations_use(libraries):
     lib = libraries[2]
     assert lib.fault_free_period == 9.0
-    assert lib.entry((0, 1)).metrics.period == 15.0
-    assert lib.entry((1, 0)).metrics.period == 15.0
-    assert lib.entry((1, 1)).metrics.period == 16.0  # what on-demand planning finds too
+    assert lib.entry((0, 1)).period == 15.0
+    assert lib.entry((1, 0)).period == 15.0
+    assert lib.entry((1, 1)).period == 16.0  # what on-demand planning finds too
     ctx = context(libraries)
     assert ctx.fault_free.rate == pytest.approx(4000.0)
     oob = STRATEGIES["oobleck"](ctx)

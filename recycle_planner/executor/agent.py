@@ -9,10 +9,14 @@ worker with torchrun's environment variables, then loops:
   SIGKILL, which makes it dead;
 - on a death (or a communication error a worker reports) it posts the generation's abort
   notice, gathers the survivors' step counts, and posts the next generation's decision
-  (`protocol.decide`): the plan for the new dead set, or a clean stop with a checkpoint when
-  the library has no plan for it. A worker that does not report within the group timeout plus
-  `hang_timeout` of the abort is stuck and gets killed; a failure during recovery is just one
-  more death;
+  (`protocol.decide`): the plan for the new dead set. A dead set the library lacks (beyond
+  its threshold, or no library at all) is planned on the spot with the fast solver under a
+  time budget (`library/ondemand.py`) and added to the library; training stops (with a
+  checkpoint) only when a stage has no live worker left. A background process then refines
+  such a plan; when it is better by a margin, the survivors switch to it at an iteration
+  boundary (nothing in training waits for it). A worker that does not report within the
+  group timeout plus `hang_timeout` of the abort is stuck and gets killed; a failure during
+  recovery is just one more death;
 - with `restart_delay` set, a dead worker is started again after that many seconds; when it
   says hello the live workers stop at an iteration boundary, it copies its stage's state from
   a peer, and the plan switches back;
@@ -32,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -44,8 +48,15 @@ from recycle_planner.executor import protocol as P
 from recycle_planner.executor.faults import Fault
 from recycle_planner.executor.state import latest_checkpoint, write_manifest
 from recycle_planner.executor.config import CONFIG_ENV, CONFIG_ERROR, STALLED, WorkerConfig
-from recycle_planner.job.workers import format_workers
+from recycle_planner.files.planfile import read_plan
+from recycle_planner.job.spec import load_spec
+from recycle_planner.job.workers import dead_per_stage, format_workers
 from recycle_planner.library import PlanLibrary
+from recycle_planner.library.entries import ON_DEMAND, REFINED
+from recycle_planner.library.lookup import MissingPlan
+from recycle_planner.library.ondemand import (ON_DEMAND_BUDGET, REFINE_BUDGET, REFINE_MARGIN,
+                                              REFINE_WHICH, plan_on_demand, refine_command,
+                                              refine_settings_hash, wants_refinement)
 from recycle_planner.io import write_json
 
 log = logging.getLogger(__name__)
@@ -77,6 +88,13 @@ class LaunchConfig:
     checkpoint_every: int = 100           # iterations between checkpoints (0: final only)
     resume: bool = False                  # start from the run folder's latest checkpoint
     library: str | None = None            # overrides the job's plan library
+    spec: str | None = None               # job spec file: with no library, plan on demand
+                                          # into RUN_DIR/plans (see `prepare_library`)
+    on_demand: bool = True                # plan a dead set the library lacks (False: stop)
+    plan_budget: float = ON_DEMAND_BUDGET  # seconds for such a plan
+    refine: str = "on-demand"             # which plans to improve in the background
+    refine_budget: float = REFINE_BUDGET  # solver seconds of one refinement
+    refine_margin: float = REFINE_MARGIN  # switch only if shorter by this fraction
     faults: Sequence[Fault] = ()
     prefetch: int = 4
     threads: int = 1
@@ -89,6 +107,8 @@ class LaunchConfig:
         for f in self.faults:
             if not 0 <= f.rank < self.nproc:
                 raise RecycleError(f"fault {f}: rank {f.rank} is outside 0..{self.nproc - 1}")
+        if self.refine not in REFINE_WHICH:
+            raise RecycleError(f"refine {self.refine!r} is not one of {', '.join(REFINE_WHICH)}")
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(run_dir=str(Path(self.run_dir).resolve()), backend=self.backend,
@@ -151,16 +171,39 @@ def launch(target: str | Sequence[str], config: LaunchConfig, args: Sequence[str
         command = worker_command(target, args)
     else:
         command = list(target)
-    if config.library is not None:
-        spec = PlanLibrary.open(config.library).spec
-        if spec.workers != config.nproc:
-            raise RecycleError(f"the plan library {config.library} is for {spec.pipelines} "
-                               f"pipelines x {spec.stages} stages = {spec.workers} workers, "
-                               f"not {config.nproc}")
+    config = prepare_library(config)
     result = Agent(command, config, on_event).run()
     if result.status != "completed":
         raise TrainingStopped(result.message, result)
     return result
+
+
+def prepare_library(config: LaunchConfig) -> LaunchConfig:
+    """Check the library against the job's size; with no library but a job spec, create an
+    empty one in RUN_DIR/plans (kept by a resumed run), where every situation is planned when
+    first met, the fault-free one at start."""
+    if config.library is None and config.spec is not None:
+        folder = Path(config.run_dir) / "plans"
+        PlanLibrary.create(folder, load_spec(config.spec))
+        config = replace(config, library=str(folder.resolve()))
+    if config.library is not None:
+        spec = PlanLibrary.open(config.library, load_spec(config.spec) if config.spec
+                                else None).spec
+        if spec.workers != config.nproc:
+            raise RecycleError(f"the plan library {config.library} is for {spec.pipelines} "
+                               f"pipelines x {spec.stages} stages = {spec.workers} workers, "
+                               f"not {config.nproc}")
+    return config
+
+
+@dataclass
+class _Refinement:
+    """A background process improving the plan of one situation (`library/ondemand.py`)."""
+
+    counts: tuple[int, ...]
+    popen: subprocess.Popen
+    out: Path
+    started: float
 
 
 @dataclass
@@ -218,6 +261,9 @@ class Agent:
         self.first_death_log: Path | None = None
         self.outcome: tuple[str, str] | None = None
         self.bug: dict | None = None
+        self.refinements: dict[tuple[int, ...], _Refinement] = {}
+        self.refined: set[tuple[int, ...]] = set()   # situations refined (or tried) once
+        self.plan_switch = False                     # a switch to a refined plan is under way
 
     # -- main loop ---------------------------------------------------------------------------
 
@@ -241,6 +287,7 @@ class Agent:
                 self._restart_due(now)
                 self._hellos()
                 self._checkpoints()
+                self._refinements_done(now)
                 getattr(self, f"_phase_{self.phase}")(now)
                 select.select([wake_r], [], [], self.config.idle_poll if self.phase ==
                               "running" and previous is not None else self.config.poll)
@@ -256,6 +303,7 @@ class Agent:
                 signal.set_wakeup_fd(old_fd)
             wake_r.close()
             wake_w.close()
+            self._stop_refinements()
             self._kill_all()
 
     def _start(self) -> None:
@@ -390,13 +438,17 @@ class Agent:
         if self.store.add(P.gen_key(gen, "errors"), 0) > 0:
             self._abort("a worker reported a communication error")
             return
-        if self._joiners() and not self.join_posted:
+        if (self._joiners() or self.plan_switch) and not self.join_posted:
             self.store.set(P.gen_key(gen, "join"), "1")
             self.join_posted = True
             self.phase = "gathering"
-            self._event("join", "restarted workers " + ", ".join(
-                self._name(r) for r in self._joiners()) + " asked to join: switching at an "
-                "iteration boundary")
+            if self._joiners():
+                self._event("join", "restarted workers " + ", ".join(
+                    self._name(r) for r in self._joiners()) + " asked to join: switching at "
+                    "an iteration boundary")
+            else:
+                self._event("switch", f"generation {gen}: switching to the refined plan at an "
+                                      f"iteration boundary", gen=gen)
             return
         self._check_done()
 
@@ -430,9 +482,10 @@ class Agent:
         for rank in self._joiners():
             steps[rank] = None
         dead_before = set(self.decision.dead)
+        switched, self.plan_switch = self.plan_switch, False
         self._decide(steps, bug=self._bug())
         if self.decision is not None and set(self.decision.dead) == dead_before \
-                and not any(v is None for v in steps.values()):
+                and not any(v is None for v in steps.values()) and not switched:
             self.idle_reconfigurations += 1
             if self.idle_reconfigurations > 3:
                 self._finish_with("failed", "workers keep reporting communication errors "
@@ -487,12 +540,28 @@ class Agent:
         lib = self.lib
 
         def lookup(dead):
-            hit = lib.lookup(dead)
+            try:
+                hit = lib.lookup(dead)
+            except MissingPlan:
+                if not self.config.on_demand:
+                    raise
+                return None
             return hit.file.name, hit.entry.metrics.degradation
 
         gen = self.gen + 1
         decision = P.decide(gen, lib.spec.pipelines, lib.spec.stages, steps, lookup, initial,
                             bug)
+        if decision.action == "plan":
+            try:
+                self._plan_on_demand(decision.dead)
+            except RecycleError as exc:  # e.g. no schedule fits the memory: a clean stop
+                failed = f"planning dead workers {format_workers(decision.dead)} failed: {exc}"
+
+                def lookup(dead):
+                    raise RecycleError(failed)
+            decision = P.decide(gen, lib.spec.pipelines, lib.spec.stages, steps, lookup,
+                                initial, bug)
+            assert decision.action != "plan"
         self.store.set(P.gen_key(gen, "decision"), decision.to_json())
         self.gen, self.decision = gen, decision
         if self.config.checkpoint_every:  # the next one the workers will write
@@ -525,6 +594,89 @@ class Agent:
                     joined=joined if not initial else [],
                     steps={str(r): k for r, k in sorted(steps.items())})
         self.phase = "running"
+        self._maybe_refine(dead_per_stage(lib.spec, decision.dead))
+
+    # -- plans made at run time ----------------------------------------------------------------
+
+    def _plan_on_demand(self, dead) -> None:
+        """Plan the dead set the library lacks, now, and add it (the training path waits for
+        this one: it is the fast solver under `plan_budget`)."""
+        lib = self.lib
+        counts = dead_per_stage(lib.spec, dead)
+        t0 = time.perf_counter()
+        reference = lib.entry((0,) * lib.spec.stages)
+        plan, placement = plan_on_demand(lib.spec, lib.policy, counts,
+                                         reference.period if reference else None,
+                                         self.config.plan_budget)
+        entry = lib.add(plan, placement, ON_DEMAND)
+        seconds = time.perf_counter() - t0
+        what = f"dead {format_workers(dead)}" if dead else "the fault-free situation"
+        self._event("planned", f"the library has no plan for {what}: planned on demand in "
+                               f"{seconds:.3f} s ({entry.file}, period {entry.period:.4g} ms)",
+                    counts=list(counts),
+                    plan=entry.file, seconds=seconds, period=entry.period)
+
+    def _maybe_refine(self, counts: tuple[int, ...]) -> None:
+        """Start a background refinement of the plan now in use, if it asks for one."""
+        entry = self.lib.entry(counts)
+        if (entry is None or counts in self.refined or counts in self.refinements
+                or not wants_refinement(entry, self.config.refine)
+                or self.config.refine_budget <= 0):
+            return
+        self.refined.add(counts)
+        out = self.run_dir / "refine" / f"k{'-'.join(map(str, counts))}.json.gz"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "logs" / f"refine-{out.name[:-8]}.log", "wb") as log_file:
+            popen = subprocess.Popen(
+                refine_command(self.lib.folder, counts, self.config.refine_budget, out),
+                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        self.refinements[counts] = _Refinement(counts, popen, out, time.time())
+        self._event("refine", f"refining the plan for per-stage dead {list(counts)} in the "
+                              f"background (budget {self.config.refine_budget:g} s)",
+                    counts=list(counts))
+
+    def _refinements_done(self, now: float) -> None:
+        """Take in finished refinements: a plan better by the margin replaces the entry, and
+        the survivors switch to it at the next iteration boundary if they run that situation."""
+        for counts, job in list(self.refinements.items()):
+            code = job.popen.poll()
+            if code is None:
+                continue
+            del self.refinements[counts]
+            if code != 0 or not job.out.is_file():
+                self._event("warning", f"the refinement of {list(counts)} failed (exit "
+                                       f"status {code}; see logs/refine-*.log)")
+                continue
+            try:
+                plan = read_plan(job.out)
+            except RecycleError as exc:
+                self._event("warning", f"the refinement of {list(counts)} wrote no usable "
+                                       f"plan: {exc}")
+                continue
+            current = self.lib.entry(counts)
+            period = plan.metrics.period
+            better = period < current.period * (1 - self.config.refine_margin)
+            self._event("refined", f"refined plan for {list(counts)} after "
+                                   f"{now - job.started:.1f} s: period {period:.4g} ms against "
+                                   f"{current.period:.4g} ms"
+                                   + ("" if better else " (kept the current plan)"),
+                        counts=list(counts), period=period, previous=current.period,
+                        better=better)
+            if not better:
+                continue
+            placement = tuple(tuple(g) for g in plan.mapping["placement"])
+            self.lib.add(plan, placement, REFINED, refine_settings_hash(
+                self.config.refine_budget))
+            if self.phase == "running" and self.decision is not None and \
+                    dead_per_stage(self.lib.spec, self.decision.dead) == counts:
+                self.plan_switch = True
+
+    def _stop_refinements(self) -> None:
+        for job in self.refinements.values():
+            if job.popen.poll() is None:
+                job.popen.kill()
+            job.popen.wait()
+        self.refinements.clear()
 
     def _abort(self, reason: str) -> None:
         if self.phase == "gathering" and self.aborted_at is not None:

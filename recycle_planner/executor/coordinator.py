@@ -17,6 +17,10 @@ knows of a worker:
   kill it, should the host come back;
 - its exit, reported by its host agent within milliseconds.
 
+A dead set the library lacks is planned here, on demand, and added to the library (which must
+be on the shared filesystem, like the run folder), and refined in a background process of this
+machine: the coordinator is the library's only writer (`agent.Agent._plan_on_demand`).
+
 Losing the coordinator is the one failure that stops training: the workers notice within
 the lease, write a consistent checkpoint and exit; a coordinator started again with
 `--resume`, and the host agents, continue from it.
@@ -30,9 +34,8 @@ import time
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor import protocol as P
 from recycle_planner.executor.agent import (Agent, LaunchConfig, LaunchResult, TrainingStopped,
-                                            _Proc)
+                                            _Proc, prepare_library)
 from recycle_planner.executor.config import CONFIG_ERROR
-from recycle_planner.library import PlanLibrary
 
 class Coordinator(Agent):
     """`Agent` for workers on other hosts: exits come from host agents, hangs are leases."""
@@ -111,11 +114,7 @@ def coordinate(config: LaunchConfig, nnodes: int, on_event=None) -> LaunchResult
     if nnodes < 1 or config.nproc % nnodes:
         raise RecycleError(f"{config.nproc} workers cannot be spread evenly over {nnodes} "
                            f"hosts")
-    if config.library is not None:
-        spec = PlanLibrary.open(config.library).spec
-        if spec.workers != config.nproc:
-            raise RecycleError(f"the plan library {config.library} is for {spec.workers} "
-                               f"workers, not {config.nproc}")
+    config = prepare_library(config)  # plans made on demand go to the shared run folder
     result = Coordinator(config, nnodes, on_event).run()
     if result.status != "completed":
         raise TrainingStopped(result.message, result)

@@ -11,8 +11,13 @@ dies or hangs, a restarted worker joins) ends the generation:
    number of optimizer steps its stage has taken (`steps`).
 3. The launcher decides (`decide`) and posts `gen{n+1}/decision`: the members, the dead
    workers, the iteration to (re)start from, which worker sends its stage's state to which
-   newcomer, or `stop` when the failures are beyond the library's threshold or a stage has no
-   live worker left.
+   newcomer, or `stop` when a stage has no live worker left. A dead set the library lacks is
+   first a `plan` decision, never posted: the launcher plans it on demand, adds it to the
+   library and decides again.
+
+`gen{n}/join` also serves a plan switch without a membership change: when a background
+refinement finds a better plan for the current dead set, the members leave the generation at an
+agreed iteration boundary the same way, and the next generation runs the better plan.
 
 The store lives in the launcher process, which never takes part in training, so it survives
 every worker failure.
@@ -131,8 +136,9 @@ class Decision:
     every member starts at (`restart`), `sources[rank] = rank` that sends its stage's
     parameters and optimizer state to a worker that has none (a restarted worker, or every
     non-first worker of a stage at the very start), and the plan file chosen for the dead set.
-    `action` is `run` or `stop` (then `reason` says why, and the members only write a
-    checkpoint of iteration `restart`)."""
+    `action` is `run`, `stop` (then `reason` says why, and the members only write a
+    checkpoint of iteration `restart`) or `plan` (the library has no plan for the dead set:
+    the launcher's to answer, never posted)."""
 
     gen: int
     action: str
@@ -165,14 +171,16 @@ class Decision:
 
 
 def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None],
-           lookup: Callable[[list[Worker]], tuple[str, float]], initial: bool = False,
+           lookup: Callable[[list[Worker]], tuple[str, float] | None], initial: bool = False,
            bug: str | None = None) -> Decision:
     """The membership decision for generation `gen`, from the workers that reported.
 
     `steps[rank]` is the number of optimizer steps a reporting worker's stage has taken, or
     None for a worker that holds no state (a restarted one). Every other rank is dead.
     `lookup(dead)` returns the plan file and its predicted degradation for the dead physical
-    workers, or raises a `RecycleError` (beyond the threshold, a stage with no live worker).
+    workers, None when the library has no plan for them (the decision is then `plan`: plan it,
+    then decide again), or raises a `RecycleError` (a launcher that does not plan on demand:
+    beyond the threshold).
     With `initial`, everyone holds a fresh model and the first worker of each stage sends its
     parameters to its peers, so that all replicas start equal.
 
@@ -204,9 +212,13 @@ def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None
         return stop(f"no live worker holds the parameters of stage {s} (dead: "
                     f"{format_workers(dead)})")
     try:
-        plan, degradation = lookup(list(dead))
+        found = lookup(list(dead))
     except RecycleError as exc:
         return stop(str(exc))
+    if found is None:
+        return Decision(gen, "plan", members, dead, restart,
+                        reason=f"no plan for dead workers {format_workers(dead)}")
+    plan, degradation = found
     sources: dict[int, int] = {}
     for r in members:
         s = r % stages

@@ -77,7 +77,7 @@ class Worker:
         library = config.library or job.library
         if library is None:
             raise RecycleError("the job names no plan library: set Job.library or pass "
-                               "--library to the launcher")
+                               "--library (or --spec, to plan on demand) to the launcher")
         self.library_path = str(library)
         self.lib = PlanLibrary.open(library)
         spec = self.lib.spec
@@ -292,7 +292,7 @@ class Worker:
                                f"starts at {decision.restart}")
 
     def _program(self, decision: P.Decision):
-        hit = self.lib.lookup(decision.dead)
+        hit = self.lib.lookup(decision.dead, decision.plan)  # the decided one, even if replaced
         key = str(hit.file)
         if key not in self._plans:
             self._plans[key] = hit.plan()

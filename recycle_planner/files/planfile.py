@@ -1,51 +1,106 @@
 """Plan files: JSON with a format name and version, written atomically, read strictly.
 
-A file whose name ends in `.gz` is gzip-compressed (large plans compress about tenfold).
+Two forms of one format. Version 1, *timed*: every op of every live worker with its start and
+end (what `plan -o` writes and `validate` checks, a person can read and edit it). Version 2,
+*compact*: each live worker's ops as one action string, `F0 F1p3 I0 W0 ... A O` (kind and
+micro-batch, `p<d>` when the micro-batch is another pipeline's, i.e. re-routed; `A` and `O`
+the worker's all-reduce and optimizer step; the stage is the worker's), and no times: the
+simulator recomputes them on load (0.1 s for 200k ops) and the recorded period must come out
+again. The library stores the compact form: a 200k-op plan is 22 KB gzipped instead of 2.3 MB.
+A file whose name ends in `.gz` is gzip-compressed.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from recycle_planner import __version__
-from recycle_planner.errors import FailureSetError, PlanFileError, RecycleError, SpecError
+from recycle_planner.errors import (FailureSetError, PlanFileError, RecycleError, ScheduleError,
+                                    SpecError)
 from recycle_planner.io import read_json, write_json
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import check_failed
-from recycle_planner.schedules.ops import COLLECTIVE_NAMES, KIND_CODES, Op, OpSpace, worker_index
+from recycle_planner.schedules.ops import (AR, COLLECTIVE_NAMES, COMPUTE_KINDS, KIND_CODES,
+                                          KIND_NAMES, OPT, Op, OpSpace, worker_index)
 from recycle_planner.schedules.schedule import Schedule
 from recycle_planner.timing.metrics import Metrics
 from recycle_planner.timing.plan import Plan, worker_stats
-from recycle_planner.timing.simulate import Timing
+from recycle_planner.timing.simulate import Timing, simulate
 
 PLAN_FORMAT = "recycle-plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 1       # timed: ops with their times
+COMPACT_VERSION = 2    # compact: per-worker action strings, times recomputed on load
+PERIOD_TOLERANCE = 1e-6  # relative: a compact file's recorded period against its simulation
+
+COLLECTIVE_ACTIONS = {AR: "A", OPT: "O"}
+_ACTION = re.compile(r"([FIWB])([0-9]+)(?:p([0-9]+))?|([AO])")
 
 
-def plan_to_dict(plan: Plan) -> dict[str, Any]:
+def worker_actions(space: OpSpace, ids: np.ndarray, pipeline: int) -> str:
+    """The action string of one worker's ops (`F0 F1p3 I0 ... A O`)."""
+    kind, pipe, _, mb = space.decode(ids)
+    out = []
+    for k, p, m in zip(kind.tolist(), pipe.tolist(), mb.tolist()):
+        if k >= COMPUTE_KINDS:
+            out.append(COLLECTIVE_ACTIONS[k])
+        else:
+            out.append(f"{KIND_NAMES[k]}{m}" if p == pipeline else f"{KIND_NAMES[k]}{m}p{p}")
+    return " ".join(out)
+
+
+def parse_actions(text: str, space: OpSpace, pipeline: int, stage: int, at: str) -> np.ndarray:
+    """The op ids of worker (pipeline, stage)'s action string; a PlanFileError naming the first
+    token that is not an action of this job."""
+    tokens = text.split()
+    ids = np.empty(len(tokens), dtype=np.int64)
+    for j, token in enumerate(tokens):
+        m = _ACTION.fullmatch(token)
+        if m is None:
+            raise PlanFileError(f"{at}: action {j} {token!r} is not one (expected e.g. F3, "
+                                f"I3p1 for pipeline 1's micro-batch 3, A or O)")
+        if m[4] is not None:
+            ids[j] = (space.allreduce if m[4] == "A" else space.optimizer)(pipeline, stage)
+            continue
+        mb, p = int(m[2]), pipeline if m[3] is None else int(m[3])
+        if mb >= space.M or p >= space.D:
+            raise PlanFileError(f"{at}: action {j} {token!r} is outside the job "
+                                f"({space.D} pipelines, {space.M} micro-batches)")
+        ids[j] = space.compute(KIND_CODES[m[1]], p, stage, mb)
+    return ids
+
+
+def plan_to_dict(plan: Plan, compact: bool = False) -> dict[str, Any]:
+    """The plan file's data: timed (every op with its times) or `compact` (action strings)."""
     sched, timing = plan.schedule, plan.timing
     spec = sched.spec
     S = spec.stages
-    stats = worker_stats(sched, timing, plan.metrics.period)
     workers = []
-    for d, s in sched.live_workers():
-        w = worker_index(S, d, s)
-        ids = sched.orders[w]
-        ops = [{"kind": op.kind, "pipeline": op.pipeline, "stage": op.stage,
-                "microbatch": op.microbatch, "start": a, "end": b}
-               for op, a, b in zip(sched.space.to_ops(ids), timing.start[ids].tolist(),
-                                   timing.end[ids].tolist())]
-        workers.append({"pipeline": d, "stage": s, "ops": ops,
-                        "busy": float(stats.busy[w]), "bubble_rate": float(stats.bubble_rate[w]),
-                        "peak_inflight": int(stats.peak_inflight[w])})
+    if compact:
+        for d, s in sched.live_workers():
+            workers.append({"pipeline": d, "stage": s, "actions": worker_actions(
+                sched.space, sched.orders[worker_index(S, d, s)], d)})
+    else:
+        stats = worker_stats(sched, timing, plan.metrics.period)
+        for d, s in sched.live_workers():
+            w = worker_index(S, d, s)
+            ids = sched.orders[w]
+            ops = [{"kind": op.kind, "pipeline": op.pipeline, "stage": op.stage,
+                    "microbatch": op.microbatch, "start": a, "end": b}
+                   for op, a, b in zip(sched.space.to_ops(ids), timing.start[ids].tolist(),
+                                       timing.end[ids].tolist())]
+            workers.append({"pipeline": d, "stage": s, "ops": ops,
+                            "busy": float(stats.busy[w]),
+                            "bubble_rate": float(stats.bubble_rate[w]),
+                            "peak_inflight": int(stats.peak_inflight[w])})
     out: dict[str, Any] = {
         "format": PLAN_FORMAT,
-        "version": PLAN_VERSION,
+        "version": COMPACT_VERSION if compact else PLAN_VERSION,
         "generator": f"recycle-planner {__version__}",
         "spec": spec.to_dict(),
         "policy": plan.policy.to_dict(),
@@ -59,8 +114,10 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     return out
 
 
-def write_plan(plan: Plan, path: str | Path) -> bytes:
-    return write_json(path, plan_to_dict(plan))
+def write_plan(plan: Plan, path: str | Path, compact: bool = False) -> bytes:
+    """Write the plan file atomically; returns the bytes written (for a checksum)."""
+    # Action strings are small and repetitive: the best gzip level costs milliseconds there.
+    return write_json(path, plan_to_dict(plan, compact), level=9 if compact else 3)
 
 
 def read_plan(path: str | Path) -> Plan:
@@ -74,9 +131,11 @@ def plan_from_dict(data: Any, where: str = "plan") -> Plan:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise PlanFileError(f"{where}: not a recycle-plan file (format is {found!r})")
     version = data.get("version")
-    if version != PLAN_VERSION:
+    if version not in (PLAN_VERSION, COMPACT_VERSION):
         raise PlanFileError(f"{where}: plan format version {version!r} is not supported "
-                            f"(this recycle-planner reads version {PLAN_VERSION})")
+                            f"(this recycle-planner reads versions {PLAN_VERSION} and "
+                            f"{COMPACT_VERSION})")
+    compact = version == COMPACT_VERSION
     for key in ("spec", "failed", "workers", "metrics"):
         if key not in data:
             raise PlanFileError(f"{where}: missing key '{key}'")
@@ -112,6 +171,11 @@ def plan_from_dict(data: Any, where: str = "plan") -> Plan:
         if w in seen:
             raise PlanFileError(f"{at}: worker {d}:{s} appears twice")
         seen.add(w)
+        if compact:
+            if not isinstance(entry.get("actions"), str):
+                raise PlanFileError(f"{at}: 'actions' must be a string of actions")
+            orders[w] = parse_actions(entry["actions"], space, d, s, at)
+            continue
         ops = entry.get("ops")
         if not isinstance(ops, list):
             raise PlanFileError(f"{at}: 'ops' must be a list")
@@ -123,10 +187,26 @@ def plan_from_dict(data: Any, where: str = "plan") -> Plan:
         orders[w] = ids
     metrics = Metrics.from_dict(data["metrics"], where)
     schedule = Schedule(spec=spec, policy=policy, failed=failed, orders=tuple(orders))
+    if compact:
+        start, end = _simulated_times(schedule, metrics.period, where)
     solver = data.get("solver") if isinstance(data.get("solver"), dict) else {}
     mapping = data.get("mapping") if isinstance(data.get("mapping"), dict) else None
     return Plan(schedule=schedule, timing=Timing(start, end), metrics=metrics,
                 solver=solver, mapping=mapping)
+
+
+def _simulated_times(schedule: Schedule, period: float, where: str
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """A compact file's times, from the simulator; its recorded period must come out again
+    (anything else is a damaged or edited file)."""
+    try:
+        sim = simulate(schedule)
+    except ScheduleError as exc:
+        raise PlanFileError(f"{where}: {exc}") from None
+    if abs(sim.period - period) > PERIOD_TOLERANCE * max(1.0, abs(period)):
+        raise PlanFileError(f"{where}: its actions repeat every {sim.period:.6g} ms but "
+                            f"metrics.period is {period:.6g}: the file was edited or damaged")
+    return sim.timing.start, sim.timing.end
 
 
 def _policy(data: Any, where: str) -> Policy:

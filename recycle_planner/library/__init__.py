@@ -2,12 +2,20 @@
 
 A folder with one plan file per situation and `index.json`:
 
-    {"format": "recycle-plan-library", "version": 1, "spec_hash": "...", "spec": {...},
+    {"format": "recycle-plan-library", "version": 2, "spec_hash": "...", "spec": {...},
      "policy": {...}, "max_failures": 2, "settings": {...}, "fault_free_period": 501.4,
      "entries": [{"failed_per_stage": [0, 1, 0, 0], "file": "k0-1-0-0.json.gz",
                   "placement": [[1]], "failed": [[0, 1]], "failure_sets": 4,
                   "metrics": {...}, "solver": {...}, "gap": 0.0, "spec_hash": "...",
-                  "settings_hash": "...", "sha256": "..."}, ...]}
+                  "settings_hash": "...", "sha256": "...", "made": "plan-all"}, ...],
+     "replaced": [...]}
+
+Plan files are compact (files/planfile.py: per-worker action strings, times recomputed on
+load): 23 KB for a 200k-op plan. The library is also a cache that runs fill: the coordinator
+plans a dead set it lacks on demand (`made: on-demand`, its own file name) and a background
+process may replace that entry with a better plan (`made: refined`; the replaced entry stays
+under `replaced` for a generation that still runs it). A version-1 index (timed plan files)
+is still read.
 
 Every entry records its plan file's SHA-256, so a missing, truncated or swapped plan file is
 found before a launcher runs it. Building is parallel over processes, resumable (an entry whose
@@ -19,8 +27,9 @@ physical -> logical mapping.
 
 The package, one module per job: `build.py` (plan-all), `placement.py` (the best placement of
 a situation's holes), `entries.py` (one entry: its plan file and index record, and its checks),
-`index.py` (index.json), `hashing.py`, `settings.py`, `pool.py` (the process pool) and
-`lookup.py` (`PlanLibrary`, `Lookup`).
+`index.py` (index.json), `hashing.py`, `settings.py`, `pool.py` (the process pool),
+`lookup.py` (`PlanLibrary`, `Lookup`, `MissingPlan`) and `ondemand.py` (planning at run time:
+fast under a budget, then refined in the background).
 """
 
 from recycle_planner.library.build import build_library

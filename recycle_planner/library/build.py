@@ -10,7 +10,7 @@ from typing import Any, Callable
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.situations import check_threshold, situations
 from recycle_planner.job.spec import JobSpec
-from recycle_planner.library.entries import build_entry
+from recycle_planner.library.entries import ON_DEMAND, REFINED, build_entry
 from recycle_planner.library.hashing import file_sha256, spec_hash
 from recycle_planner.library.index import reusable_entries, write_index
 from recycle_planner.library.pool import planning_pool
@@ -45,11 +45,17 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
                 keep[counts] = entry
             else:
                 to_prove[counts] = entry
+    # Plans made at run time for situations beyond this threshold stay while their file is intact.
+    within = set(wanted)
+    made = {tuple(e["failed_per_stage"]): e for e in old_entries
+            if e.get("made") in (ON_DEMAND, REFINED) and tuple(e["failed_per_stage"]) not in within
+            and e.get("sha256") is not None
+            and file_sha256(folder / str(e.get("file", ""))) == e["sha256"]}
     todo = [k for k in wanted if k not in keep]
     log.info("library %s: %d situations, %d up to date, %d to plan", folder, len(wanted),
              len(wanted) - len(todo), len(todo))
     zero = (0,) * spec.stages
-    entries = {**keep, **to_prove}  # an interrupted --prove keeps the plans it has not reached
+    entries = {**made, **keep, **to_prove}  # an interrupted --prove keeps what it has not reached
     done = len(wanted) - len(todo)
     if progress:
         progress(done, len(wanted))

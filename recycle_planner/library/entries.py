@@ -11,19 +11,29 @@ from typing import Any
 
 from recycle_planner.errors import PlanFileError
 from recycle_planner.files.planfile import read_plan, write_plan
-from recycle_planner.job.situations import counts_of, failure_sets
+from recycle_planner.job.situations import Placement, counts_of, failure_sets
 from recycle_planner.job.spec import JobSpec
+from recycle_planner.job.workers import dead_per_stage
 from recycle_planner.library.placement import plan_best_placement
 from recycle_planner.library.prove import prove_plan
 from recycle_planner.timing.metrics import Metrics
 from recycle_planner.timing.plan import Plan
 
 
-LIBRARY_FILE = re.compile(r"k[0-9]+(-[0-9]+)*\.json\.gz")  # situation_file's names
+PLAN_ALL, ON_DEMAND, REFINED = "plan-all", "on-demand", "refined"
+MADE = (PLAN_ALL, ON_DEMAND, REFINED)
+"""Who made an entry: plan-all, the coordinator when it met a situation the library lacked
+(the fast solver under a time budget), or the background refinement of such a plan."""
+
+LIBRARY_FILE = re.compile(r"k[0-9]+(-[0-9]+)*(\.[a-z]+[0-9]*)?\.json\.gz")  # situation_file's
 
 
-def situation_file(counts: tuple[int, ...]) -> str:
-    return "k" + "-".join(str(k) for k in counts) + ".json.gz"
+def situation_file(counts: tuple[int, ...], made: str | None = None, serial: int = 0) -> str:
+    """`k0-1-0-0.json.gz` for plan-all; a plan made at run time gets its own name
+    (`k0-1-0-0.ondemand1.json.gz`), so that a worker never mistakes it for one it loaded."""
+    tag = "" if made in (None, PLAN_ALL) else f".{made.replace('-', '')}{serial}"
+    return "k" + "-".join(str(k) for k in counts) + tag + ".json.gz"
+
 
 
 @dataclass(frozen=True)
@@ -43,12 +53,21 @@ class LibraryEntry:
     settings_hash: str | None = None
     sha256: str | None = None
     proved: float | None = None             # the --prove budget this entry's plan has had
+    made: str | None = None                 # one of MADE; absent: plan-all
 
     def to_dict(self) -> dict[str, Any]:
         order = ("failed_per_stage", "file", "placement", "failed", "failure_sets", "metrics",
-                 "solver", "gap", "spec_hash", "settings_hash", "sha256", "proved")
+                 "solver", "gap", "spec_hash", "settings_hash", "sha256", "proved", "made")
         out = {k: getattr(self, k) for k in order if getattr(self, k) is not None}
         return dict(out, metrics=self.metrics.to_dict())
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(self.failed_per_stage)
+
+    @property
+    def period(self) -> float:
+        return self.metrics.period
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "LibraryEntry":
@@ -58,6 +77,9 @@ class LibraryEntry:
                 and isinstance(data.get("metrics"), dict)):
             raise PlanFileError(f"{where} is malformed (needs failed_per_stage, file, placement "
                                 f"and metrics)")
+        if data.get("made") not in (None, *MADE):
+            raise PlanFileError(f"{where}.made must be one of {', '.join(MADE)}, got "
+                                f"{data.get('made')!r}")
         name = data["file"]
         if "/" in name or "\\" in name or name.startswith("."):
             raise PlanFileError(f"{where}.file {name!r} must be a file in the folder")
@@ -96,14 +118,22 @@ def build_entry(args: tuple) -> dict[str, Any]:
     if settings.prove_work is not None and not plan.metrics.optimal:
         ref = plan.metrics.fault_free_period if reference is None else reference
         plan = prove_plan(plan, ref, settings.prove_work, reference_bound)
+    return store_plan(spec, plan, placement, Path(folder), situation_file(counts), shash,
+                      settings.hash, PLAN_ALL, settings.prove_work).to_dict()
+
+
+def store_plan(spec: JobSpec, plan: Plan, placement: Placement, folder: Path, name: str,
+               shash: str, settings_hash: str | None, made: str | None = None,
+               proved: float | None = None) -> LibraryEntry:
+    """Write `plan` (compact, atomically) as `folder/name`; its index entry, with the file's
+    SHA-256."""
+    counts = tuple(dead_per_stage(spec, plan.failed))
     plan = Plan(plan.schedule, plan.timing, plan.metrics, plan.solver,
                 mapping={"placement": [list(g) for g in placement]})
-    name = situation_file(counts)
-    digest = hashlib.sha256(write_plan(plan, Path(folder) / name)).hexdigest()
+    digest = hashlib.sha256(write_plan(plan, folder / name, compact=True)).hexdigest()
     m = plan.metrics
     return LibraryEntry(
         failed_per_stage=list(counts), file=name, placement=[list(g) for g in placement],
         failed=[list(w) for w in plan.failed], failure_sets=failure_sets(spec, counts),
         metrics=m.entry(), solver=plan.solver, gap=m.gap,
-        spec_hash=shash, settings_hash=settings.hash, sha256=digest,
-        proved=settings.prove_work).to_dict()
+        spec_hash=shash, settings_hash=settings_hash, sha256=digest, proved=proved, made=made)

@@ -1,4 +1,10 @@
-"""A built library opened for lookups: the plan and mapping for a set of dead workers."""
+"""A library opened for lookups (the plan and mapping for a set of dead workers), and for
+adding the plans a run makes on demand.
+
+The library is a cache, not a wall: a dead set it lacks is a `MissingPlan`, which the
+coordinator answers by planning it (`library/ondemand.py`) and `add`ing it. Only the
+coordinator writes (the plan file first, then index.json, each atomically); every lookup reads
+the index again if it changed, so a worker sees what the coordinator added or replaced."""
 
 from __future__ import annotations
 
@@ -8,16 +14,27 @@ from typing import Any, Iterable
 
 from recycle_planner.errors import FailureSetError, PlanFileError, RecycleError
 from recycle_planner.files.planfile import read_plan
-from recycle_planner.io import read_json
+from recycle_planner.io import read_json, write_json
 from recycle_planner.job.policy import Policy
-from recycle_planner.job.situations import Mapping, canonical, map_failure
+from recycle_planner.job.situations import Mapping, Placement, canonical, map_failure
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import check_failed, dead_per_stage
-from recycle_planner.library.entries import LIBRARY_FILE, LibraryEntry
+from recycle_planner.library.entries import (LIBRARY_FILE, LibraryEntry, situation_file,
+                                             store_plan)
 from recycle_planner.library.hashing import file_sha256, spec_hash
-from recycle_planner.library.index import INDEX, check_index
+from recycle_planner.library.index import INDEX, LIBRARY_VERSION, check_index, write_index
+from recycle_planner.library.settings import Settings
 from recycle_planner.timing.plan import Plan
 from recycle_planner.words import plural
+
+
+class MissingPlan(FailureSetError):
+    """The library has no plan for these dead workers (beyond its threshold, or an incomplete
+    build): plan it on demand, or fall back to a checkpoint."""
+
+    def __init__(self, message: str, counts: tuple[int, ...]):
+        super().__init__(message)
+        self.counts = counts
 
 
 @dataclass(frozen=True)
@@ -45,7 +62,8 @@ class Lookup:
     def to_dict(self) -> dict[str, Any]:
         return {"file": str(self.file), "failed_per_stage": list(self.failed_per_stage),
                 "mapping": self.mapping.to_dict(), "placement": self.entry.placement,
-                "failed_logical": self.entry.failed or [], "metrics": self.entry.metrics.to_dict()}
+                "failed_logical": self.entry.failed or [], "metrics": self.entry.metrics.to_dict(),
+                "made": self.entry.made or "plan-all"}
 
 
 class PlanLibrary:
@@ -69,26 +87,85 @@ class PlanLibrary:
             where = f"{folder / INDEX}: entries[{i}]"
             entry = LibraryEntry.from_dict(data, where)
             entry.check(self.spec, where)
-            self._by_counts[tuple(entry.failed_per_stage)] = entry
+            self._by_counts[entry.counts] = entry
+        # Entries a run replaced by better plans: a generation decided just before still runs one.
+        self._replaced = {e["file"]: LibraryEntry.from_dict(e, f"{folder / INDEX}: replaced")
+                          for e in index.get("replaced", [])}
+        self._stamp = _stamp(folder / INDEX)
 
     @classmethod
-    def open(cls, folder: str | Path, spec: JobSpec | None = None) -> "PlanLibrary":
+    def create(cls, folder: str | Path, spec: JobSpec, policy: Policy = Policy()
+               ) -> "PlanLibrary":
+        """An empty library in `folder` (created if needed) for a run without one: every
+        situation, the fault-free one first, is planned when the run first meets it. An
+        existing library of this job there is opened instead (a resumed run keeps its plans)."""
+        folder = Path(folder)
+        if (folder / INDEX).is_file():
+            return cls.open(folder, spec, policy)
+        folder.mkdir(parents=True, exist_ok=True)
+        write_index(folder, spec, policy, 0, Settings(), spec_hash(spec, policy), None, {}, [])
+        return cls.open(folder)
+
+    @classmethod
+    def open(cls, folder: str | Path, spec: JobSpec | None = None,
+             policy: Policy | None = None) -> "PlanLibrary":
         folder = Path(folder)
         path = folder / INDEX
         if not path.is_file():
             raise PlanFileError(f"{folder}: no plan library here (missing {INDEX}); build one "
                                 f"with 'recycle-planner plan-all'")
         lib = cls(folder, check_index(read_json(path, "library index"), path))
-        if spec is not None and spec_hash(spec, lib.policy) != lib.index["spec_hash"]:
-            raise RecycleError(f"{folder} was built for another spec (hash "
+        if spec is not None and spec_hash(spec, policy or lib.policy) != lib.index["spec_hash"]:
+            raise RecycleError(f"{folder} was built for another spec or policy (hash "
                                f"{lib.index['spec_hash']}); rebuild it with 'recycle-planner "
                                f"plan-all' for this one")
         return lib
 
+    def reload(self) -> bool:
+        """Read index.json again if it changed since it was read (the coordinator added a
+        plan); whether it did."""
+        stamp = _stamp(self.folder / INDEX)
+        if stamp == self._stamp:
+            return False
+        fresh = PlanLibrary.open(self.folder)
+        if fresh.index["spec_hash"] != self.index["spec_hash"]:
+            raise PlanFileError(f"{self.folder / INDEX} now holds another job's library")
+        self.__dict__.update(fresh.__dict__)
+        return True
+
+    def add(self, plan: Plan, placement: Placement, made: str,
+            settings_hash: str | None = None) -> LibraryEntry:
+        """Store `plan` (its placement of the holes, who `made` it) as the entry of its
+        situation, replacing any: the plan file under a name never used before, then the
+        index, each written atomically; the entry records the file's SHA-256."""
+        spec = self.spec
+        counts = tuple(dead_per_stage(spec, plan.failed))
+        serial = 1
+        while (self.folder / situation_file(counts, made, serial)).exists():
+            serial += 1
+        entry = store_plan(spec, plan, placement, self.folder,
+                           situation_file(counts, made, serial), self.index["spec_hash"],
+                           settings_hash, made)
+        entries = dict(self._by_counts)
+        index = dict(self.index)
+        if counts in entries:
+            index["replaced"] = [*index.get("replaced", []), entries[counts].to_dict()]
+        entries[counts] = entry
+        index["version"] = LIBRARY_VERSION
+        if not any(counts):
+            index["fault_free_period"] = entry.period
+        index["entries"] = [e.to_dict() for e in entries.values()]
+        write_json(self.folder / INDEX, index)
+        self.index, self._by_counts = index, entries
+        self._replaced = {e["file"]: LibraryEntry.from_dict(e, "replaced")
+                          for e in index.get("replaced", [])}
+        self._stamp = _stamp(self.folder / INDEX)
+        return entry
+
     def _check_folder_is_ours(self) -> None:
         """A folder whose plan files are none of those its index lists holds another library's
         index (copied or moved there): say so rather than call one plan file missing."""
-        listed = {str(e["file"]) for e in self.index["entries"]}
+        listed = {e.file for e in self._by_counts.values()}
         here = {p.name for p in self.folder.iterdir() if LIBRARY_FILE.fullmatch(p.name)}
         if here and not here & {name for name in listed
                                 if file_sha256(self.folder / name) is not None}:
@@ -109,6 +186,8 @@ class PlanLibrary:
 
     @property
     def fault_free_period(self) -> float:
+        if self.index.get("fault_free_period") is None:
+            raise PlanFileError(f"{self.folder}: the library has no fault-free plan yet")
         return float(self.index["fault_free_period"])
 
     def entries(self) -> list[LibraryEntry]:
@@ -117,19 +196,26 @@ class PlanLibrary:
     def entry(self, counts: tuple[int, ...]) -> LibraryEntry | None:
         return self._by_counts.get(tuple(counts))
 
-    def lookup(self, failed: Iterable[Iterable[int]]) -> Lookup:
+    def lookup(self, failed: Iterable[Iterable[int]], file: str | None = None) -> Lookup:
         """The plan and mapping for these dead physical workers; an error if a worker is outside
-        the grid or listed twice, if a stage has no live worker left, or if the set is beyond
-        the library's threshold."""
+        the grid or listed twice, if a stage has no live worker left, or a `MissingPlan` if the
+        library has none for them. `file` asks for that plan file of the situation, also one
+        a run has replaced since (what a launcher decided before the replacement)."""
         dead = check_failed(self.spec, failed)
         counts = dead_per_stage(self.spec, dead)
-        if len(dead) > self.max_failures:
-            raise FailureSetError(f"{len(dead)} dead workers is beyond this library's threshold "
-                                  f"of {self.max_failures}: fall back to a checkpoint restart")
+        self.reload()  # one stat; the index is read again only if a run added a plan
         entry = self._by_counts.get(counts)
+        if entry is None and len(dead) > self.max_failures:
+            raise MissingPlan(f"{len(dead)} dead workers is beyond this library's threshold "
+                              f"of {self.max_failures}", counts)
         if entry is None:
-            raise PlanFileError(f"{self.folder}: the library has no plan for per-stage failures "
-                                f"{list(counts)} (incomplete library: run plan-all again)")
+            raise MissingPlan(f"{self.folder}: the library has no plan for per-stage failures "
+                              f"{list(counts)} (incomplete library: run plan-all again)", counts)
+        if file is not None and entry.file != file:
+            entry = self._replaced.get(file)
+            if entry is None or entry.counts != counts:
+                raise PlanFileError(f"{self.folder}: the library has no plan file {file} for "
+                                    f"per-stage failures {list(counts)}")
         placement = canonical(entry.placement)
         mapping = map_failure(self.spec, dead, placement)
         path = self.folder / entry.file
@@ -143,3 +229,12 @@ class PlanLibrary:
             raise PlanFileError(f"{path}: the plan file has changed since the library was built "
                                 f"(its SHA-256 differs from the index); run plan-all again")
         return Lookup(path, counts, mapping, entry, self.spec)
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """What tells a changed index.json (replaced atomically: a new inode or time)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns

@@ -39,7 +39,7 @@ def library_dict(lib: PlanLibrary) -> dict:
             "max_failures": lib.max_failures, "complete": lib.index.get("complete", True),
             "fault_free_period": lib.fault_free_period, "rows": library_rows(lib),
             "situations": [{k: v for k, v in e.to_dict().items()
-                            if k in ("failed_per_stage", "file", "metrics", "solver")}
+                            if k in ("failed_per_stage", "file", "metrics", "solver", "made")}
                            for e in lib.entries()]}
 
 

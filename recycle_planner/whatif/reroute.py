@@ -53,7 +53,7 @@ class Reroute(Strategy):
     def _speed(self, key: Hashable) -> Speed:
         entry = self.library.entry(key)
         if entry is not None:
-            return self.ctx.speed(entry.metrics.period)
+            return self.ctx.speed(entry.period)
         t0 = time.perf_counter()
         solution = solve(self.library.spec, self.library.policy, logical_failed(packed(key)),
                          "heuristic")
