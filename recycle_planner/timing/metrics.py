@@ -2,10 +2,11 @@
 entry's `metrics` hold, and what reports, the library, the what-if, the executor's decision and
 the command line read.
 
-The plan file stays as it was (format version 1): `to_dict` writes the same keys in the same
-order, and `from_dict` reads every file the planner has written. Five figures are required (a
-plan file without them was always refused); the others are absent (None) from hand-made files
-and from library entries, which repeat only `ENTRY_FIELDS`.
+The plan file's `metrics` object stays as it was (in both the timed and the compact form):
+`to_dict` writes the same keys in the same order, and `from_dict` reads every file the planner
+has written. Five figures are required (a plan file without them was always refused); the
+others are absent (None) from hand-made files and from library entries, which repeat only
+`ENTRY_FIELDS`.
 """
 
 from __future__ import annotations
