@@ -80,19 +80,22 @@ def template_keys(spec: JobSpec, policy: Policy) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class ListSettings:
-    """How one list schedule chooses (see the module docstring); None takes the job's own."""
+    """How one list schedule chooses (see the module docstring); None takes the job's own.
 
-    assignment: np.ndarray | None = None  # [d, s, m]: the pipeline whose stage-s worker runs
-    #                                       micro-batch m of pipeline d (default_assignment)
-    caps: tuple[int, ...] | None = None   # [s]: in-flight micro-batches of a stage-s worker
-    #                                       (the memory budget, budget_caps)
-    keys: np.ndarray | None = None        # [kind, s, m]: priorities (template_keys)
-    defer_w: bool = False                 # W only when nothing else is ready
-    op_keys: dict[tuple[int, int, int, int], float] | None = None  # (kind, d, s, m): one op's
-    #                                       priority, overriding `keys`
-    patient: bool = False  # rather than start an op, wait for one of higher priority that
-    #                        arrives before it would finish (keeps the template's order
-    #                        wherever the data comes in time)
+    `assignment[d, s, m]`: the pipeline whose stage-s worker runs micro-batch m of pipeline d
+    (default_assignment); `caps[s]`: in-flight micro-batches a stage-s worker may hold (the
+    memory budget, budget_caps); `keys[kind, s, m]`: priorities (template_keys); `defer_w`: W
+    only when nothing else is ready; `op_keys[(kind, d, s, m)]`: one op's priority, overriding
+    `keys`; `patient`: rather than start an op, wait for one of higher priority that arrives
+    before it would finish (the template's order is then kept wherever the data comes in
+    time)."""
+
+    assignment: np.ndarray | None = None
+    caps: tuple[int, ...] | None = None
+    keys: np.ndarray | None = None
+    defer_w: bool = False
+    op_keys: dict[tuple[int, int, int, int], float] | None = None
+    patient: bool = False
 
 
 def list_schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
