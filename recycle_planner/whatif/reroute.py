@@ -2,10 +2,13 @@
 progress; the job then runs at the plan's period for the new per-stage dead counts, with the
 library's policy.
 
-`reroute` treats the library as a cache: a situation it lacks is planned on demand with the
-heuristic (through the planner's `solve`, the packed placement of the holes), and the first time
-a run meets it the planning time is added to the pause (measured on this job once per
-situation, or fixed by `Costs.plan`); later meetings find it in the library. `reroute-library-
+`reroute` treats the library as a cache: a situation it lacks is planned on demand as the
+launcher plans it (`library.ondemand.plan_on_demand`: the packed placement of the holes, one
+list-scheduling pass, the whole heuristic where it fits the launcher's budget), and the first
+time a run meets it the planning time is added to the pause (measured on this job once per
+situation, or fixed by `Costs.plan`); later meetings find it in the library. The launcher's
+background refinement is not modelled: the on-demand plan's period is charged until a repair
+(an upper bound on the cost). `reroute-library-
 only` is the launcher with only the library: beyond its threshold it falls back to a checkpoint
 restart and waits until the situation is back within the library. Both fall back when a stage
 has no live worker left (its parameters exist nowhere in memory)."""
@@ -18,8 +21,7 @@ from typing import Any, Hashable
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.job.policy import Policy
-from recycle_planner.job.situations import logical_failed, packed
-from recycle_planner.planner import solve
+from recycle_planner.library.ondemand import plan_on_demand
 from recycle_planner.whatif.deadset import DeadState
 from recycle_planner.whatif.durations import format_duration
 from recycle_planner.whatif.strategy import Context, Speed, Strategy
@@ -55,11 +57,11 @@ class Reroute(Strategy):
         if entry is not None:
             return self.ctx.speed(entry.period)
         t0 = time.perf_counter()
-        solution = solve(self.library.spec, self.library.policy, logical_failed(packed(key)),
-                         "heuristic")
+        plan, _ = plan_on_demand(self.library.spec, self.library.policy, tuple(key),
+                                 self.library.fault_free_period)
         self.measured[key] = time.perf_counter() - t0
         log.info("%s: planned %s on demand in %.2f s", self.name, list(key), self.measured[key])
-        return self.ctx.speed(solution.simulation.period)
+        return self.ctx.speed(plan.metrics.period)
 
     def planning(self, key: Hashable) -> float | None:
         if self.library.entry(key) is not None:
@@ -80,11 +82,12 @@ class Reroute(Strategy):
             f"peer meanwhile)",
         ]
         if self.on_demand:
-            charge = ("the heuristic's time measured on this job for that situation"
+            charge = ("the on-demand planner's time measured on this job for that situation"
                       if c.plan is None else f"{format_duration(c.plan)} (--plan-time)")
             lines += [
-                f"a situation the library lacks is planned on demand with the heuristic (packed "
-                f"placement); the first time a run meets it, planning adds {charge} to the "
+                f"a situation the library lacks is planned on demand as the launcher does "
+                f"(packed placement, within the launcher's budget; background refinement not "
+                f"modelled); the first time a run meets it, planning adds {charge} to the "
                 f"pause, then it is in the library",
                 f"a stage left without a live worker: fall back to a checkpoint restart (lose "
                 f"the work since the last checkpoint), wait until one is repaired, restart "
