@@ -126,6 +126,17 @@ class CpModel:
             ref = warm.steady if policy.stagger else warm.timing
             horizon = min(horizon, int(math.ceil(max(2 * warm.iteration_time,
                                                      float(np.nanmax(ref.end))) * self.scale)) + 1)
+        ub = horizon + max(tail)  # the period's upper end
+        if policy.stagger and warm is not None:  # only a period up to the warm plan's is sought
+            ub = min(ub, int(math.ceil(warm.period * self.scale - 1e-6)) + 1)
+        if below is not None:  # "is there a schedule under X?"
+            ub = min(ub, int(math.ceil(below * self.scale - 1e-6)) - 1)
+        if policy.stagger:
+            # Anchored (below), every op of a schedule of period z ends by 2z: each op of a
+            # micro-batch precedes its stage-0 input backward, before z, except weight
+            # gradients, which end before their stage's step, within z of that worker's first
+            # forward. So this horizon cuts off no schedule the model seeks.
+            horizon = 2 * max(ub, 0)
         self.horizon = horizon
         m = cp_model.CpModel()
         self.model = m
@@ -198,9 +209,6 @@ class CpModel:
                     m.Add(self.t_ar[s] >= self.start[(d, s, mb), rel] + self.dur[rel][s])
         bound = lower_bound(spec, policy, self.failed).value
         lb = int(math.floor(bound * self.scale + 1e-6))
-        ub = horizon + max(tail)
-        if below is not None:  # "is there a schedule under X?"
-            ub = min(ub, int(math.ceil(below * self.scale - 1e-6)) - 1)
         self.z = m.NewIntVar(min(lb, max(ub, 0)), max(ub, 0), "period")
         self.first: dict[int, Any] = {}
         for w in self.live:
@@ -226,6 +234,14 @@ class CpModel:
                         c.OnlyEnforceIf(self.presence[u, w])
             else:
                 m.Add(self.z >= self.t_ar[s] + tail[s])
+        if policy.stagger:
+            # Anchor in time: a periodic schedule shifted by any amount is the same schedule.
+            # Shifted so that stage 0's optimizer step ends at the period, every op still starts
+            # at 0 or later (each follows a stage-0 forward, which follows that worker's previous
+            # step, at 0 or later), so stage 0 works in the fixed window [0, z]; without this
+            # the no-overlaps have no window to reason in and no probe below a period was ever
+            # decided (benchmarks/README.md).
+            m.Add(self.t_ar[0] + tail[0] == self.z)
         m.Minimize(self.z)
         self.warm_state = "none"
         if warm is not None:
@@ -277,42 +293,46 @@ class CpModel:
         for w, order in enumerate(sched.orders):
             for op in order.tolist():
                 where[op] = w
-        m = self.model
         values = {}
-        for (u, k), var in self.start.items():
+        for (u, k) in self.start:
             t = float(timing.start[self.space.compute(k, *u)]) * self.scale
             values[u, k] = int(round(t))
-            m.AddHint(var, values[u, k])
-        for (u, w), lit in self.presence.items():
-            m.AddHint(lit, where[self.space.compute(F, *u)] == w)
-        for u, rel, s, end, size in self.helpers:  # a complete hint needs no search to repair
-            m.AddHint(end, values[u, rel] + self.dur[rel][s])
-            m.AddHint(size, values[u, rel] + self.dur[rel][s] - values[u, F])
-        rel = self.kinds[-1]
-        ar = {}
-        for s, var in self.t_ar.items():
-            ar[s] = max(values[u, rel] + self.dur[rel][s] for u in self.units if u[1] == s)
-            m.AddHint(var, ar[s])
-        tail = {s: int(round((self.spec.allreduce[s] + self.spec.optimizer[s]) * self.scale))
-                for s in range(S)}
-        z = 0
-        for w in self.live:
-            s = w % S
-            if self.policy.stagger:
-                first = min(values[u, F] for u in self.units if w in self.cands[u]
-                            and (len(self.cands[u]) == 1
-                                 or where[self.space.compute(F, *u)] == w))
-                m.AddHint(self.first[w], first)
-                z = max(z, ar[s] + tail[s] - first)
-            else:
-                z = max(z, ar[s] + tail[s])
-        m.AddHint(self.z, z)
         on_grid = bool(np.allclose(
             [float(timing.start[self.space.compute(k, *u)]) * self.scale for u, k in values],
             list(values.values()), atol=1e-6))
         ordered = all(values[(d, 0, mb), F] <= values[(d, 0, mb + 1), F]
                       for d in range(self.spec.pipelines)
                       for mb in range(self.spec.microbatches - 1))
+        rel = self.kinds[-1]
+        ar = {s: max(values[u, rel] + self.dur[rel][s] for u in self.units if u[1] == s)
+              for s in self.t_ar}
+        tail = {s: int(round((self.spec.allreduce[s] + self.spec.optimizer[s]) * self.scale))
+                for s in range(S)}
+        first, z = {}, 0
+        for w in self.live:
+            s = w % S
+            if self.policy.stagger:
+                first[w] = min(values[u, F] for u in self.units if w in self.cands[u]
+                               and (len(self.cands[u]) == 1
+                                    or where[self.space.compute(F, *u)] == w))
+                z = max(z, ar[s] + tail[s] - first[w])
+            else:
+                z = max(z, ar[s] + tail[s])
+        # The model's anchor (stagger): stage 0's step ends at the period.
+        shift = z - ar[0] - tail[0] if self.policy.stagger else 0
+        m = self.model
+        for (u, k), var in self.start.items():
+            m.AddHint(var, values[u, k] + shift)
+        for (u, w), lit in self.presence.items():
+            m.AddHint(lit, where[self.space.compute(F, *u)] == w)
+        for u, rel_k, s, end, size in self.helpers:  # a complete hint needs no search to repair
+            m.AddHint(end, values[u, rel_k] + self.dur[rel_k][s] + shift)
+            m.AddHint(size, values[u, rel_k] + self.dur[rel_k][s] - values[u, F])
+        for s, var in self.t_ar.items():
+            m.AddHint(var, ar[s] + shift)
+        for w, var in self.first.items():
+            m.AddHint(var, first[w] + shift)
+        m.AddHint(self.z, z)
         return on_grid and ordered
 
     def decode(self, solver: Any) -> Schedule:
