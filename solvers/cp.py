@@ -95,6 +95,14 @@ def time_scale(values: list[float]) -> tuple[int, bool]:
     return 10 ** MAX_SCALE_DIGITS, False
 
 
+def model_scale(spec: JobSpec, policy: Policy) -> tuple[int, bool]:
+    """The engine's time scale for this job's costs, and whether it is exact (time_scale)."""
+    kinds = (F, I, W) if policy.decouple else (F, B)
+    costs = {F: spec.forward, I: spec.backward_input, W: spec.backward_weight, B: spec.backward}
+    return time_scale([c for k in kinds for c in costs[k]] + list(spec.p2p)
+                      + list(spec.allreduce) + list(spec.optimizer))
+
+
 class CpModel:
     """Builds the CP-SAT model of one failure situation and decodes its solutions."""
 
@@ -108,9 +116,7 @@ class CpModel:
         self.kinds = (F, I, W) if policy.decouple else (F, B)
         costs = {F: spec.forward, I: spec.backward_input, W: spec.backward_weight,
                  B: spec.backward}
-        raw = [c for k in self.kinds for c in costs[k]] + list(spec.p2p) + \
-            list(spec.allreduce) + list(spec.optimizer)
-        self.scale, self.exact = time_scale(raw)
+        self.scale, self.exact = model_scale(spec, policy)
 
         def ticks(v: float) -> int:
             return int(math.floor(v * self.scale + 1e-6))
@@ -413,41 +419,68 @@ def run_cp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit
                     model.size(), model.warm_state, scale, model.exact)
 
 
-def cp_solution(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit: float,
-                warm: Simulation) -> tuple[Simulation, dict[str, Any], float | None]:
-    """The CP engine's plan (or the warm start when it found nothing shorter), its report and
-    its proven bound."""
-    res = run_cp(spec, policy, failed, work_limit, warm)
-    return res.against(warm, engine="cp-sat", work_limit=work_limit, time_scale=res.scale)
-
-
-def cp_prove(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit: float,
-             warm: Simulation, steps: int = 4) -> tuple[Simulation, dict[str, Any], float | None]:
-    """Prove mode: the CP engine with half the work limit, then, while a gap is left, a
-    bisection of it with "is there a schedule under X?" (a quarter of the rest each): an
-    infeasible X raises the bound, a schedule found under X is the new plan."""
-    best, info, bound = cp_solution(spec, policy, failed, work_limit / 2, warm)
-    probes = []
-    step_work = work_limit / 2 / steps
+def close_gap(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], best: Simulation,
+              bound: float, work: float, steps: int
+              ) -> tuple[Simulation, float, list[dict[str, Any]]]:
+    """Bisect the gap between `bound` and the best plan's period with "is there a schedule
+    under X?" probes on the engine's time grid, `work / steps` each: an infeasible X is a new
+    bound; a schedule found under X is the new plan if the simulator agrees it is shorter;
+    a probe that finds neither sends the next one lower (proofs are cheap near the bound,
+    dear near the optimum). Returns the best plan, the best bound and the probes' reports."""
+    scale = model_scale(spec, policy)[0]
+    low = math.ceil(bound * scale - 1e-6)
+    high = math.ceil(best.period * scale - 1e-6)  # "under high" is the first useful probe
+    probes: list[dict[str, Any]] = []
     for _ in range(steps):
-        low = bound if bound is not None else lower_bound(spec, policy, failed).value
-        high = best.period
-        if high <= low * (1 + 1e-6):
+        if low >= high:
             break
-        scale, _ = time_scale([high, low])
-        mid = round((low + high) / 2 * scale * 100) / (scale * 100)
-        res = run_cp(spec, policy, failed, step_work, best, below=mid)
-        probes.append({"under": mid, "status": res.status, "seconds": round(res.seconds, 3)})
+        mid = (low + high + 1) // 2
+        res = run_cp(spec, policy, failed, work / steps, best, below=mid / scale)
+        probes.append({"under": mid / scale, "status": res.status,
+                       "seconds": round(res.seconds, 3)})
         if res.status == "Infeasible":
-            bound = mid
-        elif res.schedule is not None:
+            low = mid
+            continue
+        high = mid - 1
+        if res.schedule is not None:
             sim = simulate(res.schedule)
             if sim.period < best.period - 1e-9:
                 best = sim
-                info["improved"] = True
-        else:
-            break  # the probe ran out of work: a narrower one would not do better
-    info["probes"] = probes
-    if bound is not None:
-        info["best_bound"] = bound
+    return best, max(bound, low / scale), probes
+
+
+# cp_solution's share of its work limit for the probes that close the gap, and their number.
+PROBE_SHARE = 0.5
+PROBE_STEPS = 4
+
+
+def cp_solution(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit: float,
+                warm: Simulation, steps: int = PROBE_STEPS
+                ) -> tuple[Simulation, dict[str, Any], float | None]:
+    """The CP engine's plan (or the warm start when it found nothing shorter), its report and
+    its proven bound: the engine minimises the period with part of the work limit, then, while
+    a gap is left, close_gap spends the rest on "is there a schedule under X?" probes (their
+    infeasibility proofs are the bounds the minimisation alone rarely raises)."""
+    res = run_cp(spec, policy, failed, work_limit * (1 - PROBE_SHARE), warm)
+    best, info, bound = res.against(warm, engine="cp-sat", work_limit=work_limit,
+                                    time_scale=res.scale)
+    if res.status.startswith("Optimal") and res.exact:
+        return best, info, bound
+    start = max(bound or 0.0, lower_bound(spec, policy, failed).value)
+    if best.period > start * (1 + 1e-9):
+        found, proven, probes = close_gap(spec, policy, failed, best, start,
+                                          work_limit * PROBE_SHARE, steps)
+        info["probes"] = probes
+        if found is not best:
+            best = found
+            info["improved"] = best.period < warm.period - 1e-9
+        if proven > start:
+            bound = proven
+            info["best_bound"] = bound
     return best, info, bound
+
+
+def cp_prove(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit: float,
+             warm: Simulation) -> tuple[Simulation, dict[str, Any], float | None]:
+    """Prove mode (plan-all --prove): cp_solution with a larger budget and twice the probes."""
+    return cp_solution(spec, policy, failed, work_limit, warm, steps=2 * PROBE_STEPS)
