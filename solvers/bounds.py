@@ -16,14 +16,20 @@ is at least the shortest span of one worker's iteration, for every stage s:
   (work)       n_s c_s + AR_s + OPT_s;
   (round trip) forward chain from s to the last stage and gradient chain back to s
                + n_s (I_s + W_s) + AR_s + OPT_s;
-and the (last input) bound above still holds: it is a cycle that closes at stage 0, whose
-all-reduce waits for every stage-0 worker, and every stage-0 worker's next forward waits for
-its own optimizer step.
-Memory sharpens two of them. A worker holds at most cap_s in-flight micro-batches (forward
-started, weight gradient not done), so after its last input backward at most cap_s weight
-gradients remain: (last input) counts (n_s - cap_s)+ W_s more; and before its first input
-backward it can have started at most cap_s forwards: (first input) and (round trip) count
-(n_s - cap_s)+ F_s more.
+and (last input) becomes a cycle that closes at any stage j <= s: every stage-j worker steps
+its optimizer when stage j's all-reduce (which waits for all of them) is done, and its next
+forwards wait for that step; so from stage j's step, the forward chain from j to s, the busiest
+stage-s worker's forwards and input backwards, the chain of gradients from s up to j, one W_j
+and stage j's all-reduce and step fit in one period.
+Memory sharpens them. A worker holds at most cap_s in-flight micro-batches (forward started,
+weight gradient not done), so after its last input backward at most cap_s weight gradients
+remain: (last input) counts (n_s - cap_s)+ W_s more; and before its first input backward it
+can have started at most cap_s forwards: (first input) and (round trip) count
+(n_s - cap_s)+ F_s more. Both at once give (first and last input), for every j <= s (with a
+barrier j counts from time 0 through stage 0's forwards): the forward chain from j to s, the
+round trip to stage s's first gradient, then n_s I_s and both memory terms before its last
+input backward, whose gradient travels up to stage j, then W_j and stage j's all-reduce and
+step.
 These bounds are tight for 1F1B and ZB-H1 without failures (33 and 27 with unit costs, p = 4,
 m = 8).
 """
@@ -73,21 +79,27 @@ def lower_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Bo
     round_trip = [sum(fwd[j] for j in range(s, S)) + sum(p2p[j] for j in range(s, S - 1))
                   + sum(inp[j] + p2p[j] for j in range(s + 1, S)) for s in range(S)]
     work = [n[s] * (fwd[s] + inp[s] + wgt[s]) for s in range(S)]
-    def last_input(s: int) -> Bound:
-        return Bound(head[s] + n[s] * (fwd[s] + inp[s]) + late_w[s] + up[s] + wgt[0] + tail[0],
-                     f"stage {s}'s last gradient travelling up to stage 0")
+
+    def closing(s: int, j: int) -> float:
+        """Forwards from stage j to s before, and the gradient from s up to j's step after."""
+        before = head[s] - (0.0 if not policy.stagger else head[j])
+        return before + up[s] - up[j] + wgt[j] + tail[j]
 
     bounds: list[Bound] = []
     for s in range(S):
+        for j in range(s + 1):
+            bounds.append(Bound(closing(s, j) + n[s] * (fwd[s] + inp[s]) + late_w[s],
+                                f"stage {s}'s last gradient travelling up to stage {j}"))
+            bounds.append(Bound(closing(s, j) + round_trip[s] + n[s] * inp[s] + late_f[s]
+                                + late_w[s], f"stage {s}'s first gradient, its input "
+                                f"backwards and its last gradient travelling up to stage {j}"))
         if policy.stagger:
             bounds.append(Bound(work[s] + tail[s], f"work of the busiest stage-{s} worker"))
             bounds.append(Bound(round_trip[s] + n[s] * (inp[s] + wgt[s]) + late_f[s] + tail[s],
                                 f"round trip to stage {s}'s first gradient plus its backwards"))
-            bounds.append(last_input(s))
         else:
             bounds.append(Bound(head[s] + work[s] + tail[s],
                                 f"start of stage {s} plus the work of its busiest worker"))
-            bounds.append(last_input(s))
             bounds.append(Bound(head[s] + round_trip[s] + n[s] * (inp[s] + wgt[s]) + late_f[s]
                                 + tail[s],
                                 f"stage {s}'s first gradient plus its backwards"))

@@ -1,0 +1,113 @@
+"""Every lower bound is sound: none exceeds the period of a feasible schedule, and none exceeds
+the optimum (exhaustive search where it runs, else the CP engine's proven optimum, whose
+schedule the simulator re-times). Random small jobs (hypothesis) cover costs, latency, memory
+caps, the three schedules, fused or split backwards, barrier or staggered, and 0-2 failures."""
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+
+from recycle_planner.errors import RecycleError
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.spec import JobSpec
+from recycle_planner.solvers.bounds import lower_bound
+from recycle_planner.solvers.cp import close_gap, run_cp
+from recycle_planner.solvers.exhaustive import exhaustive
+from recycle_planner.solvers.heuristic import heuristic
+from recycle_planner.timing.simulate import simulate
+
+from conftest import make_spec
+
+costs = st.sampled_from([0.5, 1.0, 1.5, 2.0])
+
+
+@st.composite
+def small_situations(draw, max_stages=3, max_pipelines=3, max_microbatches=3):
+    S = draw(st.integers(1, max_stages))
+    D = draw(st.integers(2, max_pipelines))
+    M = draw(st.integers(1, max_microbatches))
+
+    def per_stage(values):
+        return draw(st.one_of(values, st.lists(values, min_size=S, max_size=S)))
+
+    time = dict(forward=per_stage(costs), backward_input=per_stage(costs),
+                backward_weight=per_stage(st.sampled_from([0.0, 0.5, 1.0])),
+                p2p=per_stage(st.sampled_from([0.0, 0.5])),
+                allreduce=per_stage(st.sampled_from([0.0, 1.0, 2.5])),
+                optimizer=per_stage(st.sampled_from([0.0, 0.5])))
+    data = dict(stages=S, pipelines=D, microbatches=M, time=time)
+    if draw(st.booleans()):
+        data["memory"] = {"max_inflight": draw(st.integers(1, S + 1))}
+    spec = JobSpec.from_dict(data)
+    workers = [(d, s) for d in range(D) for s in range(S)]
+    failed = draw(st.lists(st.sampled_from(workers), unique=True, max_size=2))
+    assume(all(sum(1 for _, s in failed if s == t) < D for t in range(S)))
+    policy = Policy("1f1b", draw(st.booleans()), draw(st.booleans()))
+    return spec, policy, tuple(sorted(failed))
+
+
+def optimum(spec, policy, failed) -> float:
+    """The shortest period of any schedule: exhaustive search when it is small enough, else
+    the CP engine's proven optimum, re-timed by the simulator (so a bound the model was given
+    too high cannot hide behind the model's own objective)."""
+    try:
+        return exhaustive(spec, policy, failed, limit=3000).best.period
+    except RecycleError:
+        pass
+    warm = heuristic(spec, policy, failed).simulation
+    res = run_cp(spec, policy, failed, 20, warm)
+    assume(res.status == "Optimal" and res.exact)
+    return min(simulate(res.schedule).period, warm.period)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_situations())
+def test_no_bound_exceeds_the_optimum(case):
+    spec, policy, failed = case
+    bound = lower_bound(spec, policy, failed)
+    best = optimum(spec, policy, failed)
+    assert bound.value <= best + 1e-6, f"{bound.reason}: {bound.value} above the optimum {best}"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_situations(max_stages=3, max_pipelines=2, max_microbatches=4))
+def test_no_schedule_under_x_probes_stay_below_the_optimum(case):
+    """close_gap's bound (infeasibility proofs "no schedule under X") never passes the optimum,
+    and its plan is never worse than the one it started from."""
+    spec, policy, failed = case
+    warm = heuristic(spec, policy, failed).simulation
+    floor = lower_bound(spec, policy, failed).value
+    plan, bound, probes = close_gap(spec, policy, failed, warm, floor, 2.0, 4)
+    best = optimum(spec, policy, failed)
+    assert floor <= bound <= best + 1e-6
+    assert plan.period <= warm.period + 1e-9
+
+
+@pytest.mark.parametrize("kw, policy, failed, optimum_period", [
+    # Proven by the CP engine's probes (benchmarks/README.md, optimality table): 10% above the
+    # analytic bound, so the probes, not the formulas, close it.
+    (dict(stages=4, pipelines=2, microbatches=4, forward=[1, 1.5, 1, 2],
+          backward_input=[1, 1.5, 1, 2], backward_weight=[1, 1, 0.5, 1.5], p2p=0.5),
+     Policy(), ((1, 1),), 39.0),
+])
+def test_probes_prove_staggered_optima_the_formulas_do_not(kw, policy, failed, optimum_period):
+    spec = make_spec(**kw)
+    warm = heuristic(spec, policy, failed).simulation
+    floor = lower_bound(spec, policy, failed).value
+    assert floor < optimum_period - 0.3
+    plan, bound, _ = close_gap(spec, policy, failed, warm, floor, 12.0, 6)
+    assert plan.period == pytest.approx(optimum_period)
+    assert bound == pytest.approx(optimum_period)
+
+
+def test_cycles_closing_at_a_middle_stage_and_both_memory_terms():
+    """The memory-bound 8x8x16 job with stage 3 twice dead: the busiest stage-3 worker runs 22
+    micro-batches through 8 slots; the bound with both memory terms is the highest."""
+    spec = make_spec(stages=8, pipelines=8, microbatches=16, backward_input=1.1,
+                     backward_weight=0.9, p2p=0.05, allreduce=4, optimizer=0.6)
+    bound = lower_bound(spec, Policy(), ((0, 3), (1, 3)))
+    # 3 forwards and links, the round trip (9.8), 22 I, 14 late F and 14 late W, 3 links and
+    # I up to stage 0, W_0, all-reduce and step.
+    expected = 3 * 1.05 + 9.8 + 22 * 1.1 + 14 * 1 + 14 * 0.9 + 3 * 1.15 + 0.9 + 4.6
+    assert bound.value == pytest.approx(expected)
+    assert "first gradient" in bound.reason and "up to stage 0" in bound.reason
+    assert bound.value <= heuristic(spec, Policy(), ((0, 3), (1, 3))).simulation.period
