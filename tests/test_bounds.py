@@ -8,7 +8,6 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.job.policy import Policy
-from recycle_planner.job.spec import JobSpec
 from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers.cp import close_gap, run_cp
 from recycle_planner.solvers.exhaustive import exhaustive
@@ -16,31 +15,15 @@ from recycle_planner.solvers.heuristic import heuristic
 from recycle_planner.timing.simulate import simulate
 
 from conftest import make_spec
-
-costs = st.sampled_from([0.5, 1.0, 1.5, 2.0])
-
+from test_properties import jobs
 
 @st.composite
 def small_situations(draw, max_stages=3, max_pipelines=3, max_microbatches=3):
-    S = draw(st.integers(1, max_stages))
-    D = draw(st.integers(2, max_pipelines))
-    M = draw(st.integers(1, max_microbatches))
-
-    def per_stage(values):
-        return draw(st.one_of(values, st.lists(values, min_size=S, max_size=S)))
-
-    time = dict(forward=per_stage(costs), backward_input=per_stage(costs),
-                backward_weight=per_stage(st.sampled_from([0.0, 0.5, 1.0])),
-                p2p=per_stage(st.sampled_from([0.0, 0.5])),
-                allreduce=per_stage(st.sampled_from([0.0, 1.0, 2.5])),
-                optimizer=per_stage(st.sampled_from([0.0, 0.5])))
-    data = dict(stages=S, pipelines=D, microbatches=M, time=time)
-    if draw(st.booleans()):
-        data["memory"] = {"max_inflight": draw(st.integers(1, S + 1))}
-    spec = JobSpec.from_dict(data)
-    workers = [(d, s) for d in range(D) for s in range(S)]
+    spec = draw(jobs(max_stages, max_pipelines, max_microbatches))
+    workers = [(d, s) for d in range(spec.pipelines) for s in range(spec.stages)]
     failed = draw(st.lists(st.sampled_from(workers), unique=True, max_size=2))
-    assume(all(sum(1 for _, s in failed if s == t) < D for t in range(S)))
+    assume(all(sum(1 for _, s in failed if s == t) < spec.pipelines
+               for t in range(spec.stages)))
     policy = Policy("1f1b", draw(st.booleans()), draw(st.booleans()))
     return spec, policy, tuple(sorted(failed))
 
@@ -54,12 +37,12 @@ def optimum(spec, policy, failed) -> float:
     except RecycleError:
         pass
     warm = heuristic(spec, policy, failed).simulation
-    res = run_cp(spec, policy, failed, 20, warm)
+    res = run_cp(spec, policy, failed, 5, warm)
     assume(res.status == "Optimal" and res.exact)
     return min(simulate(res.schedule).period, warm.period)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_situations())
 def test_no_bound_exceeds_the_optimum(case):
     spec, policy, failed = case
@@ -68,7 +51,7 @@ def test_no_bound_exceeds_the_optimum(case):
     assert bound.value <= best + 1e-6, f"{bound.reason}: {bound.value} above the optimum {best}"
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_situations(max_stages=3, max_pipelines=2, max_microbatches=4))
 def test_no_schedule_under_x_probes_stay_below_the_optimum(case):
     """close_gap's bound (infeasibility proofs "no schedule under X") never passes the optimum,
