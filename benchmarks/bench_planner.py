@@ -79,7 +79,8 @@ MILP_MAX_PAIRS = 200_000  # beyond this the big-M model takes minutes just to bu
 
 
 def gpt16() -> JobSpec:
-    return load_spec(ROOT / "examples" / "gpt.toml").with_changes(microbatches=16)
+    data = load_spec(ROOT / "examples" / "gpt.toml").to_dict()
+    return JobSpec.from_dict({**data, "microbatches": 16})
 
 
 def optimality(node_limit: int, time_limit: float, work_limit: float) -> dict:

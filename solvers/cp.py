@@ -250,11 +250,13 @@ class CpModel:
             # decided (benchmarks/README.md).
             m.Add(self.t_ar[0] + tail[0] == self.z)
             # Redundant (each worker's span implies it): every stage-s op starts within the
-            # period before stage s's step ends; stated per op, it propagates without the
-            # worker choice and halves the work of some proofs (GPT, stage 0 dead: "none under
-            # 520" proven in 6 deterministic seconds, undecided in 10 without).
-            for u in self.units:
-                m.Add(self.start[u, F] >= self.t_ar[u[1]] + tail[u[1]] - self.z)
+            # period before stage s's step ends. Stated per op it propagates without the worker
+            # choice, which helps proofs (GPT, stage 0 dead: "none under 520" proven in 6
+            # deterministic seconds, undecided in 10 without) but slows the search for
+            # schedules (the GPT library's plans got longer at 1 second): probes only.
+            if below is not None:
+                for u in self.units:
+                    m.Add(self.start[u, F] >= self.t_ar[u[1]] + tail[u[1]] - self.z)
         m.Minimize(self.z)
         self.warm_state = "none"
         if warm is not None:
