@@ -493,6 +493,8 @@ def cp_solution(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_
         if proven > start:
             bound = proven
             info["best_bound"] = bound
+        if bound is not None:
+            info["gap"] = max(0.0, (best.period - bound) / best.period)
     return best, info, bound
 
 
