@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import check_failed, format_workers
 from recycle_planner.solvers import Solution
 from recycle_planner.solvers.bounds import Bound, lower_bound
+from recycle_planner.solvers.heuristic import Candidate
 from recycle_planner.solvers.registry import SolverSettings
 from recycle_planner.timing.metrics import Metrics
 from recycle_planner.timing.plan import Plan, worker_stats
@@ -45,26 +46,30 @@ def expected_memory(spec: JobSpec, policy: Policy) -> float:
 
 
 def solve(spec: JobSpec, policy: Policy, failed: tuple,
-          solver: str | SolverSettings | None = None, **options: Any) -> Solution:
+          solver: str | SolverSettings | None = None,
+          fast: Sequence[Candidate] | None = None, **options: Any) -> Solution:
     """Run one registered solver (solvers/registry.py) on one failure set (already checked).
-    `solver` is a name or settings; `options` change settings (time_limit=..., backend=...,
+    `solver` is a name or settings; `fast` the fast solvers' candidates if already built
+    (portfolio.fast_candidates); `options` change settings (time_limit=..., backend=...,
     node_limit=...; None keeps the default)."""
     settings = SolverSettings.of(solver, **options)
     log.info("planning %s with the %s solver", "dead workers " + format_workers(failed)
              if failed else "the fault-free situation", settings.solver)
-    return settings.entry.run(spec, policy, failed, settings)
+    return settings.entry.run(spec, policy, failed, settings, fast)
 
 
 def plan_situation(spec: JobSpec, policy: Policy, failed: Iterable[Iterable[int]] = (),
                    solver: str | SolverSettings | None = None, reference: float | None = None,
-                   reference_bound: float | None = None, **options: Any) -> Plan:
+                   reference_bound: float | None = None,
+                   fast: Sequence[Candidate] | None = None, **options: Any) -> Plan:
     """The plan for one failure set, with its figures. `reference` is the fault-free period and
     `reference_bound` a proven lower bound of the fault-free situation (both computed when not
-    given; pass them to save the work for many situations). A failure plan is also a valid
+    given; pass them to save the work for many situations); `fast` the fast solvers' plans of
+    this failure set when the caller already has them. A failure plan is also a valid
     fault-free plan (the dead workers just idle), so the fault-free bound bounds it too."""
     settings = SolverSettings.of(solver, **options)
     failed = check_failed(spec, failed)
-    solution = solve(spec, policy, failed, settings)
+    solution = solve(spec, policy, failed, settings, fast)
     bounds = []
     if solution.bound is not None:
         bounds.append(Bound(solution.bound, solution.bound_reason or "a solver's bound"))

@@ -16,14 +16,25 @@ is at least the shortest span of one worker's iteration, for every stage s:
   (work)       n_s c_s + AR_s + OPT_s;
   (round trip) forward chain from s to the last stage and gradient chain back to s
                + n_s (I_s + W_s) + AR_s + OPT_s;
-and the (last input) bound above still holds: it is a cycle that closes at stage 0, whose
-all-reduce waits for every stage-0 worker, and every stage-0 worker's next forward waits for
-its own optimizer step.
-Memory sharpens two of them. A worker holds at most cap_s in-flight micro-batches (forward
-started, weight gradient not done), so after its last input backward at most cap_s weight
-gradients remain: (last input) counts (n_s - cap_s)+ W_s more; and before its first input
-backward it can have started at most cap_s forwards: (first input) and (round trip) count
-(n_s - cap_s)+ F_s more.
+and (last input) becomes a cycle that closes at any stage j <= s: every stage-j worker steps
+its optimizer when stage j's all-reduce (which waits for all of them) is done, and its next
+forwards wait for that step; so from stage j's step, the forward chain from j to s, the busiest
+stage-s worker's forwards and input backwards, the chain of gradients from s up to j, one W_j
+and stage j's all-reduce and step fit in one period.
+Memory sharpens them. A worker holds at most cap_s in-flight micro-batches (forward started,
+weight gradient not done), so after its last input backward at most cap_s weight gradients
+remain: (last input) counts (n_s - cap_s)+ W_s more; and before its first input backward it
+can have started at most cap_s forwards: (first input) and (round trip) count
+(n_s - cap_s)+ F_s more. Both at once give (first and last input), for every j <= s (with a
+barrier j counts from time 0 through stage 0's forwards): the forward chain from j to s, the
+round trip to stage s's first gradient, then n_s I_s and both memory terms before its last
+input backward, whose gradient travels up to stage j, then W_j and stage j's all-reduce and
+step.
+(late pipeline) When stage s has k_s > 0 dead workers, the first forwards of the D pipelines at
+stage s run on D - k_s workers, so one pipeline's starts at least (ceil(D / (D - k_s)) - 1) F_s
+after the others could; every live worker of that pipeline at a stage t >= s then runs its own
+M micro-batches in one of the cycles above that much late. Which pipeline is late is not known,
+so the least of the pipelines counts. (GPT example, one dead stage-3 worker: 501.4 + 12.)
 These bounds are tight for 1F1B and ZB-H1 without failures (33 and 27 with unit costs, p = 4,
 m = 8).
 """
@@ -53,8 +64,9 @@ def busiest_load(spec: JobSpec, failed: tuple[Worker, ...]) -> tuple[int, ...]:
 
 def lower_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Bound:
     """The largest of the bounds in the module docstring, with the one that decided it."""
-    S = spec.stages
+    S, D, M = spec.stages, spec.pipelines, spec.microbatches
     n = busiest_load(spec, failed)
+    k = dead_per_stage(spec, failed)
     fwd, p2p = spec.forward, spec.p2p
     if policy.decouple:
         inp, wgt = spec.backward_input, spec.backward_weight
@@ -73,21 +85,48 @@ def lower_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Bo
     round_trip = [sum(fwd[j] for j in range(s, S)) + sum(p2p[j] for j in range(s, S - 1))
                   + sum(inp[j] + p2p[j] for j in range(s + 1, S)) for s in range(S)]
     work = [n[s] * (fwd[s] + inp[s] + wgt[s]) for s in range(S)]
-    def last_input(s: int) -> Bound:
-        return Bound(head[s] + n[s] * (fwd[s] + inp[s]) + late_w[s] + up[s] + wgt[0] + tail[0],
-                     f"stage {s}'s last gradient travelling up to stage 0")
+
+    def closing(s: int, j: int) -> float:
+        """Forwards from stage j to s before, and the gradient from s up to j's step after."""
+        before = head[s] - (0.0 if not policy.stagger else head[j])
+        return before + up[s] - up[j] + wgt[j] + tail[j]
+
+    def cycles(s: int, j: int, count: int) -> tuple[float, float]:
+        """(last input) and (first and last input) through a stage-s worker that runs `count`
+        micro-batches, closing at stage j."""
+        late = max(0, count - caps[s])
+        return (closing(s, j) + count * (fwd[s] + inp[s]) + late * wgt[s],
+                closing(s, j) + round_trip[s] + count * inp[s] + late * (fwd[s] + wgt[s]))
 
     bounds: list[Bound] = []
+    dead = set(failed)
     for s in range(S):
+        for j in range(s + 1):
+            last, both = cycles(s, j, n[s])
+            bounds.append(Bound(last, f"stage {s}'s last gradient travelling up to stage {j}"))
+            bounds.append(Bound(both, f"stage {s}'s first gradient, its input backwards and its "
+                                      f"last gradient travelling up to stage {j}"))
+            live = D - k[s]
+            if k[s] == 0:
+                continue
+            # (late pipeline) The first forwards of the D pipelines at stage s run on `live`
+            # workers, so one of them starts at least (ceil(D / live) - 1) F_s after the
+            # others could; every op of that pipeline from stage s on is that much late, and
+            # each of its live workers at a stage t >= s runs its M micro-batches in a cycle.
+            # Which pipeline is late is not known: the least of them.
+            late = (math.ceil(D / live) - 1) * fwd[s]
+            per_pipeline = [max((max(cycles(t, j, M)) for t in range(s, S)
+                                 if (d, t) not in dead), default=-math.inf) for d in range(D)]
+            bounds.append(Bound(late + min(per_pipeline),
+                                f"{live} live stage-{s} workers start {D} pipelines: one starts "
+                                f"{late:g} late, its gradients travel up to stage {j}"))
         if policy.stagger:
             bounds.append(Bound(work[s] + tail[s], f"work of the busiest stage-{s} worker"))
             bounds.append(Bound(round_trip[s] + n[s] * (inp[s] + wgt[s]) + late_f[s] + tail[s],
                                 f"round trip to stage {s}'s first gradient plus its backwards"))
-            bounds.append(last_input(s))
         else:
             bounds.append(Bound(head[s] + work[s] + tail[s],
                                 f"start of stage {s} plus the work of its busiest worker"))
-            bounds.append(last_input(s))
             bounds.append(Bound(head[s] + round_trip[s] + n[s] * (inp[s] + wgt[s]) + late_f[s]
                                 + tail[s],
                                 f"stage {s}'s first gradient plus its backwards"))

@@ -65,6 +65,7 @@ class CpResult(MilpResult):
 
     scale: int
     exact: bool  # costs scaled without rounding: the bound is the model's, not a relaxation's
+    work: float  # CP-SAT's deterministic seconds spent (the same on every machine)
 
 
 def intervals(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> int:
@@ -95,6 +96,14 @@ def time_scale(values: list[float]) -> tuple[int, bool]:
     return 10 ** MAX_SCALE_DIGITS, False
 
 
+def model_scale(spec: JobSpec, policy: Policy) -> tuple[int, bool]:
+    """The engine's time scale for this job's costs, and whether it is exact (time_scale)."""
+    kinds = (F, I, W) if policy.decouple else (F, B)
+    costs = {F: spec.forward, I: spec.backward_input, W: spec.backward_weight, B: spec.backward}
+    return time_scale([c for k in kinds for c in costs[k]] + list(spec.p2p)
+                      + list(spec.allreduce) + list(spec.optimizer))
+
+
 class CpModel:
     """Builds the CP-SAT model of one failure situation and decodes its solutions."""
 
@@ -108,9 +117,7 @@ class CpModel:
         self.kinds = (F, I, W) if policy.decouple else (F, B)
         costs = {F: spec.forward, I: spec.backward_input, W: spec.backward_weight,
                  B: spec.backward}
-        raw = [c for k in self.kinds for c in costs[k]] + list(spec.p2p) + \
-            list(spec.allreduce) + list(spec.optimizer)
-        self.scale, self.exact = time_scale(raw)
+        self.scale, self.exact = model_scale(spec, policy)
 
         def ticks(v: float) -> int:
             return int(math.floor(v * self.scale + 1e-6))
@@ -126,6 +133,17 @@ class CpModel:
             ref = warm.steady if policy.stagger else warm.timing
             horizon = min(horizon, int(math.ceil(max(2 * warm.iteration_time,
                                                      float(np.nanmax(ref.end))) * self.scale)) + 1)
+        ub = horizon + max(tail)  # the period's upper end
+        if policy.stagger and warm is not None:  # only a period up to the warm plan's is sought
+            ub = min(ub, int(math.ceil(warm.period * self.scale - 1e-6)) + 1)
+        if below is not None:  # "is there a schedule under X?"
+            ub = min(ub, int(math.ceil(below * self.scale - 1e-6)) - 1)
+        if policy.stagger:
+            # Anchored (below), every op of a schedule of period z ends by 2z: each op of a
+            # micro-batch precedes its stage-0 input backward, before z, except weight
+            # gradients, which end before their stage's step, within z of that worker's first
+            # forward. So this horizon cuts off no schedule the model seeks.
+            horizon = 2 * max(ub, 0)
         self.horizon = horizon
         m = cp_model.CpModel()
         self.model = m
@@ -198,9 +216,6 @@ class CpModel:
                     m.Add(self.t_ar[s] >= self.start[(d, s, mb), rel] + self.dur[rel][s])
         bound = lower_bound(spec, policy, self.failed).value
         lb = int(math.floor(bound * self.scale + 1e-6))
-        ub = horizon + max(tail)
-        if below is not None:  # "is there a schedule under X?"
-            ub = min(ub, int(math.ceil(below * self.scale - 1e-6)) - 1)
         self.z = m.NewIntVar(min(lb, max(ub, 0)), max(ub, 0), "period")
         self.first: dict[int, Any] = {}
         for w in self.live:
@@ -226,6 +241,22 @@ class CpModel:
                         c.OnlyEnforceIf(self.presence[u, w])
             else:
                 m.Add(self.z >= self.t_ar[s] + tail[s])
+        if policy.stagger:
+            # Anchor in time: a periodic schedule shifted by any amount is the same schedule.
+            # Shifted so that stage 0's optimizer step ends at the period, every op still starts
+            # at 0 or later (each follows a stage-0 forward, which follows that worker's previous
+            # step, at 0 or later), so stage 0 works in the fixed window [0, z]; without this
+            # the no-overlaps have no window to reason in and no probe below a period was ever
+            # decided (benchmarks/README.md).
+            m.Add(self.t_ar[0] + tail[0] == self.z)
+            # Redundant (each worker's span implies it): every stage-s op starts within the
+            # period before stage s's step ends. Stated per op it propagates without the worker
+            # choice, which helps proofs (GPT, stage 0 dead: "none under 520" proven in 6
+            # deterministic seconds, undecided in 10 without) but slows the search for
+            # schedules (the GPT library's plans got longer at 1 second): probes only.
+            if below is not None:
+                for u in self.units:
+                    m.Add(self.start[u, F] >= self.t_ar[u[1]] + tail[u[1]] - self.z)
         m.Minimize(self.z)
         self.warm_state = "none"
         if warm is not None:
@@ -277,42 +308,46 @@ class CpModel:
         for w, order in enumerate(sched.orders):
             for op in order.tolist():
                 where[op] = w
-        m = self.model
         values = {}
-        for (u, k), var in self.start.items():
+        for (u, k) in self.start:
             t = float(timing.start[self.space.compute(k, *u)]) * self.scale
             values[u, k] = int(round(t))
-            m.AddHint(var, values[u, k])
-        for (u, w), lit in self.presence.items():
-            m.AddHint(lit, where[self.space.compute(F, *u)] == w)
-        for u, rel, s, end, size in self.helpers:  # a complete hint needs no search to repair
-            m.AddHint(end, values[u, rel] + self.dur[rel][s])
-            m.AddHint(size, values[u, rel] + self.dur[rel][s] - values[u, F])
-        rel = self.kinds[-1]
-        ar = {}
-        for s, var in self.t_ar.items():
-            ar[s] = max(values[u, rel] + self.dur[rel][s] for u in self.units if u[1] == s)
-            m.AddHint(var, ar[s])
-        tail = {s: int(round((self.spec.allreduce[s] + self.spec.optimizer[s]) * self.scale))
-                for s in range(S)}
-        z = 0
-        for w in self.live:
-            s = w % S
-            if self.policy.stagger:
-                first = min(values[u, F] for u in self.units if w in self.cands[u]
-                            and (len(self.cands[u]) == 1
-                                 or where[self.space.compute(F, *u)] == w))
-                m.AddHint(self.first[w], first)
-                z = max(z, ar[s] + tail[s] - first)
-            else:
-                z = max(z, ar[s] + tail[s])
-        m.AddHint(self.z, z)
         on_grid = bool(np.allclose(
             [float(timing.start[self.space.compute(k, *u)]) * self.scale for u, k in values],
             list(values.values()), atol=1e-6))
         ordered = all(values[(d, 0, mb), F] <= values[(d, 0, mb + 1), F]
                       for d in range(self.spec.pipelines)
                       for mb in range(self.spec.microbatches - 1))
+        rel = self.kinds[-1]
+        ar = {s: max(values[u, rel] + self.dur[rel][s] for u in self.units if u[1] == s)
+              for s in self.t_ar}
+        tail = {s: int(round((self.spec.allreduce[s] + self.spec.optimizer[s]) * self.scale))
+                for s in range(S)}
+        first, z = {}, 0
+        for w in self.live:
+            s = w % S
+            if self.policy.stagger:
+                first[w] = min(values[u, F] for u in self.units if w in self.cands[u]
+                               and (len(self.cands[u]) == 1
+                                    or where[self.space.compute(F, *u)] == w))
+                z = max(z, ar[s] + tail[s] - first[w])
+            else:
+                z = max(z, ar[s] + tail[s])
+        # The model's anchor (stagger): stage 0's step ends at the period.
+        shift = z - ar[0] - tail[0] if self.policy.stagger else 0
+        m = self.model
+        for (u, k), var in self.start.items():
+            m.AddHint(var, values[u, k] + shift)
+        for (u, w), lit in self.presence.items():
+            m.AddHint(lit, where[self.space.compute(F, *u)] == w)
+        for u, rel_k, s, end, size in self.helpers:  # a complete hint needs no search to repair
+            m.AddHint(end, values[u, rel_k] + self.dur[rel_k][s] + shift)
+            m.AddHint(size, values[u, rel_k] + self.dur[rel_k][s] - values[u, F])
+        for s, var in self.t_ar.items():
+            m.AddHint(var, ar[s] + shift)
+        for w, var in self.first.items():
+            m.AddHint(var, first[w] + shift)
+        m.AddHint(self.z, z)
         return on_grid and ordered
 
     def decode(self, solver: Any) -> Schedule:
@@ -390,44 +425,80 @@ def run_cp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit
     if objective and bound is not None:
         gap = max(0.0, (objective - bound) / objective)
     return CpResult(schedule, status, objective, bound, gap, time.perf_counter() - t0,
-                    model.size(), model.warm_state, scale, model.exact)
+                    model.size(), model.warm_state, scale, model.exact,
+                    solver.deterministic_time)
 
 
-def cp_solution(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit: float,
-                warm: Simulation) -> tuple[Simulation, dict[str, Any], float | None]:
-    """The CP engine's plan (or the warm start when it found nothing shorter), its report and
-    its proven bound."""
-    res = run_cp(spec, policy, failed, work_limit, warm)
-    return res.against(warm, engine="cp-sat", work_limit=work_limit, time_scale=res.scale)
-
-
-def cp_prove(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit: float,
-             warm: Simulation, steps: int = 4) -> tuple[Simulation, dict[str, Any], float | None]:
-    """Prove mode: the CP engine with half the work limit, then, while a gap is left, a
-    bisection of it with "is there a schedule under X?" (a quarter of the rest each): an
-    infeasible X raises the bound, a schedule found under X is the new plan."""
-    best, info, bound = cp_solution(spec, policy, failed, work_limit / 2, warm)
-    probes = []
-    step_work = work_limit / 2 / steps
-    for _ in range(steps):
-        low = bound if bound is not None else lower_bound(spec, policy, failed).value
-        high = best.period
-        if high <= low * (1 + 1e-6):
+def close_gap(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], best: Simulation,
+              bound: float, work: float, steps: int
+              ) -> tuple[Simulation, float, list[dict[str, Any]]]:
+    """Bisect the gap between `bound` and the best plan's period with up to `steps` "is there
+    a schedule under X?" probes on the engine's time grid, sharing `work`: each gets the work
+    left over the probes left, so a quick proof leaves more to the next. An infeasible X is a
+    new bound; a schedule found under X is the new plan if the simulator agrees it is shorter;
+    a probe that finds neither sends the next one lower (proofs are cheap near the bound, dear
+    near the optimum). Returns the best plan, the best bound and the probes' reports."""
+    scale = model_scale(spec, policy)[0]
+    low = math.ceil(bound * scale - 1e-6)
+    high = math.ceil(best.period * scale - 1e-6)  # "under high" is the first useful probe
+    probes: list[dict[str, Any]] = []
+    left = work
+    for step in range(steps):
+        if low >= high or left <= 1e-3:
             break
-        scale, _ = time_scale([high, low])
-        mid = round((low + high) / 2 * scale * 100) / (scale * 100)
-        res = run_cp(spec, policy, failed, step_work, best, below=mid)
-        probes.append({"under": mid, "status": res.status, "seconds": round(res.seconds, 3)})
+        mid = (low + high + 1) // 2
+        res = run_cp(spec, policy, failed, left / (steps - step), best, below=mid / scale)
+        left -= res.work
+        probes.append({"under": mid / scale, "status": res.status, "work": round(res.work, 3),
+                       "seconds": round(res.seconds, 3)})
         if res.status == "Infeasible":
-            bound = mid
-        elif res.schedule is not None:
+            low = mid
+            continue
+        high = mid - 1
+        if res.schedule is not None:
             sim = simulate(res.schedule)
             if sim.period < best.period - 1e-9:
                 best = sim
-                info["improved"] = True
-        else:
-            break  # the probe ran out of work: a narrower one would not do better
-    info["probes"] = probes
-    if bound is not None:
-        info["best_bound"] = bound
+    return best, max(bound, low / scale), probes
+
+
+# cp_solution's share of its work limit for the probes that close the gap, and their number;
+# prove mode (plan-all --prove) gives the probes more of its larger budget.
+PROBE_SHARE = 0.5
+PROBE_STEPS = 4
+PROVE_SHARE = 0.75
+PROVE_STEPS = 8
+
+
+def cp_solution(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit: float,
+                warm: Simulation, share: float = PROBE_SHARE, steps: int = PROBE_STEPS
+                ) -> tuple[Simulation, dict[str, Any], float | None]:
+    """The CP engine's plan (or the warm start when it found nothing shorter), its report and
+    its proven bound: the engine minimises the period with part of the work limit, then, while
+    a gap is left, close_gap spends the rest (`share`) on "is there a schedule under X?"
+    probes (their infeasibility proofs are the bounds the minimisation alone rarely raises)."""
+    res = run_cp(spec, policy, failed, work_limit * (1 - share), warm)
+    best, info, bound = res.against(warm, engine="cp-sat", work_limit=work_limit,
+                                    time_scale=res.scale)
+    if res.status.startswith("Optimal") and res.exact:
+        return best, info, bound
+    start = max(bound or 0.0, lower_bound(spec, policy, failed).value)
+    if best.period > start * (1 + 1e-9):
+        found, proven, probes = close_gap(spec, policy, failed, best, start,
+                                          work_limit - res.work, steps)
+        info["probes"] = probes
+        if found is not best:
+            best = found
+            info["improved"] = best.period < warm.period - 1e-9
+        if proven > start:
+            bound = proven
+            info["best_bound"] = bound
+        if bound is not None:
+            info["gap"] = max(0.0, (best.period - bound) / best.period)
     return best, info, bound
+
+
+def cp_prove(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit: float,
+             warm: Simulation) -> tuple[Simulation, dict[str, Any], float | None]:
+    """Prove mode (plan-all --prove): cp_solution with most of its budget on the probes."""
+    return cp_solution(spec, policy, failed, work_limit, warm, PROVE_SHARE, PROVE_STEPS)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
@@ -36,31 +36,39 @@ log = logging.getLogger(__name__)
 MILP_PAIRS_PER_SECOND = 400
 
 
+# Every solver takes `fast`: the fast solvers' candidates (fast_candidates) when the caller has
+# already built them for this situation (the library's placement screening), else None.
+
+
 def solve_heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
-                    settings: SolverSettings) -> Solution:
-    return best_of(settings, [heuristic(spec, policy, failed)])
+                    settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
+    return best_of(settings, [fast[0] if fast else heuristic(spec, policy, failed)])
 
 
 def solve_dp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
-             settings: SolverSettings) -> Solution:
+             settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
+    if fast:
+        return best_of(settings, [fast[-1]])
     found = dp_plan(spec, policy, failed) if failed else heuristic(spec, policy, failed)
     return best_of(settings, [found])
 
 
 def solve_milp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
-               settings: SolverSettings) -> Solution:
-    return with_milp(spec, policy, failed, settings, best_of(settings, _both(spec, policy, failed)))
+               settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
+    warm = best_of(settings, fast or fast_candidates(spec, policy, failed))
+    return with_milp(spec, policy, failed, settings, warm)
 
 
 def solve_cp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
-             settings: SolverSettings) -> Solution:
-    return with_cp(spec, policy, failed, settings, best_of(settings, _both(spec, policy, failed)))
+             settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
+    warm = best_of(settings, fast or fast_candidates(spec, policy, failed))
+    return with_cp(spec, policy, failed, settings, warm)
 
 
 def solve_auto(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
-               settings: SolverSettings) -> Solution:
+               settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
     t0 = time.perf_counter()
-    found = best_of(settings, _both(spec, policy, failed))
+    found = best_of(settings, fast or fast_candidates(spec, policy, failed))
     if _open_gap(spec, policy, failed, found) and cp_fits(spec, policy, failed):
         found = with_cp(spec, policy, failed, settings, found)
     if _open_gap(spec, policy, failed, found) and estimated_pairs(
@@ -78,7 +86,9 @@ def _open_gap(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], found: 
     return found.simulation.period > proven * (1 + 1e-6)
 
 
-def _both(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> list[Candidate]:
+def fast_candidates(spec: JobSpec, policy: Policy,
+                    failed: tuple[Worker, ...]) -> list[Candidate]:
+    """The fast solvers' plans: the heuristic's, then (with failures) the DP's."""
     return [heuristic(spec, policy, failed)] + ([dp_plan(spec, policy, failed)] if failed else [])
 
 

@@ -2,7 +2,7 @@
 
 The command line's --solver choices and help, the library's `Settings` and `planner.solve` all
 read `SOLVERS`. Adding a solver is one entry there: a function
-`run(spec, policy, failed, settings) -> Solution` (see `portfolio.py`) and the settings it
+`run(spec, policy, failed, settings, fast=None) -> Solution` (see `portfolio.py`) and the settings it
 reads, for example
 
     "tabu": SolverEntry(solve_tabu, "tabu search with a time limit", ("time_limit",)),
@@ -30,7 +30,7 @@ PROVE_WORK = 30.0       # plan-all --prove: the CP engine's deterministic second
 
 @dataclass(frozen=True)
 class SolverEntry:
-    run: Callable[..., Solution]  # (spec, policy, failed, settings) -> Solution
+    run: Callable[..., Solution]  # (spec, policy, failed, settings, fast=None) -> Solution
     summary: str                  # one phrase for --solver's help
     options: tuple[str, ...] = ()  # the SolverSettings fields it reads beyond its name
 

@@ -169,3 +169,29 @@ def test_highspy_and_ortools_load_in_one_process(first):
             "print(cp_model.CpSolver().Solve(cp_model.CpModel()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-500:]
+
+
+def test_placement_screening_builds_the_fast_plans_once(monkeypatch):
+    """With the exact engines, the placements are screened by the fast solvers, and the chosen
+    placement's engine starts from the plans screening built (issue 13: they were built twice)."""
+    from recycle_planner.library import placement as placement_module
+    from recycle_planner.job.situations import placements
+    from recycle_planner.solvers import portfolio
+
+    spec = make_spec(stages=3, pipelines=3, microbatches=3, p2p=0.2)
+    counts = (1, 1, 0)
+    calls = []
+    real = portfolio.fast_candidates
+
+    def counting(*args):
+        calls.append(args[2])
+        return real(*args)
+
+    monkeypatch.setattr(portfolio, "fast_candidates", counting)
+    monkeypatch.setattr(placement_module, "fast_candidates", counting)
+    settings = Settings(solver="cp", work_limit=0.5)
+    options = placements(counts, spec.pipelines, settings.max_placements)
+    assert len(options) > 1
+    plan, chosen = placement_module.plan_best_placement(spec, Policy(), counts, settings, 20.0)
+    assert len(calls) == len(options)  # once per placement, none for the chosen one's engine
+    assert "cp" in plan.solver and chosen in options

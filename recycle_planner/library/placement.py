@@ -5,9 +5,11 @@ from __future__ import annotations
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.situations import Placement, logical_failed, placements
 from recycle_planner.job.spec import JobSpec
+from recycle_planner.job.workers import check_failed
 from recycle_planner.library.settings import Settings
-from recycle_planner.planner import plan_situation, solve
+from recycle_planner.planner import plan_situation
 from recycle_planner.solvers.heuristic import list_schedule
+from recycle_planner.solvers.portfolio import fast_candidates
 from recycle_planner.timing.plan import Plan
 from recycle_planner.timing.simulate import simulate
 
@@ -22,20 +24,24 @@ def plan_best_placement(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
     """Plan every placement of the holes (up to the settings' limit) and keep the shortest
     period; ties go to the placement listed first (packed before spread). On large jobs the
     placements are screened by one list-scheduling pass first; with the exact engines (cp,
-    auto) by the fast solvers, so that the engines' budget goes to one placement."""
+    auto) by the fast solvers, whose plans the chosen placement's solver then starts from (not
+    built twice), so that the engines' budget goes to one placement."""
     options = placements(counts, spec.pipelines, settings.max_placements)
     ops = spec.workers * spec.microbatches * (3 if policy.decouple else 2)
+    fast = None
     if len(options) > 1 and ops > SCREEN_ABOVE_OPS:
         periods = [simulate(list_schedule(spec, policy, logical_failed(p))).period for p in options]
         options = [options[min(range(len(options)), key=lambda i: (periods[i], i))]]
     elif len(options) > 1 and settings.solver in ("cp", "auto"):
-        periods = [min(solve(spec, policy, logical_failed(p), name).simulation.period
-                       for name in ("heuristic", "dp")) for p in options]
-        options = [options[min(range(len(options)), key=lambda i: (periods[i], i))]]
+        built = [fast_candidates(spec, policy, check_failed(spec, logical_failed(p)))
+                 for p in options]
+        periods = [min(c.simulation.period for c in found) for found in built]
+        pick = min(range(len(options)), key=lambda i: (periods[i], i))
+        options, fast = [options[pick]], built[pick]
     best: tuple[Plan, Placement] | None = None
     for placement in options:
         plan = plan_situation(spec, policy, logical_failed(placement), settings,
-                              reference=reference, reference_bound=reference_bound)
+                              reference=reference, reference_bound=reference_bound, fast=fast)
         if best is None or plan.metrics.period < best[0].metrics.period - 1e-9:
             best = (plan, placement)
     assert best is not None
