@@ -56,8 +56,10 @@ def test_fault_free_run_matches_torch_schedule_1f1b_and_one_process(tmp_path):
 
 
 def test_cli_two_kills_and_a_rejoin_on_2x2(tmp_path):
-    """Through `recycle-planner launch`: worker 1:0 dies mid-forward, then 0:1 mid-backward
-    (one dead per stage: the library's threshold); both restart and re-join at iteration
+    """Through `recycle-planner launch`: worker 1:0 dies mid-forward, then 0:1 after its
+    stage's all-reduce of iteration 4 but before its loss report (one dead per stage: the
+    library's threshold): its peer stepped, so iteration 4 is not redone and its losses come
+    from the peer, which learnt them in the all-reduce. Both restart and re-join at iteration
     boundaries (worker 0:0 waits at iterations 6 and 9 until a restarted worker asks, so
     that the re-joins surely happen before the end), the plan switches back to the
     fault-free one, and the result equals the fault-free reference."""
@@ -65,13 +67,13 @@ def test_cli_two_kills_and_a_rejoin_on_2x2(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "recycle_planner.cli", "launch", "-n", "4", "--run-dir",
            str(run), "--restart-delay", "0", "--hang-timeout", "5",
-           "--inject-fault", "2:2:F1", "--inject-fault", "1:4:I0", "--inject-fault", "0:6:hold",
+           "--inject-fault", "2:2:F1", "--inject-fault", "1:4:optimizer", "--inject-fault", "0:6:hold",
            "--inject-fault", "0:9:hold", TINY, "--", "--library", str(lib), "--iterations", "12"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "worker 1:0 killed by SIGKILL (injected fault 2:2:F1:kill)" in out
-    assert "worker 0:1 killed by SIGKILL (injected fault 1:4:I0:kill)" in out
+    assert "worker 0:1 killed by SIGKILL (injected fault 1:4:optimizer:kill)" in out
     assert "trained 12 iterations" in out and "recovery" in out
     result = json.loads((run / "result.json").read_text())
     gens = [e for e in result["events"] if e["kind"] == "generation"]

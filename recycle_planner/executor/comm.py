@@ -134,13 +134,13 @@ class Comm:
             self.wait(work, "send")
         self.sends.clear()
 
-    def allreduce_sum(self, flat: torch.Tensor) -> None:
+    def allreduce_sum(self, flat: torch.Tensor, what: str = "gradient all-reduce") -> None:
         """SUM over the stage's live workers (callers skip it when `stage_group` is None)."""
         try:
             work = self.stage_group.allreduce([flat], dist.AllreduceOptions())
         except RuntimeError as exc:
-            raise PeerFailure(f"gradient all-reduce failed: {short_error(exc)}") from None
-        self.wait(work, "gradient all-reduce")
+            raise PeerFailure(f"{what} failed: {short_error(exc)}") from None
+        self.wait(work, what)
 
     def barrier(self) -> None:
         try:

@@ -39,6 +39,8 @@ from recycle_planner.timing.plan import Plan
 log = logging.getLogger(__name__)
 
 KINDS = ("F", "I", "W", "B", "ALLREDUCE", "OPTIMIZER")
+POINTS = {"ALLREDUCE": "allreduce", "OPTIMIZER": "optimizer"}
+"""Fault-injection point names of the collectives (compute ops are named F0, I2, ...)."""
 
 
 class Instr(NamedTuple):
@@ -112,7 +114,8 @@ def compile_program(plan: Plan, mapping: Mapping, worker: tuple[int, int],
                 dst, stags = peer(before, s - 1, p, m), tags(BACKWARD, s, p, m)
         index = counts.get(op.kind, 0)
         counts[op.kind] = index + 1
-        instrs.append(Instr(op.kind, p, m, src, rtags, dst, stags, f"{op.kind}{index}"))
+        point = POINTS.get(op.kind) or f"{op.kind}{index}"
+        instrs.append(Instr(op.kind, p, m, src, rtags, dst, stags, point))
     recvs = tuple(i for i, ins in enumerate(instrs) if ins.src is not None)
     return Program(tuple(instrs), recvs, logical, plan.policy.stagger)
 
@@ -150,6 +153,8 @@ class StageRuntime:
         self.first = stage == 0
         self.last = stage == stages - 1
         self.scale = 1.0 / (pipelines * microbatches)
+        self.microbatches = microbatches
+        self.loss_count = pipelines * microbatches
         self.device = device
         self.in_meta = in_meta
         self.out_meta = out_meta
@@ -159,7 +164,10 @@ class StageRuntime:
         """time.monotonic() when the running op began (None between iterations): with
         `Comm.waited`, how the heartbeat thread tells a stalled training thread."""
         self.on_step: Callable[[int, dict[tuple[int, int], float]], None] | None = None
-        self.losses: dict[tuple[int, int], float] = {}
+        self.losses: dict[tuple[int, int], torch.Tensor] = {}
+        """The last stage's micro-batch losses of the running iteration, kept on the device."""
+        self.all_losses: torch.Tensor | None = None
+        """All D*M losses of the iteration once the stage's all-reduce is done (last stage)."""
         self.reset()
         self.op_times: dict[str, list[float]] = {kind: [0, 0.0] for kind in KINDS}
         """Per op kind: how many ran and the seconds they took (waits for data included)."""
@@ -174,6 +182,7 @@ class StageRuntime:
         self.saved: dict[tuple[int, int], Any] = {}
         self.posted: dict[int, tuple[Any, torch.Tensor]] = {}
         self.losses = {}
+        self.all_losses = None
         self.op_started = None
         self.state.clear_grads()
 
@@ -188,6 +197,7 @@ class StageRuntime:
         clock = time.perf_counter
         self.posted = {}
         self.losses = {}
+        self.all_losses = None
         posted = consumed = 0
         for k, ins in enumerate(instrs):
             if abort.is_set():
@@ -239,7 +249,7 @@ class StageRuntime:
         if self.last:
             target = (sample if sample is not None else self.data(iteration, *key))[1]
             loss = self.loss_fn(out, _to(target, self.device))
-            self.losses[key] = float(loss.detach())
+            self.losses[key] = loss.detach()
             out = loss * self.scale
         else:
             if out._is_view():  # torch's I detaches the output in place, which views forbid
@@ -277,6 +287,8 @@ class StageRuntime:
             self._send(grads[0], ins, iteration)
 
     def allreduce(self, k: int, ins: Instr, iteration: int) -> None:
+        if self.last:
+            self._gather_losses()
         if self.comm.stage_group is None:
             return
         params = self.state.params
@@ -289,9 +301,27 @@ class StageRuntime:
             p.grad = flat[offset:offset + n].view_as(p)
             offset += n
 
+    def _gather_losses(self) -> None:
+        """Every last-stage worker learns all D*M losses of the iteration from the stage's
+        all-reduce (each micro-batch's slot is filled by the one worker that ran it, zeros
+        elsewhere, so the SUM is exact). A survivor can then report the losses of a peer
+        that vanished after the all-reduce but before its own report reached the launcher:
+        that iteration is never redone, so nobody else would."""
+        values = torch.zeros(self.loss_count, dtype=torch.float64, device=self.device)
+        if self.losses:
+            keys = sorted(self.losses)
+            index = torch.tensor([p * self.microbatches + m for p, m in keys],
+                                 device=self.device)
+            values[index] = torch.stack([self.losses[key] for key in keys]).to(torch.float64)
+        if self.comm.stage_group is not None:
+            self.comm.allreduce_sum(values, "loss all-reduce")
+        self.all_losses = values
+
     def optimizer_step(self, k: int, ins: Instr, iteration: int) -> None:
-        if self.on_step is not None:  # the losses are final once the stage steps
-            self.on_step(iteration, self.losses)
+        if self.on_step is not None and self.all_losses is not None:
+            values = self.all_losses.tolist()  # the iteration's one read of the losses
+            M = self.microbatches
+            self.on_step(iteration, {(i // M, i % M): v for i, v in enumerate(values)})
         self.state.step()
 
 
