@@ -17,7 +17,7 @@ from recycle_planner.executor import protocol as P  # noqa: E402
 from recycle_planner.executor.comm import BACKWARD, FORWARD, message_tag  # noqa: E402
 from recycle_planner.executor.faults import Fault, FaultInjector, parse_fault  # noqa: E402
 from recycle_planner.executor.job import Job, load_job  # noqa: E402
-from recycle_planner.executor.runtime import Program, compile_program, pair_orders  # noqa: E402
+from recycle_planner.executor.runtime import Program, compile_program  # noqa: E402
 from recycle_planner.executor.state import (StageState, latest_checkpoint,  # noqa: E402
                                             load_stage_checkpoint, write_manifest,
                                             write_stage_checkpoint)
@@ -134,21 +134,6 @@ def test_every_message_of_a_rerouted_plan_has_exactly_one_receiver(library, dead
     if dead:
         assert any(ins.pipeline != prog.logical for prog in programs.values()
                    for ins in prog.instrs if ins.microbatch is not None)
-
-
-def test_pair_orders_find_messages_received_out_of_order(library):
-    hit = library.lookup([])
-    plan = hit.plan()
-    members = list(range(9))
-    programs = {r: compile_program(plan, hit.mapping, P.worker_of(r, 3), members)
-                for r in members}
-    assert pair_orders(programs) == []
-    prog = programs[1]
-    swapped = list(prog.instrs)
-    first = [k for k, ins in enumerate(swapped) if ins.kind == "F"][:2]
-    swapped[first[0]], swapped[first[1]] = swapped[first[1]], swapped[first[0]]
-    programs[1] = Program(tuple(swapped), prog.recvs, prog.logical, prog.stagger)
-    assert pair_orders(programs)
 
 
 def _state(seed=0):

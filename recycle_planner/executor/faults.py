@@ -43,7 +43,8 @@ from recycle_planner.errors import RecycleError
 log = logging.getLogger(__name__)
 
 ACTIONS = ("kill", "hang", "stall", "host-down", "host-stop", "host-kill")
-_POINT = re.compile(r"(?:(?P<kind>[FIWB])(?P<index>\d+)|(?P<name>step|allreduce|optimizer|start|recovery|hold))")
+_POINT = re.compile(r"(?:(?P<kind>[FIWB])(?P<index>\d+)"
+                    r"|(?P<name>step|allreduce|optimizer|start|recovery|hold))")
 
 
 @dataclass(frozen=True)

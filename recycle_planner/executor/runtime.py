@@ -5,8 +5,9 @@ that already name the peers (as ranks of the generation's group) and the tags of
 the forward of micro-batch m of logical pipeline p receives from whichever worker runs
 F(p, s-1, m) in this plan and sends to whichever runs F(p, s+1, m), whether or not that is the
 worker's own pipeline (a re-routed micro-batch). `StageRuntime.run_iteration` then executes
-them: every op kind has one handler (`HANDLERS`), receives are posted a few ops ahead so that
-data lands while the worker computes, and sends never block.
+them: every op kind has one handler (`handlers`), and sends and receives are issued in the
+order of `issue.issue_order`, which NCCL cannot deadlock on (receives still posted early, so
+that data lands while the worker computes); sends never block.
 
 Backward passes reuse torch's pipelining helpers: `stage_backward_input` (I: the gradient of
 the stage input, sent upstream at once, keeping what W needs), `stage_backward_weight` (W: the
@@ -31,9 +32,11 @@ from torch.distributed.pipelining._backward import (stage_backward, stage_backwa
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.comm import BACKWARD, FORWARD, Comm, PeerFailure, message_tag
 from recycle_planner.executor.faults import FaultInjector
+from recycle_planner.executor.issue import POST, SEND, Issue, issue_order
 from recycle_planner.executor.protocol import rank_of
 from recycle_planner.executor.state import StageState
 from recycle_planner.job.situations import Mapping
+from recycle_planner.schedules.ops import B, F, I, KIND_CODES
 from recycle_planner.timing.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -52,12 +55,14 @@ class Instr(NamedTuple):
     dst: int | None            # group rank to send to
     send_tags: tuple[int, int]
     point: str                 # fault-injection point name, e.g. "F2"
+    recv_key: tuple[float, int] | None = None  # the received message's place in issue order
+    send_key: tuple[float, int] | None = None
 
 
 @dataclass(frozen=True)
 class Program:
     instrs: tuple[Instr, ...]
-    recvs: tuple[int, ...]      # indices of instructions that receive
+    issues: tuple[Issue, ...]   # one iteration's receives, ops and sends in issue order
     logical: int                # the logical pipeline this worker plays
     stagger: bool
 
@@ -95,47 +100,39 @@ def compile_program(plan: Plan, mapping: Mapping, worker: tuple[int, int],
     def tags(direction: int, stage: int, p: int, m: int) -> tuple[int, int]:
         return tuple(message_tag(direction, stage, p, m, it, S, D, M) for it in (0, 1))
 
+    space, end = plan.schedule.space, plan.timing.end
+
+    def key(stage: int, p: int, m: int, kinds: tuple[int, ...], tag: int) -> tuple[float, int]:
+        """When the plan sends the output of the op of micro-batch (p, m) at `stage`."""
+        times = [float(end[space.compute(kind, p, stage, m)]) for kind in kinds]
+        return min(t for t in times if t == t), tag  # the one of `kinds` that is scheduled
+
     none = (0, 0)
     instrs: list[Instr] = []
     counts: dict[str, int] = {}
     for op in plan.schedule.ops((logical, s)):
         p, m = op.pipeline, op.microbatch
-        src = dst = None
+        src = dst = rkey = skey = None
         rtags = stags = none
         if op.kind == "F":
             if s > 0:
                 src, rtags = peer(before, s - 1, p, m), tags(FORWARD, s - 1, p, m)
+                rkey = key(s - 1, p, m, (F,), rtags[0])
             if s < S - 1:
                 dst, stags = peer(after, s + 1, p, m), tags(FORWARD, s, p, m)
+                skey = key(s, p, m, (F,), stags[0])
         elif op.kind in ("I", "B"):
             if s < S - 1:
                 src, rtags = peer(after, s + 1, p, m), tags(BACKWARD, s + 1, p, m)
+                rkey = key(s + 1, p, m, (I, B), rtags[0])
             if s > 0:
                 dst, stags = peer(before, s - 1, p, m), tags(BACKWARD, s, p, m)
+                skey = key(s, p, m, (KIND_CODES[op.kind],), stags[0])
         index = counts.get(op.kind, 0)
         counts[op.kind] = index + 1
         point = POINTS.get(op.kind) or f"{op.kind}{index}"
-        instrs.append(Instr(op.kind, p, m, src, rtags, dst, stags, point))
-    recvs = tuple(i for i, ins in enumerate(instrs) if ins.src is not None)
-    return Program(tuple(instrs), recvs, logical, plan.policy.stagger)
-
-
-def pair_orders(programs: dict[int, Program]) -> list[str]:
-    """Pairs of workers whose messages are sent in another order than they are received.
-
-    gloo matches messages by tag, so any order works; NCCL ignores tags and matches by order,
-    so a plan with such a pair cannot run on NCCL. `programs` maps a group rank to its
-    program; returns one line per mismatching pair."""
-    sent: dict[tuple[int, int], list[int]] = {}
-    received: dict[tuple[int, int], list[int]] = {}
-    for rank, program in programs.items():
-        for ins in program.instrs:
-            if ins.dst is not None:
-                sent.setdefault((rank, ins.dst), []).append(ins.send_tags[0])
-            if ins.src is not None:
-                received.setdefault((ins.src, rank), []).append(ins.recv_tags[0])
-    return [f"{a} -> {b}" for (a, b), tags in sorted(sent.items())
-            if received.get((a, b)) != tags]
+        instrs.append(Instr(op.kind, p, m, src, rtags, dst, stags, point, rkey, skey))
+    return Program(tuple(instrs), issue_order(instrs), logical, plan.policy.stagger)
 
 
 class StageRuntime:
@@ -144,7 +141,7 @@ class StageRuntime:
     def __init__(self, state: StageState, loss_fn: Callable, data: Callable, stage: int,
                  stages: int, pipelines: int, microbatches: int, device: torch.device,
                  in_meta: tuple[tuple[int, ...], torch.dtype] | None,
-                 out_meta: tuple[tuple[int, ...], torch.dtype] | None, prefetch: int = 4):
+                 out_meta: tuple[tuple[int, ...], torch.dtype] | None):
         self.state = state
         self.module = state.module
         self.loss_fn = loss_fn
@@ -158,7 +155,6 @@ class StageRuntime:
         self.device = device
         self.in_meta = in_meta
         self.out_meta = out_meta
-        self.prefetch = max(1, prefetch)
         self.comm: Comm | None = None
         self.op_started: float | None = None
         """time.monotonic() when the running op began (None between iterations): with
@@ -181,6 +177,7 @@ class StageRuntime:
         self.cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.saved: dict[tuple[int, int], Any] = {}
         self.posted: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.outgoing: dict[int, torch.Tensor | None] = {}
         self.losses = {}
         self.all_losses = None
         self.op_started = None
@@ -190,24 +187,26 @@ class StageRuntime:
 
     def run_iteration(self, program: Program, iteration: int, abort: threading.Event,
                       faults: FaultInjector) -> None:
-        instrs, recvs = program.instrs, program.recvs
+        instrs = program.instrs
         parity = iteration % 2
         handlers = self.handlers
         times = self.op_times
         clock = time.perf_counter
         self.posted = {}
+        self.outgoing = {}
         self.losses = {}
         self.all_losses = None
-        posted = consumed = 0
-        for k, ins in enumerate(instrs):
+        for kind, k in program.issues:
+            ins = instrs[k]
+            if kind == POST:
+                self._post(ins, k, parity)
+                continue
+            if kind == SEND:
+                self._send(self.outgoing.pop(k), ins, iteration)
+                continue
             if abort.is_set():
                 raise PeerFailure("the launcher abandoned this generation")
             self.op_started = time.monotonic()
-            if ins.src is not None:
-                consumed += 1
-            while posted < len(recvs) and posted < consumed + self.prefetch:
-                self._post(instrs[recvs[posted]], recvs[posted], parity)
-                posted += 1
             if faults.active:
                 faults.trigger(iteration, ins.point)
             t0 = clock()
@@ -254,7 +253,7 @@ class StageRuntime:
         else:
             if out._is_view():  # torch's I detaches the output in place, which views forbid
                 out = out.clone()
-            self._send(out, ins, iteration)
+            self.outgoing[k] = out
         self.cache[key] = (x, out)
 
     def backward_input(self, k: int, ins: Instr, iteration: int) -> None:
@@ -267,7 +266,7 @@ class StageRuntime:
         dinputs, groups = stage_backward_input([out], None if grad is None else [grad], [x],
                                                self.module.parameters())
         self.saved[key] = groups
-        self._send(dinputs[0], ins, iteration)
+        self.outgoing[k] = dinputs[0]
 
     def backward_weight(self, k: int, ins: Instr, iteration: int) -> None:
         key = (ins.pipeline, ins.microbatch)
@@ -284,7 +283,7 @@ class StageRuntime:
         grad = None if self.last else self._received(k, "receiving a gradient")
         grads = stage_backward(out, grad, [x])
         if not self.first:
-            self._send(grads[0], ins, iteration)
+            self.outgoing[k] = grads[0]
 
     def allreduce(self, k: int, ins: Instr, iteration: int) -> None:
         if self.last:

@@ -49,7 +49,8 @@ from recycle_planner.executor.config import (CONFIG_ERROR, COORDINATOR_LOST, STA
                                              WorkerConfig)
 from recycle_planner.executor.faults import Fault, FaultInjector
 from recycle_planner.executor.job import Job, load_job
-from recycle_planner.executor.runtime import StageRuntime, compile_program, pair_orders
+from recycle_planner.executor.nccl_check import replay
+from recycle_planner.executor.runtime import StageRuntime, compile_program
 from recycle_planner.executor.state import (StageState, latest_checkpoint,
                                             load_stage_checkpoint, write_manifest,
                                             write_stage_checkpoint)
@@ -131,8 +132,7 @@ class Worker:
     def _live(self) -> None:
         in_meta, out_meta = self._shapes()
         self.runtime = StageRuntime(self.state, self.job.loss_fn, self.job.data, self.s, self.S,
-                                    self.D, self.M, self.device, in_meta, out_meta,
-                                    self.config.prefetch)
+                                    self.D, self.M, self.device, in_meta, out_meta)
         # Everything built so far lives until the end: keep the collector off it, so that
         # the collection that closes a broken generation's groups takes microseconds.
         gc.freeze()
@@ -299,14 +299,12 @@ class Worker:
         plan = self._plans[key]
         members = list(decision.members)
         program = compile_program(plan, hit.mapping, (self.d, self.s), members)
-        if self.config.backend == "nccl":
+        if self.config.backend == "nccl":  # the order is safe by construction: prove it here
             programs = {i: compile_program(plan, hit.mapping, P.worker_of(r, self.S), members)
                         for i, r in enumerate(members)}
-            bad = pair_orders(programs)
+            bad = replay(programs, {i: r % self.S for i, r in enumerate(members)})
             if bad:
-                raise RecycleError(f"plan {hit.file.name} sends messages between "
-                                   f"{', '.join(bad[:3])} in another order than they are "
-                                   f"received, which NCCL cannot match: use gloo")
+                raise RecycleError(f"plan {hit.file.name} cannot run on NCCL: {bad[0]}")
         return program
 
     def _record_losses(self, gen: int, iteration: int, losses: dict) -> None:
