@@ -115,9 +115,9 @@ def replay(programs: Mapping[int, object], stage_of: Mapping[int, int], iteratio
             progress = True
     if problems:
         return problems
-    stuck = [f"rank {rank} waits before {_name(instr(rank, runs[head[rank]][0]),
-                                               runs[head[rank]][1])}"
-             for rank, runs in compute.items() if head[rank] < len(runs)]
+    stuck = [f"rank {rank} waits before {_name(instr(rank, runs[head[rank]][0]), it)}"
+             for rank, runs in compute.items() if head[rank] < len(runs)
+             for it in [runs[head[rank]][1]]]
     stuck += [f"rank {q[0]} stream {q[1:] or ''}: {items[qhead[q]][0]} of "
               f"{_name(instr(q[0], items[qhead[q]][1]), items[qhead[q]][2])} pending"
               for q, items in queues.items() if qhead[q] < len(items)]
