@@ -199,3 +199,45 @@ def test_jobs_load_from_a_file_with_arguments():
     with pytest.raises(RecycleError, match="iterations"):
         Job(stages=[torch.nn.Linear(1, 1)], loss_fn=None, optimizer=None, data=None,
             iterations=0)
+
+
+class _FakeGroup:
+    """Records what the backend does to a group."""
+
+    def __init__(self):
+        self.calls = []
+
+    def size(self):
+        return 2
+
+    def abort(self):
+        self.calls.append("abort")
+
+    def shutdown(self):
+        self.calls.append("shutdown")
+
+
+def test_nccl_groups_are_aborted_after_a_failure_and_shut_down_after_a_clean_end():
+    from recycle_planner.executor.comm import BACKENDS, Comm
+
+    for failed, want in ((True, ["abort"]), (False, ["shutdown"])):
+        comm = Comm.__new__(Comm)  # no process group on a CPU build: fake ones
+        comm.backend, comm.sends = BACKENDS["nccl"], []
+        comm.group, comm.stage_group = _FakeGroup(), _FakeGroup()
+        groups = (comm.group, comm.stage_group)
+        comm.close(failed=failed)
+        assert [g.calls for g in groups] == [want, want]
+        assert comm.group is None and comm.stage_group is None
+
+
+def test_backends_set_their_environment_and_device_before_the_first_group():
+    from recycle_planner.executor.comm import BACKENDS, prepare, set_environment
+
+    env = {"LOCAL_RANK": "3", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert BACKENDS["nccl"].device(env) == torch.device("cuda", 3)
+    assert prepare("gloo", env) == torch.device("cpu")
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"   # gloo leaves NCCL's alone
+    set_environment("nccl", env)  # torch's default 1 would kill a survivor: CleanUpOnly
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    with pytest.raises(RecycleError, match="unknown backend 'mpi'"):
+        prepare("mpi", env)

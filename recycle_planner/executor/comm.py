@@ -1,5 +1,8 @@
 """Process groups of one generation, point-to-point messages with tags, and failure detection.
 
+What differs between gloo and NCCL (making, aborting and ending a group, the device, the
+environment set before the first group) is one `Backend` record per name in `BACKENDS`.
+
 Each generation builds its own groups from a fresh store namespace: one group of all members
 (activations and gradients, state copies, the global barrier) and one per stage (the gradient
 all-reduce among that stage's live workers). Groups are built directly (`ProcessGroupGloo`,
@@ -25,8 +28,9 @@ import gc
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, Mapping, MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -58,16 +62,102 @@ def message_tag(direction: int, stage: int, pipeline: int, microbatch: int, iter
     return tag * microbatches + microbatch
 
 
-def new_group(backend: str, store: Any, rank: int, size: int, timeout: timedelta):
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    if backend == "nccl":
-        if not hasattr(dist, "ProcessGroupNCCL"):
-            raise RecycleError("backend 'nccl' needs a CUDA build of torch")
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    raise RecycleError(f"unknown backend {backend!r} (expected gloo or nccl)")
+def _gloo_group(store: Any, rank: int, size: int, timeout: timedelta):
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _nccl_group(store: Any, rank: int, size: int, timeout: timedelta):
+    if not hasattr(dist, "ProcessGroupNCCL"):
+        raise RecycleError("backend 'nccl' needs a CUDA build of torch")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def _gloo_abort(group) -> None:
+    """gloo's `abort()` does not release a waiting operation, but gloo closes every connection
+    of a group when an application-side wait times out ("Application timeout caused pair
+    closure"): a receive nobody will answer, waited for 1 ms, is that abort."""
+    peer = 1 if group.rank() == 0 else 0
+    group.recv([torch.zeros(1)], peer, ABORT_TAG).wait(timedelta(milliseconds=1))
+
+
+def _nccl_abort(group) -> None:
+    """`ncclCommAbort` on every communicator of the group: blocked kernels and waits return
+    with an error instead of spinning on a peer that is gone."""
+    group.abort()
+
+
+def _nccl_shutdown(group) -> None:
+    """A clean end: `ncclCommDestroy` after pending work, before the last reference goes."""
+    group.shutdown()
+
+
+def _nothing(group) -> None:
+    """gloo frees a group with its last reference."""
+
+
+def _cpu(environ: Mapping[str, str]) -> torch.device:
+    return torch.device("cpu")
+
+
+def _local_cuda(environ: Mapping[str, str]) -> torch.device:
+    return torch.device("cuda", int(environ.get("LOCAL_RANK", "0")))
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What differs between gloo and NCCL; everything else in the executor is shared."""
+
+    name: str
+    group: Callable[[Any, int, int, timedelta], Any]
+    abort: Callable[[Any], None]
+    """Release every operation blocked in the group (after a failure was declared)."""
+    shutdown: Callable[[Any], None]
+    """End the group after a generation that ended cleanly."""
+    device: Callable[[Mapping[str, str]], torch.device]
+    """The worker's device, from its environment (torchrun's LOCAL_RANK)."""
+    environment: Mapping[str, str] = field(default_factory=dict)
+    """Variables the worker sets before its first group (overriding other values)."""
+
+
+NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+"""2 = CleanUpOnly: on an error or timeout torch's watchdog aborts the communicator and fails
+its work, but leaves the process alive, so that the worker reports the failure and joins the
+next generation. (1, torch's default, would kill a healthy survivor; 0 leaves it spinning on a
+dead peer; 3 kills it without an abort.)"""
+
+BACKENDS = {
+    "gloo": Backend("gloo", _gloo_group, _gloo_abort, _nothing, _cpu),
+    "nccl": Backend("nccl", _nccl_group, _nccl_abort, _nccl_shutdown, _local_cuda,
+                    NCCL_ENVIRONMENT),
+}
+
+
+def backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise RecycleError(f"unknown backend {name!r} (expected {' or '.join(BACKENDS)})")
+    return BACKENDS[name]
+
+
+def set_environment(name: str, environ: MutableMapping[str, str]) -> None:
+    """Set backend `name`'s variables; a value the user set otherwise is replaced, with a
+    warning (recovery needs it)."""
+    for key, value in backend(name).environment.items():
+        if environ.get(key, value) != value:
+            log.warning("%s=%s replaced by %s: recovery needs the communicator aborted and "
+                        "the process kept alive", key, environ[key], value)
+        environ[key] = value
+
+
+def prepare(name: str, environ: MutableMapping[str, str]) -> torch.device:
+    """Set backend `name`'s environment (before any group exists) and return the worker's
+    device, made current."""
+    set_environment(name, environ)
+    device = backend(name).device(environ)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 class Comm:
@@ -79,9 +169,9 @@ class Comm:
     into `PeerFailure`.
     """
 
-    def __init__(self, backend: str, store: Any, gen: int, members: list[int], me: int,
+    def __init__(self, backend_name: str, store: Any, gen: int, members: list[int], me: int,
                  stage_members: list[int], stage: int, timeout: timedelta):
-        self.backend = backend
+        self.backend = backend(backend_name)
         self.rank = members.index(me)
         self.size = len(members)
         self.sends: list[tuple[Any, torch.Tensor]] = []
@@ -90,12 +180,12 @@ class Comm:
         self.waited = time.monotonic()
         """When the latest wait for a peer ended."""
         try:
-            self.group = new_group(backend, dist.PrefixStore(f"gen{gen}/all", store),
-                                   self.rank, self.size, timeout)
+            self.group = self.backend.group(dist.PrefixStore(f"gen{gen}/all", store),
+                                            self.rank, self.size, timeout)
             self.stage_group = None
             if len(stage_members) > 1:
-                self.stage_group = new_group(
-                    backend, dist.PrefixStore(f"gen{gen}/stage{stage}", store),
+                self.stage_group = self.backend.group(
+                    dist.PrefixStore(f"gen{gen}/stage{stage}", store),
                     stage_members.index(me), len(stage_members), timeout)
         except RecycleError:
             raise
@@ -164,30 +254,32 @@ class Comm:
         return data.cpu().numpy().tobytes()
 
     def abort(self) -> None:
-        """Abort the groups from another thread, so that every operation blocked in them (a
-        receive from a host that vanished without closing its sockets, an all-reduce) fails
-        at once instead of at the group timeout. NCCL: `abort()`. gloo's `abort()` does not
-        release a waiting operation, but gloo closes every connection of a group when an
-        application-side wait times out ("Application timeout caused pair closure"): a
-        receive nobody will answer, waited for 1 ms, is that abort."""
+        """Abort the groups, possibly from another thread, so that every operation blocked in
+        them (a receive from a host that vanished without closing its sockets, an all-reduce)
+        fails at once instead of at the group timeout (`Backend.abort`)."""
         for group in (self.group, self.stage_group):
             if group is None or group.size() < 2:
                 continue
             try:
-                if self.backend == "gloo":
-                    peer = 1 if group.rank() == 0 else 0
-                    group.recv([torch.zeros(1)], peer, ABORT_TAG).wait(
-                        timedelta(milliseconds=1))
-                else:
-                    group.abort()
-            except RuntimeError as exc:  # the expected timeout, or a group already broken
+                self.backend.abort(group)
+            except RuntimeError as exc:  # gloo's expected timeout, or a group already broken
                 log.debug("abort: %s", short_error(exc))
 
-    def close(self) -> None:
-        """Drop the groups. Closing the sockets tells every peer blocked on this worker that
+    def close(self, failed: bool = False) -> None:
+        """Drop the groups: aborted first after a failure (`Backend.abort`), shut down after a
+        clean end (`Backend.shutdown`). Closing tells every peer blocked on this worker that
         the generation is over, so nothing may keep a reference alive. A group with a pending
         operation on a host that vanished takes as long to destroy as that operation takes to
         fail, so the last references are dropped on a daemon thread."""
+        if failed:
+            self.abort()
+        else:
+            for group in (self.group, self.stage_group):
+                if group is not None:
+                    try:
+                        self.backend.shutdown(group)
+                    except RuntimeError as exc:
+                        log.debug("shutdown: %s", short_error(exc))
         groups = [self.group, self.stage_group]
         self.sends.clear()
         self.group = None

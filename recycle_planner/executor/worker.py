@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor import protocol as P
-from recycle_planner.executor.comm import Comm, PeerFailure, short_error
+from recycle_planner.executor.comm import Comm, PeerFailure, prepare, short_error
 from recycle_planner.executor.config import (CONFIG_ERROR, COORDINATOR_LOST, STALLED,
                                              WorkerConfig)
 from recycle_planner.executor.faults import Fault, FaultInjector
@@ -90,11 +90,7 @@ class Worker:
             raise RecycleError(f"the job has {len(job.stages)} stages but the plan library "
                                f"has {self.S}")
         self.d, self.s = P.worker_of(self.rank, self.S)
-        if config.backend == "nccl":
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
+        self.device = prepare(config.backend, os.environ)
         self.timeout = timedelta(seconds=config.pg_timeout)
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
@@ -230,7 +226,7 @@ class Worker:
             runtime.reset()
             runtime.comm = None
             if comm is not None:
-                comm.close()
+                comm.close(failed=bool(failure))
         log.warning("generation %d abandoned at iteration %d (groups closed in %.0f ms): %s",
                     gen, iteration, 1e3 * (time.perf_counter() - t_fail), failure)
         self.store.add(P.gen_key(gen, "errors"), 1)
