@@ -93,10 +93,12 @@ def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path):
     """3 stages x 2 pipelines. Worker 1:0 dies in its last weight gradient of iteration 3,
     after stages 1 and 2 stepped (stage 0's backward is slowed so that they surely did): they
     undo that step. Worker 1:1 dies while recovering from it. Later worker 0:2 hangs and is
-    killed after the heartbeat timeout. Three dead workers, each stage keeps one."""
+    killed after the heartbeat timeout. Three dead workers, each stage keeps one. Stages pass
+    a dict of a float and an int64 tensor, and an LR warm-up scheduler is undone with the
+    step."""
     lib = library(tmp_path / "lib", stages=3, pipelines=2, microbatches=4, max_failures=3)
     args = ["--stages", "3", "--library", str(lib), "--iterations", "8",
-            "--slow-backward", "0:0.01"]
+            "--slow-backward", "0:0.01", "--boundary", "dict", "--warmup", "5"]
     faults = [parse_fault(f) for f in ("3:3:W3", "4:3:recovery", "2:6:I0:hang")]
     config = LaunchConfig(nproc=6, run_dir=str(tmp_path / "run"), faults=faults,
                           hang_timeout=3.0, heartbeat=0.1)
@@ -107,7 +109,7 @@ def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path):
     assert first["restart"] == 3 and first["steps"]["2"] == 4  # stage 2 undid its step
     assert len(_events(result, "hang")) == 1
     assert [d["worker"] for d in result.recoveries] == ["1:0", "1:1", "0:2"]
-    ref = reference(["--stages", "3", "--iterations", "8", "--slow-backward", "0:0.01"], 2, 4)
+    ref = reference(args[:2] + args[4:], 2, 4)
     _, params = checkpoint_params(tmp_path / "run", 3)
     assert_params_equal(params, ref.params)
     assert_losses_equal(result.losses, ref.losses)
@@ -118,11 +120,13 @@ def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_pa
     1:0 dies mid-backward; then worker 0:1's training thread stalls while its heartbeats go
     on: it is caught within the lease (1 s; the group timeout is 60 s), and this second
     failure stops training cleanly with a consistent checkpoint of every stage, from which a
-    new launch resumes and ends where uninterrupted training ends."""
+    new launch resumes and ends where uninterrupted training ends. Gradients are clipped to
+    a global norm over both stages, and the checkpoint carries the LR scheduler."""
     policy = Policy(decouple=False, stagger=False)
     lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=1,
                   policy=policy)
-    args = ["--library", str(lib), "--iterations", "8", "--optimizer", "sgd"]
+    args = ["--library", str(lib), "--iterations", "8", "--optimizer", "sgd", "--clip", "0.05",
+            "--warmup", "3"]
     run = tmp_path / "run"
     faults = [parse_fault(f) for f in ("2:2:B1", "1:4:F0:stall")]
     config = LaunchConfig(nproc=4, run_dir=str(run), faults=faults, pg_timeout=60.0,

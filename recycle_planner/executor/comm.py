@@ -179,21 +179,26 @@ class Comm:
         """True while the training thread waits for a peer (not a stall of its own)."""
         self.waited = time.monotonic()
         """When the latest wait for a peer ended."""
+        self._store, self._gen, self._timeout = store, gen, timeout
+        self.stage_first = me == min(stage_members)
+        self.scalar_group = None
+        self.group = self._group("all", self.rank, self.size)
+        self.stage_group = None
+        if len(stage_members) > 1:
+            self.stage_group = self._group(f"stage{stage}", stage_members.index(me),
+                                           len(stage_members))
+
+    def _group(self, name: str, rank: int, size: int):
         try:
-            self.group = self.backend.group(dist.PrefixStore(f"gen{gen}/all", store),
-                                            self.rank, self.size, timeout)
-            self.stage_group = None
-            if len(stage_members) > 1:
-                self.stage_group = self.backend.group(
-                    dist.PrefixStore(f"gen{gen}/stage{stage}", store),
-                    stage_members.index(me), len(stage_members), timeout)
+            return self.backend.group(dist.PrefixStore(f"gen{self._gen}/{name}", self._store),
+                                      rank, size, self._timeout)
         except RecycleError:
             raise
         except RuntimeError as exc:
-            raise PeerFailure(f"cannot form the process group of generation {gen}: "
+            raise PeerFailure(f"cannot form the process group of generation {self._gen}: "
                               f"{short_error(exc)}") from None
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int):
         try:
             work = self.group.send([tensor], dst, tag)
         except RuntimeError as exc:
@@ -201,6 +206,7 @@ class Comm:
         self.sends.append((work, tensor))
         if len(self.sends) > 64:
             self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+        return work
 
     def irecv(self, buf: torch.Tensor, src: int, tag: int):
         try:
@@ -218,6 +224,15 @@ class Comm:
             self.waited = time.monotonic()
             self.waiting = False
 
+    def settle(self, work) -> None:
+        """Wait for one send (before its tensor is reused) and forget it: a gloo send waited
+        twice blocks until the timeout (each wait consumes one completion)."""
+        for i, (w, _) in enumerate(self.sends):
+            if w is work:
+                del self.sends[i]
+                self.wait(work, "send")
+                return
+
     def flush_sends(self) -> None:
         """Wait until every send has been received (before the generation ends cleanly)."""
         for work, _ in self.sends:
@@ -231,6 +246,21 @@ class Comm:
         except RuntimeError as exc:
             raise PeerFailure(f"{what} failed: {short_error(exc)}") from None
         self.wait(work, what)
+
+    def all_stages_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over stages of `value`, which every worker of a stage holds equal (computed
+        from its reduced gradients): the stage's first live worker contributes it, its peers
+        zeros, so the sum is exact. A group of every member, made at the first call: a
+        collective on the all-member group would queue behind point-to-point work on NCCL."""
+        if self.scalar_group is None:
+            self.scalar_group = self._group("scalars", self.rank, self.size)
+        out = value.detach().clone() if self.stage_first else torch.zeros_like(value)
+        try:
+            work = self.scalar_group.allreduce([out], dist.AllreduceOptions())
+        except RuntimeError as exc:
+            raise PeerFailure(f"all-stage sum failed: {short_error(exc)}") from None
+        self.wait(work, "all-stage sum")
+        return out
 
     def barrier(self) -> None:
         try:
@@ -257,7 +287,7 @@ class Comm:
         """Abort the groups, possibly from another thread, so that every operation blocked in
         them (a receive from a host that vanished without closing its sockets, an all-reduce)
         fails at once instead of at the group timeout (`Backend.abort`)."""
-        for group in (self.group, self.stage_group):
+        for group in (self.group, self.stage_group, self.scalar_group):
             if group is None or group.size() < 2:
                 continue
             try:
@@ -274,16 +304,15 @@ class Comm:
         if failed:
             self.abort()
         else:
-            for group in (self.group, self.stage_group):
+            for group in (self.group, self.stage_group, self.scalar_group):
                 if group is not None:
                     try:
                         self.backend.shutdown(group)
                     except RuntimeError as exc:
                         log.debug("shutdown: %s", short_error(exc))
-        groups = [self.group, self.stage_group]
+        groups = [self.group, self.stage_group, self.scalar_group]
         self.sends.clear()
-        self.group = None
-        self.stage_group = None
+        self.group = self.stage_group = self.scalar_group = None
         threading.Thread(target=_drop, args=(groups,), name="recycle-close",
                          daemon=True).start()
 

@@ -19,6 +19,7 @@ among its live workers: the step is the same however the micro-batches are sprea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -26,10 +27,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._pytree import tree_map
 from torch.distributed.pipelining._backward import (stage_backward, stage_backward_input,
                                                      stage_backward_weight)
 
 from recycle_planner.errors import RecycleError
+from recycle_planner.executor.boundary import Layout, call, flat, pack, unpack
 from recycle_planner.executor.comm import BACKWARD, FORWARD, Comm, PeerFailure, message_tag
 from recycle_planner.executor.faults import FaultInjector
 from recycle_planner.executor.issue import POST, SEND, Issue, issue_order
@@ -136,12 +140,18 @@ def compile_program(plan: Plan, mapping: Mapping, worker: tuple[int, int],
 
 
 class StageRuntime:
-    """One worker's stage: its module and state, the per-iteration caches, the op handlers."""
+    """One worker's stage: its module and state, the per-iteration caches, the op handlers.
+
+    `in_layout` / `out_layout` describe what the stage receives and sends (None at the ends);
+    each receive and send has one buffer, allocated at its first use and reused every
+    iteration. `hook` (a `StepHook`) runs between the gradient all-reduce and the optimizer
+    step with the sum of every stage's `stats` (`all_stages_sum`); `autocast` is the dtype of
+    mixed-precision forwards."""
 
     def __init__(self, state: StageState, loss_fn: Callable, data: Callable, stage: int,
                  stages: int, pipelines: int, microbatches: int, device: torch.device,
-                 in_meta: tuple[tuple[int, ...], torch.dtype] | None,
-                 out_meta: tuple[tuple[int, ...], torch.dtype] | None):
+                 in_layout: Layout | None, out_layout: Layout | None,
+                 hook: Any = None, autocast: torch.dtype | None = None):
         self.state = state
         self.module = state.module
         self.loss_fn = loss_fn
@@ -153,8 +163,16 @@ class StageRuntime:
         self.microbatches = microbatches
         self.loss_count = pipelines * microbatches
         self.device = device
-        self.in_meta = in_meta
-        self.out_meta = out_meta
+        self.in_layout = in_layout
+        self.out_layout = out_layout
+        self.hook = hook
+        self.autocast = autocast
+        self.in_grads = in_layout.grads() if in_layout is not None else None
+        self.out_grads = out_layout.grads() if out_layout is not None else None
+        self.recv_bufs: dict[int, torch.Tensor] = {}
+        """Per receiving instruction: its buffer, reused every iteration of a generation."""
+        self.send_bufs: dict[int, tuple[torch.Tensor, Any]] = {}
+        """Per sending instruction: its buffer and the latest send from it."""
         self.comm: Comm | None = None
         self.op_started: float | None = None
         """time.monotonic() when the running op began (None between iterations): with
@@ -174,10 +192,12 @@ class StageRuntime:
 
     def reset(self) -> None:
         """Forget everything of an abandoned iteration (activations, saved graphs, gradients)."""
-        self.cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cache: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.saved: dict[tuple[int, int], Any] = {}
         self.posted: dict[int, tuple[Any, torch.Tensor]] = {}
-        self.outgoing: dict[int, torch.Tensor | None] = {}
+        self.outgoing: dict[int, list[torch.Tensor | None]] = {}
+        self.send_bufs = {}  # a new generation: a new program, and a broken group's pending
+        self.recv_bufs = {}  # operations must not write into the next one's buffers
         self.losses = {}
         self.all_losses = None
         self.op_started = None
@@ -202,7 +222,7 @@ class StageRuntime:
                 self._post(ins, k, parity)
                 continue
             if kind == SEND:
-                self._send(self.outgoing.pop(k), ins, iteration)
+                self._send(self.outgoing.pop(k), ins, k, iteration)
                 continue
             if abort.is_set():
                 raise PeerFailure("the launcher abandoned this generation")
@@ -219,20 +239,33 @@ class StageRuntime:
             faults.trigger(iteration, "step")
 
     def _post(self, ins: Instr, k: int, parity: int) -> None:
-        shape, dtype = self.in_meta if ins.kind == "F" else self.out_meta
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        buf = self.recv_bufs.get(k)
+        if buf is None:
+            layout = self.in_layout if ins.kind == "F" else self.out_grads
+            buf = self.recv_bufs[k] = layout.empty(self.device)
         self.posted[k] = (self.comm.irecv(buf, ins.src, ins.recv_tags[parity]), buf)
 
-    def _received(self, k: int, what: str) -> torch.Tensor:
+    def _received(self, k: int, layout: Layout, what: str) -> list[torch.Tensor]:
         work, buf = self.posted.pop(k)
         self.comm.wait(work, what)
-        return buf
+        return unpack(buf, layout)
 
-    def _send(self, tensor: torch.Tensor | None, ins: Instr, iteration: int) -> None:
-        if tensor is None:  # the stage output did not depend on this input
-            shape, dtype = self.in_meta
-            tensor = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.comm.isend(tensor.detach().contiguous(), ins.dst, ins.send_tags[iteration % 2])
+    def _send(self, leaves: list[torch.Tensor | None], ins: Instr, k: int,
+              iteration: int) -> None:
+        layout = self.out_layout if ins.kind == "F" else self.in_grads
+        slot = self.send_bufs.get(k)
+        if slot is None:
+            buf = layout.empty(self.device)
+        else:
+            buf, work = slot
+            self.comm.settle(work)  # last iteration's, long received: free to refill
+        pack(leaves, layout, buf)
+        self.send_bufs[k] = (buf, self.comm.isend(buf, ins.dst, ins.send_tags[iteration % 2]))
+
+    def _forward_context(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
     # -- handlers ----------------------------------------------------------------------------
 
@@ -241,49 +274,57 @@ class StageRuntime:
         sample = None
         if self.first:
             sample = self.data(iteration, *key)
-            x = _to(sample[0], self.device)
+            value = tree_map(lambda v: _to(v, self.device), sample[0])
+            inputs: list[torch.Tensor] = []
         else:
-            x = self._received(k, "receiving an activation").requires_grad_(True)
-        out = self.module(x)
+            leaves = [x.detach().requires_grad_(x.dtype.is_floating_point)
+                      for x in self._received(k, self.in_layout, "receiving an activation")]
+            value = pytree.tree_unflatten(leaves, self.in_layout.spec)
+            inputs = [x for x in leaves if x.requires_grad]
+        with self._forward_context():
+            out = call(self.module, value)
         if self.last:
             target = (sample if sample is not None else self.data(iteration, *key))[1]
-            loss = self.loss_fn(out, _to(target, self.device))
+            loss = self.loss_fn(out, tree_map(lambda v: _to(v, self.device), target))
             self.losses[key] = loss.detach()
-            out = loss * self.scale
+            outputs = [loss * self.scale]
         else:
-            if out._is_view():  # torch's I detaches the output in place, which views forbid
-                out = out.clone()
-            self.outgoing[k] = out
-        self.cache[key] = (x, out)
+            # torch's I detaches the outputs in place, which views forbid
+            leaves = [x.clone() if x._is_view() else x for x in flat(out)]
+            self.outgoing[k] = leaves
+            outputs = [x for x in leaves if x.dtype.is_floating_point]
+        self.cache[key] = (inputs, outputs)
+
+    def _output_grads(self, k: int) -> list[torch.Tensor] | None:
+        return None if self.last else self._received(k, self.out_grads, "receiving a gradient")
 
     def backward_input(self, k: int, ins: Instr, iteration: int) -> None:
         key = (ins.pipeline, ins.microbatch)
-        x, out = self.cache[key]
-        grad = None if self.last else self._received(k, "receiving a gradient")
+        inputs, outputs = self.cache[key]
+        grads = self._output_grads(k)
         if self.first:
-            self.saved[key] = grad  # no input gradient to compute: W does the whole backward
+            self.saved[key] = grads  # no input gradient to compute: W does the whole backward
             return
-        dinputs, groups = stage_backward_input([out], None if grad is None else [grad], [x],
-                                               self.module.parameters())
+        dinputs, groups = stage_backward_input(outputs, grads, inputs, self.module.parameters())
         self.saved[key] = groups
-        self.outgoing[k] = dinputs[0]
+        self.outgoing[k] = list(dinputs)
 
     def backward_weight(self, k: int, ins: Instr, iteration: int) -> None:
         key = (ins.pipeline, ins.microbatch)
-        x, out = self.cache.pop(key)
+        inputs, outputs = self.cache.pop(key)
         saved = self.saved.pop(key)
         if self.first:
-            stage_backward(out, saved, [x])
+            stage_backward(_graded(outputs, saved), saved, inputs)
         else:
             stage_backward_weight(self.module.parameters(), saved)
 
     def backward(self, k: int, ins: Instr, iteration: int) -> None:
         key = (ins.pipeline, ins.microbatch)
-        x, out = self.cache.pop(key)
-        grad = None if self.last else self._received(k, "receiving a gradient")
-        grads = stage_backward(out, grad, [x])
+        inputs, outputs = self.cache.pop(key)
+        grads = self._output_grads(k)
+        grads = stage_backward(_graded(outputs, grads), grads, inputs)
         if not self.first:
-            self.outgoing[k] = grads[0]
+            self.outgoing[k] = list(grads)
 
     def allreduce(self, k: int, ins: Instr, iteration: int) -> None:
         if self.last:
@@ -292,12 +333,12 @@ class StageRuntime:
             return
         params = self.state.params
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.comm.allreduce_sum(flat)
+        flat_grads = torch.cat([g.reshape(-1) for g in grads])
+        self.comm.allreduce_sum(flat_grads)
         offset = 0
         for p in params:
             n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p)
+            p.grad = flat_grads[offset:offset + n].view_as(p)
             offset += n
 
     def _gather_losses(self) -> None:
@@ -321,7 +362,18 @@ class StageRuntime:
             values = self.all_losses.tolist()  # the iteration's one read of the losses
             M = self.microbatches
             self.on_step(iteration, {(i // M, i % M): v for i, v in enumerate(values)})
-        self.state.step()
+        apply = True
+        if self.hook is not None:
+            params = self.state.params
+            total = self.comm.all_stages_sum(self.hook.stats(self.stage, params))
+            apply = self.hook.apply(self.stage, params, total) is not False
+        self.state.step(apply)
+
+
+def _graded(outputs: list[torch.Tensor], grads: list | None):
+    """What `stage_backward` differentiates: the loss itself at the last stage (no incoming
+    gradient; torch skips a list whose gradients are None), else the list of outputs."""
+    return outputs[0] if grads is None else outputs
 
 
 def _to(value: Any, device: torch.device) -> Any:
