@@ -68,7 +68,8 @@ def test_cli_two_kills_and_a_rejoin_on_2x2(tmp_path):
     cmd = [sys.executable, "-m", "recycle_planner.cli", "launch", "-n", "4", "--run-dir",
            str(run), "--restart-delay", "0", "--hang-timeout", "5",
            "--inject-fault", "2:2:F1", "--inject-fault", "1:4:optimizer",
-           "--inject-fault", "0:6:hold", "--inject-fault", "0:9:hold", TINY, "--", "--library", str(lib), "--iterations", "12"]
+           "--inject-fault", "0:6:hold", "--inject-fault", "0:9:hold", TINY, "--",
+           "--library", str(lib), "--iterations", "12"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
