@@ -57,6 +57,8 @@ def options(argv=()) -> argparse.Namespace:
                         help="clip gradients to this global norm over all stages")
     parser.add_argument("--warmup", type=int, default=0, metavar="STEPS",
                         help="linear LR warm-up over this many steps (a LambdaLR scheduler)")
+    parser.add_argument("--autocast", choices=["bfloat16", "float16"], default=None,
+                        help="run forwards under torch.autocast with this dtype")
     return parser.parse_args(list(argv))
 
 
@@ -174,7 +176,8 @@ def make_job(argv=()) -> Job:
                loss_fn=torch.nn.functional.mse_loss, optimizer=optimizer,
                data=data_source(opts), iterations=opts.iterations, library=opts.library,
                scheduler=scheduler,
-               step_hook=ClipGradNorm(opts.clip) if opts.clip is not None else None)
+               step_hook=ClipGradNorm(opts.clip) if opts.clip is not None else None,
+               autocast=opts.autocast)
 
 
 if __name__ == "__main__":

@@ -158,9 +158,11 @@ def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_pa
 def test_a_stage_without_live_workers_stops_and_resumes_from_the_periodic_checkpoint(tmp_path):
     """Both workers of stage 1 die (0:1 in iteration 4, 1:1 in iteration 5): its parameters
     are gone, so training stops and points at the latest complete periodic checkpoint
-    (every 3 iterations), from which a new launch resumes and ends exactly."""
+    (every 3 iterations), from which a new launch resumes and ends exactly. Forwards run
+    under bfloat16 autocast (float32 parameters), as the reference's."""
     lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=2)
-    args = ["--library", str(lib), "--iterations", "8"]
+    args = ["--library", str(lib), "--iterations", "8", "--dtype", "float32", "--autocast",
+            "bfloat16"]
     run = tmp_path / "run"
     faults = [parse_fault(f) for f in ("1:4:F0", "3:5:I0")]
     config = LaunchConfig(nproc=4, run_dir=str(run), faults=faults, checkpoint_every=3)

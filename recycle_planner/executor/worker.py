@@ -440,7 +440,8 @@ class Worker:
 def _output_layout(module: torch.nn.Module, sample: Any, device: torch.device,
                    autocast: torch.dtype | None) -> Layout:
     """The layout of the stage's output, from a copy of the module on the meta device (no
-    compute, no side effects); modules that cannot run on meta run a copy on zeros."""
+    compute, no side effects); modules that cannot run on meta, and mixed precision, run a
+    copy on zeros."""
     def run(on: torch.device, value: Any):
         context = torch.autocast(device.type, dtype=autocast) if autocast is not None \
             else contextlib.nullcontext()
@@ -448,6 +449,8 @@ def _output_layout(module: torch.nn.Module, sample: Any, device: torch.device,
             return call(copy.deepcopy(module).to(on), value)
 
     try:
+        if autocast is not None:  # autocast does not act on meta tensors: run for real
+            raise NotImplementedError
         out = run(torch.device("meta"), tree_map(lambda t: t.to("meta"), sample))
     except Exception:  # noqa: BLE001 - any failure on meta: fall back to real compute
         out = run(device, tree_map(lambda t: torch.zeros_like(t, device=device), sample))
