@@ -4,8 +4,7 @@ completed after it.
 
 Usage: python benchmarks/bench_executor.py [--repeat N] [--iterations N] [--workload W]
 
-The tiny MLP of examples/tiny_mlp.py, 2 stages x 2 pipelines x 8 micro-batches, on local CPU
-processes (gloo), in two workloads:
+2 stages x 2 pipelines x 8 micro-batches, on local CPU processes (gloo), in three workloads:
 
 - `device`: a small MLP plus 2 ms per forward, input-gradient and weight-gradient pass spent
   sleeping with the CPU free (`--device-ms 2,2,2`), as while a GPU kernel runs. Step times then
@@ -13,6 +12,9 @@ processes (gloo), in two workloads:
   planner predicts.
 - `cpu`: real compute only (width 256, 4 blocks per stage, 32 samples per micro-batch). The
   4 workers share the machine's cores, so step times mostly show total CPU work.
+- `gpt`: the small GPT of examples/gpt_small.py (float32, no clipping and no LR schedule, as
+  torch's baseline has neither; with clipping as one more configuration), and the memory and
+  time of the step-undo copy per stage.
 
 For each workload: `recycle-planner profile` writes the spec, `plan-all` builds one library per
 policy; each configuration is trained `--repeat` times (median of the runs' median step time,
@@ -43,12 +45,19 @@ from recycle_planner.job.policy import Policy  # noqa: E402
 from recycle_planner.job.profiler import profile_job, write_spec  # noqa: E402
 
 TINY = f"{ROOT / 'examples' / 'tiny_mlp.py'}:make_job"
+GPT = f"{ROOT / 'examples' / 'gpt_small.py'}:make_job"
 D, S, M = 2, 2, 8
 KILL_AT = 15
-WORKLOADS = {
-    "device": ["--device-ms", "2,2,2", "--dtype", "float32", "--width", "16"],
-    "cpu": ["--width", "256", "--blocks", "4", "--microbatch-size", "32", "--dtype", "float32"],
+WORKLOADS = {  # name -> (job, its arguments)
+    "device": (TINY, ["--device-ms", "2,2,2", "--dtype", "float32", "--width", "16"]),
+    "cpu": (TINY, ["--width", "256", "--blocks", "4", "--microbatch-size", "32",
+                   "--dtype", "float32"]),
+    # torch's Schedule1F1B neither clips nor schedules the LR: compare without both; the
+    # cost of clipping is one more configuration of ours
+    "gpt": (GPT, ["--dtype", "float32", "--clip", "0", "--warmup", "0"]),
 }
+EXTRA = {"gpt": {"split+staggered + global-norm clipping": ["--clip", "1.0"]}}
+"""Further fault-free configurations of a workload (default policy, more job arguments)."""
 POLICIES = {
     "split+staggered (default)": Policy(),
     "fused+staggered": Policy(decouple=False),
@@ -64,9 +73,10 @@ def median_step(ends: list, first: int, last: int | None = None) -> float:
     return 1e3 * statistics.median(steps)
 
 
-def run_workload(name: str, args: list[str], repeat: int, iterations: int, work: Path) -> dict:
+def run_workload(name: str, target: str, args: list[str], repeat: int, iterations: int,
+                 work: Path) -> dict:
     job_args = args + ["--iterations", str(iterations)]
-    spec, _ = profile_job(load_job(TINY, job_args), D, M, name=f"tiny-{name}")
+    spec, _ = profile_job(load_job(target, job_args), D, M, name=name)
     write_spec(spec, work / f"{name}.toml")
     libs = {}
     for label, policy in POLICIES.items():
@@ -76,23 +86,33 @@ def run_workload(name: str, args: list[str], repeat: int, iterations: int, work:
     out: dict = {"spec": spec.to_dict(), "fault_free": {}, "failures": {}}
     torch_steps = []
     for r in range(repeat):
-        res = torch_1f1b.train(TINY, job_args, D, M, S, work / f"{name}-torch-{r}")
+        res = torch_1f1b.train(target, job_args, D, M, S, work / f"{name}-torch-{r}")
         torch_steps.append(median_step(res["iteration_end"], 5))
     out["fault_free"]["torch Schedule1F1B"] = {"step_ms": statistics.median(torch_steps),
                                                "runs": torch_steps}
     for label, lib in libs.items():
         steps = []
         for r in range(repeat):
-            res = launch(TINY, LaunchConfig(nproc=D * S, run_dir=str(work / f"{name}-{r}")),
+            res = launch(target, LaunchConfig(nproc=D * S, run_dir=str(work / f"{name}-{r}")),
                          job_args + ["--library", str(lib.folder)])
             steps.append(median_step(res.iteration_end, 5))
         out["fault_free"][label] = {"step_ms": statistics.median(steps), "runs": steps,
                                     "predicted_ms": lib.fault_free_period}
     lib = libs["split+staggered (default)"]
+    for label, more in EXTRA.get(name, {}).items():
+        steps = []
+        for r in range(repeat):
+            res = launch(target, LaunchConfig(nproc=D * S, run_dir=str(work / f"{name}-x{r}")),
+                         job_args + more + ["--library", str(lib.folder)])
+            steps.append(median_step(res.iteration_end, 5))
+        out["fault_free"][label] = {"step_ms": statistics.median(steps), "runs": steps,
+                                    "predicted_ms": lib.fault_free_period}
+    if name == "gpt":
+        out["undo"] = undo_copy(load_job(target, job_args))
     for worker, rank in KILLS.items():
         rows = []
         for r in range(repeat):
-            res = launch(TINY, LaunchConfig(nproc=D * S, run_dir=str(work / f"{name}-k{r}"),
+            res = launch(target, LaunchConfig(nproc=D * S, run_dir=str(work / f"{name}-k{r}"),
                                             faults=[parse_fault(f"{rank}:{KILL_AT}:F1")]),
                          job_args + ["--library", str(lib.folder)])
             gen = [e for e in res.events if e["kind"] == "generation"][-1]
@@ -110,6 +130,43 @@ def run_workload(name: str, args: list[str], repeat: int, iterations: int, work:
         out["failures"][worker]["plan"] = rows[0]["plan"]
         out["failures"][worker]["runs"] = rows
     return out
+
+
+def undo_copy(job, repeats: int = 20) -> list[dict]:
+    """Per stage: bytes of the undo copy (parameters and optimizer state) and the time a step
+    takes with and without making it (fake gradients, one thread)."""
+    import time
+
+    import torch
+
+    from recycle_planner.executor.state import StageState
+
+    torch.set_num_threads(1)
+    rows = []
+    for s in range(len(job.stages)):
+        module = job.build_stage(s)
+        optimizer, _ = job.build_state(module)
+        state = StageState(module, optimizer)
+        times = {"with": [], "without": []}
+        for r in range(2 * repeats):
+            for p in state.params:
+                p.grad = torch.full_like(p, 1e-3)
+            t0 = time.perf_counter()
+            if r % 2:
+                state.step()
+                key = "with"
+            else:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                key = "without"
+            times[key].append(time.perf_counter() - t0)
+        params = sum(b.numel() * b.element_size() for b in state._saved_params)
+        opt = sum(v.numel() * v.element_size() for st in state._saved_optimizer["state"].values()
+                  for v in st.values() if isinstance(v, torch.Tensor))
+        rows.append({"stage": s, "param_bytes": params, "optimizer_bytes": opt,
+                     "step_ms": 1e3 * statistics.median(times["without"]),
+                     "step_with_undo_ms": 1e3 * statistics.median(times["with"])})
+    return rows
 
 
 def markdown(results: dict) -> str:
@@ -132,6 +189,14 @@ def markdown(results: dict) -> str:
                          f"{row['predicted_degradation']:+.1%} | "
                          f"{row['predicted_period_ms']:.1f} | {row['replan_s']:.3f} | "
                          f"{row['recovery_s']:.3f} |")
+    for name, res in results["workloads"].items():
+        if "undo" in res:
+            lines += ["", "| workload | stage | undo copy: parameters (MB) | optimizer state (MB) "
+                      "| step (ms) | step with the copy (ms) |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: |"]
+            lines += [f"| {name} | {r['stage']} | {r['param_bytes'] / 1e6:.2f} | "
+                      f"{r['optimizer_bytes'] / 1e6:.2f} | {r['step_ms']:.2f} | "
+                      f"{r['step_with_undo_ms']:.2f} |" for r in res["undo"]]
     return "\n".join(lines)
 
 
@@ -146,7 +211,7 @@ def main() -> None:
                "repeat": args.repeat, "iterations": args.iterations, "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="bench-executor-") as tmp:
         for name in args.workload or list(WORKLOADS):
-            results["workloads"][name] = run_workload(name, WORKLOADS[name], args.repeat,
+            results["workloads"][name] = run_workload(name, *WORKLOADS[name], args.repeat,
                                                       args.iterations, Path(tmp))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

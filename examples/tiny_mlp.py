@@ -22,6 +22,7 @@ import time
 import torch
 
 from recycle_planner.executor import Job, run
+from recycle_planner.executor.hooks import ClipGradNorm
 
 
 def options(argv=()) -> argparse.Namespace:
@@ -49,7 +50,33 @@ def options(argv=()) -> argparse.Namespace:
     parser.add_argument("--data-error", default=None, metavar="ITER:PIPELINE:MB",
                         help="data() raises ValueError for this sample (a bug in user code, "
                              "which stops the job instead of being re-routed)")
+    parser.add_argument("--boundary", choices=["tensor", "dict"], default="tensor",
+                        help="dict: stages pass {'h': activations, 'sign': an int64 tensor} "
+                             "(a float leaf with a gradient and an integer one without)")
+    parser.add_argument("--clip", type=float, default=None, metavar="NORM",
+                        help="clip gradients to this global norm over all stages")
+    parser.add_argument("--warmup", type=int, default=0, metavar="STEPS",
+                        help="linear LR warm-up over this many steps (a LambdaLR scheduler)")
+    parser.add_argument("--autocast", choices=["bfloat16", "float16"], default=None,
+                        help="run forwards under torch.autocast with this dtype")
     return parser.parse_args(list(argv))
+
+
+class DictBoundary(torch.nn.Module):
+    """Wraps a stage: takes {'h', 'sign'} (except stage 0) and returns them (except the last
+    stage), where `sign` (int64) is whether each row of h sums to a positive number."""
+
+    def __init__(self, body: torch.nn.Module, first: bool, last: bool):
+        super().__init__()
+        self.body, self.first, self.last = body, first, last
+
+    def forward(self, h, sign=None):
+        if not self.first:
+            h = h + 0.1 * sign.unsqueeze(-1).to(h.dtype)
+        h = self.body(h)
+        if self.last:
+            return h
+        return {"h": h, "sign": (h.sum(-1) > 0).long()}
 
 
 class _SleepInBackward(torch.autograd.Function):
@@ -108,7 +135,10 @@ def stage_factory(s: int, opts: argparse.Namespace):
         if opts.slow_backward and int(opts.slow_backward.split(":")[0]) == s:
             layers.append(Slow(float(opts.slow_backward.split(":")[1])))  # after a Linear:
             # its input needs a gradient even on stage 0
-        return torch.nn.Sequential(*layers).to(getattr(torch, opts.dtype))
+        body = torch.nn.Sequential(*layers).to(getattr(torch, opts.dtype))
+        if opts.boundary == "dict":
+            return DictBoundary(body, s == 0, s == opts.stages - 1)
+        return body
     return build
 
 
@@ -137,9 +167,17 @@ def make_job(argv=()) -> Job:
     else:
         def optimizer(params):
             return torch.optim.SGD(params, lr=opts.lr, momentum=0.9)
+    scheduler = None
+    if opts.warmup:
+        def scheduler(opt):
+            return torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda step: min(1.0, (step + 1) / opts.warmup))
     return Job(stages=[stage_factory(s, opts) for s in range(opts.stages)],
                loss_fn=torch.nn.functional.mse_loss, optimizer=optimizer,
-               data=data_source(opts), iterations=opts.iterations, library=opts.library)
+               data=data_source(opts), iterations=opts.iterations, library=opts.library,
+               scheduler=scheduler,
+               step_hook=ClipGradNorm(opts.clip) if opts.clip is not None else None,
+               autocast=opts.autocast)
 
 
 if __name__ == "__main__":

@@ -56,8 +56,10 @@ def test_fault_free_run_matches_torch_schedule_1f1b_and_one_process(tmp_path):
 
 
 def test_cli_two_kills_and_a_rejoin_on_2x2(tmp_path):
-    """Through `recycle-planner launch`: worker 1:0 dies mid-forward, then 0:1 mid-backward
-    (one dead per stage: the library's threshold); both restart and re-join at iteration
+    """Through `recycle-planner launch`: worker 1:0 dies mid-forward, then 0:1 after its
+    stage's all-reduce of iteration 4 but before its loss report (one dead per stage: the
+    library's threshold): its peer stepped, so iteration 4 is not redone and its losses come
+    from the peer, which learnt them in the all-reduce. Both restart and re-join at iteration
     boundaries (worker 0:0 waits at iterations 6 and 9 until a restarted worker asks, so
     that the re-joins surely happen before the end), the plan switches back to the
     fault-free one, and the result equals the fault-free reference."""
@@ -65,13 +67,14 @@ def test_cli_two_kills_and_a_rejoin_on_2x2(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "recycle_planner.cli", "launch", "-n", "4", "--run-dir",
            str(run), "--restart-delay", "0", "--hang-timeout", "5",
-           "--inject-fault", "2:2:F1", "--inject-fault", "1:4:I0", "--inject-fault", "0:6:hold",
-           "--inject-fault", "0:9:hold", TINY, "--", "--library", str(lib), "--iterations", "12"]
+           "--inject-fault", "2:2:F1", "--inject-fault", "1:4:optimizer",
+           "--inject-fault", "0:6:hold", "--inject-fault", "0:9:hold", TINY, "--",
+           "--library", str(lib), "--iterations", "12"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "worker 1:0 killed by SIGKILL (injected fault 2:2:F1:kill)" in out
-    assert "worker 0:1 killed by SIGKILL (injected fault 1:4:I0:kill)" in out
+    assert "worker 0:1 killed by SIGKILL (injected fault 1:4:optimizer:kill)" in out
     assert "trained 12 iterations" in out and "recovery" in out
     result = json.loads((run / "result.json").read_text())
     gens = [e for e in result["events"] if e["kind"] == "generation"]
@@ -91,10 +94,12 @@ def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path):
     """3 stages x 2 pipelines. Worker 1:0 dies in its last weight gradient of iteration 3,
     after stages 1 and 2 stepped (stage 0's backward is slowed so that they surely did): they
     undo that step. Worker 1:1 dies while recovering from it. Later worker 0:2 hangs and is
-    killed after the heartbeat timeout. Three dead workers, each stage keeps one."""
+    killed after the heartbeat timeout. Three dead workers, each stage keeps one. Stages pass
+    a dict of a float and an int64 tensor, and an LR warm-up scheduler is undone with the
+    step."""
     lib = library(tmp_path / "lib", stages=3, pipelines=2, microbatches=4, max_failures=3)
     args = ["--stages", "3", "--library", str(lib), "--iterations", "8",
-            "--slow-backward", "0:0.01"]
+            "--slow-backward", "0:0.01", "--boundary", "dict", "--warmup", "5"]
     faults = [parse_fault(f) for f in ("3:3:W3", "4:3:recovery", "2:6:I0:hang")]
     config = LaunchConfig(nproc=6, run_dir=str(tmp_path / "run"), faults=faults,
                           hang_timeout=3.0, heartbeat=0.1)
@@ -105,7 +110,7 @@ def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path):
     assert first["restart"] == 3 and first["steps"]["2"] == 4  # stage 2 undid its step
     assert len(_events(result, "hang")) == 1
     assert [d["worker"] for d in result.recoveries] == ["1:0", "1:1", "0:2"]
-    ref = reference(["--stages", "3", "--iterations", "8", "--slow-backward", "0:0.01"], 2, 4)
+    ref = reference(args[:2] + args[4:], 2, 4)
     _, params = checkpoint_params(tmp_path / "run", 3)
     assert_params_equal(params, ref.params)
     assert_losses_equal(result.losses, ref.losses)
@@ -117,11 +122,13 @@ def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_pa
     1:0 dies mid-backward; then worker 0:1's training thread stalls while its heartbeats go
     on: it is caught within the lease (1 s; the group timeout is 60 s), and this second
     failure stops training cleanly with a consistent checkpoint of every stage, from which a
-    new launch resumes and ends where uninterrupted training ends."""
+    new launch resumes and ends where uninterrupted training ends. Gradients are clipped to
+    a global norm over both stages, and the checkpoint carries the LR scheduler."""
     policy = Policy(decouple=False, stagger=False)
     lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=1,
                   policy=policy)
-    args = ["--library", str(lib), "--iterations", "8", "--optimizer", "sgd"]
+    args = ["--library", str(lib), "--iterations", "8", "--optimizer", "sgd", "--clip", "0.05",
+            "--warmup", "3"]
     run = tmp_path / "run"
     faults = [parse_fault(f) for f in ("2:2:B1", "1:4:F0:stall")]
     config = LaunchConfig(nproc=4, run_dir=str(run), faults=faults, pg_timeout=60.0,
@@ -152,9 +159,11 @@ def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_pa
 def test_a_stage_without_live_workers_stops_and_resumes_from_the_periodic_checkpoint(tmp_path):
     """Both workers of stage 1 die (0:1 in iteration 4, 1:1 in iteration 5): its parameters
     are gone, so training stops and points at the latest complete periodic checkpoint
-    (every 3 iterations), from which a new launch resumes and ends exactly."""
+    (every 3 iterations), from which a new launch resumes and ends exactly. Forwards run
+    under bfloat16 autocast (float32 parameters), as the reference's."""
     lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=2)
-    args = ["--library", str(lib), "--iterations", "8"]
+    args = ["--library", str(lib), "--iterations", "8", "--dtype", "float32", "--autocast",
+            "bfloat16"]
     run = tmp_path / "run"
     faults = [parse_fault(f) for f in ("1:4:F0", "3:5:I0")]
     config = LaunchConfig(nproc=4, run_dir=str(run), faults=faults, checkpoint_every=3)

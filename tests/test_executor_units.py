@@ -17,7 +17,7 @@ from recycle_planner.executor import protocol as P  # noqa: E402
 from recycle_planner.executor.comm import BACKWARD, FORWARD, message_tag  # noqa: E402
 from recycle_planner.executor.faults import Fault, FaultInjector, parse_fault  # noqa: E402
 from recycle_planner.executor.job import Job, load_job  # noqa: E402
-from recycle_planner.executor.runtime import Program, compile_program, pair_orders  # noqa: E402
+from recycle_planner.executor.runtime import Program, compile_program  # noqa: E402
 from recycle_planner.executor.state import (StageState, latest_checkpoint,  # noqa: E402
                                             load_stage_checkpoint, write_manifest,
                                             write_stage_checkpoint)
@@ -136,21 +136,6 @@ def test_every_message_of_a_rerouted_plan_has_exactly_one_receiver(library, dead
                    for ins in prog.instrs if ins.microbatch is not None)
 
 
-def test_pair_orders_find_messages_received_out_of_order(library):
-    hit = library.lookup([])
-    plan = hit.plan()
-    members = list(range(9))
-    programs = {r: compile_program(plan, hit.mapping, P.worker_of(r, 3), members)
-                for r in members}
-    assert pair_orders(programs) == []
-    prog = programs[1]
-    swapped = list(prog.instrs)
-    first = [k for k, ins in enumerate(swapped) if ins.kind == "F"][:2]
-    swapped[first[0]], swapped[first[1]] = swapped[first[1]], swapped[first[0]]
-    programs[1] = Program(tuple(swapped), prog.recvs, prog.logical, prog.stagger)
-    assert pair_orders(programs)
-
-
 def _state(seed=0):
     torch.manual_seed(seed)
     module = torch.nn.Linear(3, 2).double()
@@ -214,3 +199,45 @@ def test_jobs_load_from_a_file_with_arguments():
     with pytest.raises(RecycleError, match="iterations"):
         Job(stages=[torch.nn.Linear(1, 1)], loss_fn=None, optimizer=None, data=None,
             iterations=0)
+
+
+class _FakeGroup:
+    """Records what the backend does to a group."""
+
+    def __init__(self):
+        self.calls = []
+
+    def size(self):
+        return 2
+
+    def abort(self):
+        self.calls.append("abort")
+
+    def shutdown(self):
+        self.calls.append("shutdown")
+
+
+def test_nccl_groups_are_aborted_after_a_failure_and_shut_down_after_a_clean_end():
+    from recycle_planner.executor.comm import BACKENDS, Comm
+
+    for failed, want in ((True, ["abort"]), (False, ["shutdown"])):
+        comm = Comm.__new__(Comm)  # no process group on a CPU build: fake ones
+        comm.backend, comm.sends = BACKENDS["nccl"], []
+        comm.group, comm.stage_group, comm.scalar_group = _FakeGroup(), _FakeGroup(), None
+        groups = (comm.group, comm.stage_group)
+        comm.close(failed=failed)
+        assert [g.calls for g in groups] == [want, want]
+        assert comm.group is None and comm.stage_group is None
+
+
+def test_backends_set_their_environment_and_device_before_the_first_group():
+    from recycle_planner.executor.comm import BACKENDS, prepare, set_environment
+
+    env = {"LOCAL_RANK": "3", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert BACKENDS["nccl"].device(env) == torch.device("cuda", 3)
+    assert prepare("gloo", env) == torch.device("cpu")
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"   # gloo leaves NCCL's alone
+    set_environment("nccl", env)  # torch's default 1 would kill a survivor: CleanUpOnly
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    with pytest.raises(RecycleError, match="unknown backend 'mpi'"):
+        prepare("mpi", env)

@@ -96,7 +96,6 @@ class LaunchConfig:
     refine_budget: float = REFINE_BUDGET  # solver seconds of one refinement
     refine_margin: float = REFINE_MARGIN  # switch only if shorter by this fraction
     faults: Sequence[Fault] = ()
-    prefetch: int = 4
     threads: int = 1
     poll: float = 0.002                   # between checks while something is happening
     idle_poll: float = 0.02               # while training runs (a death wakes the launcher)
@@ -115,7 +114,7 @@ class LaunchConfig:
                             heartbeat=self.heartbeat, lease=self.hang_timeout,
                             pg_timeout=self.pg_timeout,
                             poll=self.poll, checkpoint_every=self.checkpoint_every,
-                            resume=self.resume, library=self.library, prefetch=self.prefetch,
+                            resume=self.resume, library=self.library,
                             threads=self.threads, faults=[f.to_dict() for f in self.faults])
 
 

@@ -1,5 +1,8 @@
 """Process groups of one generation, point-to-point messages with tags, and failure detection.
 
+What differs between gloo and NCCL (making, aborting and ending a group, the device, the
+environment set before the first group) is one `Backend` record per name in `BACKENDS`.
+
 Each generation builds its own groups from a fresh store namespace: one group of all members
 (activations and gradients, state copies, the global barrier) and one per stage (the gradient
 all-reduce among that stage's live workers). Groups are built directly (`ProcessGroupGloo`,
@@ -25,8 +28,9 @@ import gc
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, Mapping, MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -58,16 +62,102 @@ def message_tag(direction: int, stage: int, pipeline: int, microbatch: int, iter
     return tag * microbatches + microbatch
 
 
-def new_group(backend: str, store: Any, rank: int, size: int, timeout: timedelta):
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    if backend == "nccl":
-        if not hasattr(dist, "ProcessGroupNCCL"):
-            raise RecycleError("backend 'nccl' needs a CUDA build of torch")
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    raise RecycleError(f"unknown backend {backend!r} (expected gloo or nccl)")
+def _gloo_group(store: Any, rank: int, size: int, timeout: timedelta):
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _nccl_group(store: Any, rank: int, size: int, timeout: timedelta):
+    if not hasattr(dist, "ProcessGroupNCCL"):
+        raise RecycleError("backend 'nccl' needs a CUDA build of torch")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def _gloo_abort(group) -> None:
+    """gloo's `abort()` does not release a waiting operation, but gloo closes every connection
+    of a group when an application-side wait times out ("Application timeout caused pair
+    closure"): a receive nobody will answer, waited for 1 ms, is that abort."""
+    peer = 1 if group.rank() == 0 else 0
+    group.recv([torch.zeros(1)], peer, ABORT_TAG).wait(timedelta(milliseconds=1))
+
+
+def _nccl_abort(group) -> None:
+    """`ncclCommAbort` on every communicator of the group: blocked kernels and waits return
+    with an error instead of spinning on a peer that is gone."""
+    group.abort()
+
+
+def _nccl_shutdown(group) -> None:
+    """A clean end: `ncclCommDestroy` after pending work, before the last reference goes."""
+    group.shutdown()
+
+
+def _nothing(group) -> None:
+    """gloo frees a group with its last reference."""
+
+
+def _cpu(environ: Mapping[str, str]) -> torch.device:
+    return torch.device("cpu")
+
+
+def _local_cuda(environ: Mapping[str, str]) -> torch.device:
+    return torch.device("cuda", int(environ.get("LOCAL_RANK", "0")))
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What differs between gloo and NCCL; everything else in the executor is shared."""
+
+    name: str
+    group: Callable[[Any, int, int, timedelta], Any]
+    abort: Callable[[Any], None]
+    """Release every operation blocked in the group (after a failure was declared)."""
+    shutdown: Callable[[Any], None]
+    """End the group after a generation that ended cleanly."""
+    device: Callable[[Mapping[str, str]], torch.device]
+    """The worker's device, from its environment (torchrun's LOCAL_RANK)."""
+    environment: Mapping[str, str] = field(default_factory=dict)
+    """Variables the worker sets before its first group (overriding other values)."""
+
+
+NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+"""2 = CleanUpOnly: on an error or timeout torch's watchdog aborts the communicator and fails
+its work, but leaves the process alive, so that the worker reports the failure and joins the
+next generation. (1, torch's default, would kill a healthy survivor; 0 leaves it spinning on a
+dead peer; 3 kills it without an abort.)"""
+
+BACKENDS = {
+    "gloo": Backend("gloo", _gloo_group, _gloo_abort, _nothing, _cpu),
+    "nccl": Backend("nccl", _nccl_group, _nccl_abort, _nccl_shutdown, _local_cuda,
+                    NCCL_ENVIRONMENT),
+}
+
+
+def backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise RecycleError(f"unknown backend {name!r} (expected {' or '.join(BACKENDS)})")
+    return BACKENDS[name]
+
+
+def set_environment(name: str, environ: MutableMapping[str, str]) -> None:
+    """Set backend `name`'s variables; a value the user set otherwise is replaced, with a
+    warning (recovery needs it)."""
+    for key, value in backend(name).environment.items():
+        if environ.get(key, value) != value:
+            log.warning("%s=%s replaced by %s: recovery needs the communicator aborted and "
+                        "the process kept alive", key, environ[key], value)
+        environ[key] = value
+
+
+def prepare(name: str, environ: MutableMapping[str, str]) -> torch.device:
+    """Set backend `name`'s environment (before any group exists) and return the worker's
+    device, made current."""
+    set_environment(name, environ)
+    device = backend(name).device(environ)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 class Comm:
@@ -79,9 +169,9 @@ class Comm:
     into `PeerFailure`.
     """
 
-    def __init__(self, backend: str, store: Any, gen: int, members: list[int], me: int,
+    def __init__(self, backend_name: str, store: Any, gen: int, members: list[int], me: int,
                  stage_members: list[int], stage: int, timeout: timedelta):
-        self.backend = backend
+        self.backend = backend(backend_name)
         self.rank = members.index(me)
         self.size = len(members)
         self.sends: list[tuple[Any, torch.Tensor]] = []
@@ -89,21 +179,26 @@ class Comm:
         """True while the training thread waits for a peer (not a stall of its own)."""
         self.waited = time.monotonic()
         """When the latest wait for a peer ended."""
+        self._store, self._gen, self._timeout = store, gen, timeout
+        self.stage_first = me == min(stage_members)
+        self.scalar_group = None
+        self.group = self._group("all", self.rank, self.size)
+        self.stage_group = None
+        if len(stage_members) > 1:
+            self.stage_group = self._group(f"stage{stage}", stage_members.index(me),
+                                           len(stage_members))
+
+    def _group(self, name: str, rank: int, size: int):
         try:
-            self.group = new_group(backend, dist.PrefixStore(f"gen{gen}/all", store),
-                                   self.rank, self.size, timeout)
-            self.stage_group = None
-            if len(stage_members) > 1:
-                self.stage_group = new_group(
-                    backend, dist.PrefixStore(f"gen{gen}/stage{stage}", store),
-                    stage_members.index(me), len(stage_members), timeout)
+            return self.backend.group(dist.PrefixStore(f"gen{self._gen}/{name}", self._store),
+                                      rank, size, self._timeout)
         except RecycleError:
             raise
         except RuntimeError as exc:
-            raise PeerFailure(f"cannot form the process group of generation {gen}: "
+            raise PeerFailure(f"cannot form the process group of generation {self._gen}: "
                               f"{short_error(exc)}") from None
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int):
         try:
             work = self.group.send([tensor], dst, tag)
         except RuntimeError as exc:
@@ -111,6 +206,7 @@ class Comm:
         self.sends.append((work, tensor))
         if len(self.sends) > 64:
             self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+        return work
 
     def irecv(self, buf: torch.Tensor, src: int, tag: int):
         try:
@@ -128,19 +224,43 @@ class Comm:
             self.waited = time.monotonic()
             self.waiting = False
 
+    def settle(self, work) -> None:
+        """Wait for one send (before its tensor is reused) and forget it: a gloo send waited
+        twice blocks until the timeout (each wait consumes one completion)."""
+        for i, (w, _) in enumerate(self.sends):
+            if w is work:
+                del self.sends[i]
+                self.wait(work, "send")
+                return
+
     def flush_sends(self) -> None:
         """Wait until every send has been received (before the generation ends cleanly)."""
         for work, _ in self.sends:
             self.wait(work, "send")
         self.sends.clear()
 
-    def allreduce_sum(self, flat: torch.Tensor) -> None:
+    def allreduce_sum(self, flat: torch.Tensor, what: str = "gradient all-reduce") -> None:
         """SUM over the stage's live workers (callers skip it when `stage_group` is None)."""
         try:
             work = self.stage_group.allreduce([flat], dist.AllreduceOptions())
         except RuntimeError as exc:
-            raise PeerFailure(f"gradient all-reduce failed: {short_error(exc)}") from None
-        self.wait(work, "gradient all-reduce")
+            raise PeerFailure(f"{what} failed: {short_error(exc)}") from None
+        self.wait(work, what)
+
+    def all_stages_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over stages of `value`, which every worker of a stage holds equal (computed
+        from its reduced gradients): the stage's first live worker contributes it, its peers
+        zeros, so the sum is exact. A group of every member, made at the first call: a
+        collective on the all-member group would queue behind point-to-point work on NCCL."""
+        if self.scalar_group is None:
+            self.scalar_group = self._group("scalars", self.rank, self.size)
+        out = value.detach().clone() if self.stage_first else torch.zeros_like(value)
+        try:
+            work = self.scalar_group.allreduce([out], dist.AllreduceOptions())
+        except RuntimeError as exc:
+            raise PeerFailure(f"all-stage sum failed: {short_error(exc)}") from None
+        self.wait(work, "all-stage sum")
+        return out
 
     def barrier(self) -> None:
         try:
@@ -164,34 +284,35 @@ class Comm:
         return data.cpu().numpy().tobytes()
 
     def abort(self) -> None:
-        """Abort the groups from another thread, so that every operation blocked in them (a
-        receive from a host that vanished without closing its sockets, an all-reduce) fails
-        at once instead of at the group timeout. NCCL: `abort()`. gloo's `abort()` does not
-        release a waiting operation, but gloo closes every connection of a group when an
-        application-side wait times out ("Application timeout caused pair closure"): a
-        receive nobody will answer, waited for 1 ms, is that abort."""
-        for group in (self.group, self.stage_group):
+        """Abort the groups, possibly from another thread, so that every operation blocked in
+        them (a receive from a host that vanished without closing its sockets, an all-reduce)
+        fails at once instead of at the group timeout (`Backend.abort`)."""
+        for group in (self.group, self.stage_group, self.scalar_group):
             if group is None or group.size() < 2:
                 continue
             try:
-                if self.backend == "gloo":
-                    peer = 1 if group.rank() == 0 else 0
-                    group.recv([torch.zeros(1)], peer, ABORT_TAG).wait(
-                        timedelta(milliseconds=1))
-                else:
-                    group.abort()
-            except RuntimeError as exc:  # the expected timeout, or a group already broken
+                self.backend.abort(group)
+            except RuntimeError as exc:  # gloo's expected timeout, or a group already broken
                 log.debug("abort: %s", short_error(exc))
 
-    def close(self) -> None:
-        """Drop the groups. Closing the sockets tells every peer blocked on this worker that
+    def close(self, failed: bool = False) -> None:
+        """Drop the groups: aborted first after a failure (`Backend.abort`), shut down after a
+        clean end (`Backend.shutdown`). Closing tells every peer blocked on this worker that
         the generation is over, so nothing may keep a reference alive. A group with a pending
         operation on a host that vanished takes as long to destroy as that operation takes to
         fail, so the last references are dropped on a daemon thread."""
-        groups = [self.group, self.stage_group]
+        if failed:
+            self.abort()
+        else:
+            for group in (self.group, self.stage_group, self.scalar_group):
+                if group is not None:
+                    try:
+                        self.backend.shutdown(group)
+                    except RuntimeError as exc:
+                        log.debug("shutdown: %s", short_error(exc))
+        groups = [self.group, self.stage_group, self.scalar_group]
         self.sends.clear()
-        self.group = None
-        self.stage_group = None
+        self.group = self.stage_group = self.scalar_group = None
         threading.Thread(target=_drop, args=(groups,), name="recycle-close",
                          daemon=True).start()
 

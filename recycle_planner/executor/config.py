@@ -32,7 +32,6 @@ class WorkerConfig:
     checkpoint_every: int = 100     # iterations; 0: only the final checkpoint
     resume: bool = False
     library: str | None = None      # overrides the job's library
-    prefetch: int = 4               # receives posted ahead of the op that needs them
     threads: int = 1                # torch intra-op threads per worker
     faults: list[dict] = field(default_factory=list)
 

@@ -6,7 +6,10 @@ For tests, the demo and chaos drills, never for production training. A fault is 
 - POINT `F2` (or I, W, B with an index): just before the worker's third forward (0-based
   index 2) of that iteration, so its peers are mid-forward (or mid-backward) waiting for it;
   `step`: right after its stage's optimizer step of that iteration, before the iteration has
-  ended everywhere; `start`: at the start of that iteration; `recovery`: when it enters
+  ended everywhere; `allreduce`: just before its stage's gradient all-reduce; `optimizer`:
+  just before the step, after the stage's all-reduce (its peers have stepped; a last-stage
+  worker has not yet reported its losses); `start`: at the start of that iteration;
+  `recovery`: when it enters
   recovery from another failure at that iteration or later (a failure during recovery);
   `hold`: at the start of that iteration, if some worker is dead, pause until a restarted
   worker asks to join (makes a re-join happen at a known point; no ACTION).
@@ -40,7 +43,8 @@ from recycle_planner.errors import RecycleError
 log = logging.getLogger(__name__)
 
 ACTIONS = ("kill", "hang", "stall", "host-down", "host-stop", "host-kill")
-_POINT = re.compile(r"(?:(?P<kind>[FIWB])(?P<index>\d+)|(?P<name>step|start|recovery|hold))")
+_POINT = re.compile(r"(?:(?P<kind>[FIWB])(?P<index>\d+)"
+                    r"|(?P<name>step|allreduce|optimizer|start|recovery|hold))")
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ def parse_fault(text: str) -> Fault:
     point = parts[2]
     if not _POINT.fullmatch(point):
         raise RecycleError(f"fault {text!r}: point {point!r} is not F<n>, I<n>, W<n>, B<n>, "
-                           f"step, start, recovery or hold")
+                           f"step, allreduce, optimizer, start, recovery or hold")
     action = parts[3] if len(parts) == 4 else "kill"
     if action not in ACTIONS:
         raise RecycleError(f"fault {text!r}: action {action!r} is not one of "

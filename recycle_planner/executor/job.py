@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # torch is an optional dependency of the package
     import torch
 
 DataFn = Callable[[int, int, int], tuple[Any, Any]]
+AUTOCAST = (None, "bfloat16", "float16")
 
 
 @dataclass
@@ -40,6 +41,17 @@ class Job:
     - `iterations`: how many optimizer steps to train.
     - `library`: the plan library folder (`recycle-planner plan-all`); the launcher's
       `--library` overrides it.
+    - `scheduler(optimizer)`: builds a stage's LR scheduler (stepped after every optimizer
+      step, undone with it, copied and checkpointed with it), or None.
+    - `step_hook`: a `hooks.StepHook` run between the gradient all-reduce and the optimizer
+      step with a value summed over all stages (`hooks.ClipGradNorm` clips by the global
+      norm), or None.
+    - `autocast`: "bfloat16" or "float16" to run forwards under `torch.autocast` (parameters,
+      gradients and optimizer stay in their own dtype), or None.
+
+    Stage inputs and outputs may be a tensor or a tuple, list or dict of tensors (a tuple is
+    passed as positional arguments, a dict as keyword arguments); their shapes are fixed
+    for the run (read from the first sample).
     """
 
     stages: Sequence[Any]
@@ -48,8 +60,14 @@ class Job:
     data: DataFn
     iterations: int
     library: str | Path | None = None
+    scheduler: Callable[[Any], Any] | None = None
+    step_hook: Any = None
+    autocast: str | None = None
 
     def __post_init__(self) -> None:
+        if self.autocast not in AUTOCAST:
+            raise RecycleError(f"autocast must be one of {', '.join(map(str, AUTOCAST))}, "
+                               f"got {self.autocast!r}")
         if not self.stages:
             raise RecycleError("a job needs at least one stage")
         if isinstance(self.iterations, bool) or not isinstance(self.iterations, int) \
@@ -66,6 +84,16 @@ class Job:
             raise RecycleError(f"stage {stage} of the job is not a torch.nn.Module (its factory "
                                f"returned {type(module).__name__})")
         return module
+
+    def build_state(self, module: "torch.nn.Module"):
+        """The stage's optimizer and LR scheduler (None without a `scheduler` factory)."""
+        optimizer = self.optimizer(module.parameters())
+        return optimizer, (self.scheduler(optimizer) if self.scheduler is not None else None)
+
+    def autocast_dtype(self):
+        import torch
+
+        return None if self.autocast is None else getattr(torch, self.autocast)
 
 
 def load_job(target: str, argv: Sequence[str] = ()) -> Job:

@@ -56,7 +56,7 @@ def iteration_key(iteration: int, rank: int) -> str:
 
 
 def loss_key(iteration: int, rank: int) -> str:
-    """The losses of the micro-batches `rank` ran in `iteration` (last-stage workers)."""
+    """The losses of all micro-batches of `iteration` as last-stage worker `rank` knows them."""
     return f"loss/{iteration}/{rank}"
 
 

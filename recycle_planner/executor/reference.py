@@ -7,10 +7,12 @@ gradient of the mean loss over all D*M micro-batches, exactly the step the execu
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
+from recycle_planner.executor.boundary import call
 from recycle_planner.executor.job import Job
 
 
@@ -23,7 +25,9 @@ class ReferenceResult:
 def train_reference(job: Job, pipelines: int, microbatches: int,
                     iterations: int | None = None) -> ReferenceResult:
     modules = [job.build_stage(s) for s in range(len(job.stages))]
-    optimizers = [job.optimizer(m.parameters()) for m in modules]
+    states = [job.build_state(m) for m in modules]
+    params = [[p for p in m.parameters() if p.requires_grad] for m in modules]
+    autocast = job.autocast_dtype()
     n = job.iterations if iterations is None else iterations
     scale = 1.0 / (pipelines * microbatches)
     losses = []
@@ -32,14 +36,24 @@ def train_reference(job: Job, pipelines: int, microbatches: int,
         for d in range(pipelines):
             for m in range(microbatches):
                 x, y = job.data(i, d, m)
-                for module in modules:
-                    x = module(x)
+                with (torch.autocast("cpu", dtype=autocast) if autocast is not None
+                      else contextlib.nullcontext()):
+                    for module in modules:
+                        x = call(module, x)
                 loss = job.loss_fn(x, y)
                 total += float(loss.detach())
                 (loss * scale).backward()
-        for opt in optimizers:
-            opt.step()
+        apply = [True] * len(modules)
+        hook = job.step_hook
+        if hook is not None:
+            summed = sum(hook.stats(s, params[s]) for s in range(len(modules)))
+            apply = [hook.apply(s, params[s], summed) is not False for s in range(len(modules))]
+        for (opt, scheduler), ok in zip(states, apply):
+            if ok:
+                opt.step()
+            if scheduler is not None:
+                scheduler.step()
             opt.zero_grad(set_to_none=True)
         losses.append(total * scale)
-    params = [{k: v.detach().clone() for k, v in m.named_parameters()} for m in modules]
-    return ReferenceResult(params, losses)
+    out = [{k: v.detach().clone() for k, v in m.named_parameters()} for m in modules]
+    return ReferenceResult(out, losses)

@@ -5,8 +5,9 @@ that already name the peers (as ranks of the generation's group) and the tags of
 the forward of micro-batch m of logical pipeline p receives from whichever worker runs
 F(p, s-1, m) in this plan and sends to whichever runs F(p, s+1, m), whether or not that is the
 worker's own pipeline (a re-routed micro-batch). `StageRuntime.run_iteration` then executes
-them: every op kind has one handler (`HANDLERS`), receives are posted a few ops ahead so that
-data lands while the worker computes, and sends never block.
+them: every op kind has one handler (`handlers`), and sends and receives are issued in the
+order of `issue.issue_order`, which NCCL cannot deadlock on (receives still posted early, so
+that data lands while the worker computes); sends never block.
 
 Backward passes reuse torch's pipelining helpers: `stage_backward_input` (I: the gradient of
 the stage input, sent upstream at once, keeping what W needs), `stage_backward_weight` (W: the
@@ -18,6 +19,7 @@ among its live workers: the step is the same however the micro-batches are sprea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -25,20 +27,27 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._pytree import tree_map
 from torch.distributed.pipelining._backward import (stage_backward, stage_backward_input,
                                                      stage_backward_weight)
 
 from recycle_planner.errors import RecycleError
+from recycle_planner.executor.boundary import Layout, call, flat, pack, unpack
 from recycle_planner.executor.comm import BACKWARD, FORWARD, Comm, PeerFailure, message_tag
 from recycle_planner.executor.faults import FaultInjector
+from recycle_planner.executor.issue import POST, SEND, Issue, issue_order
 from recycle_planner.executor.protocol import rank_of
 from recycle_planner.executor.state import StageState
 from recycle_planner.job.situations import Mapping
+from recycle_planner.schedules.ops import B, F, I, KIND_CODES
 from recycle_planner.timing.plan import Plan
 
 log = logging.getLogger(__name__)
 
 KINDS = ("F", "I", "W", "B", "ALLREDUCE", "OPTIMIZER")
+POINTS = {"ALLREDUCE": "allreduce", "OPTIMIZER": "optimizer"}
+"""Fault-injection point names of the collectives (compute ops are named F0, I2, ...)."""
 
 
 class Instr(NamedTuple):
@@ -50,12 +59,14 @@ class Instr(NamedTuple):
     dst: int | None            # group rank to send to
     send_tags: tuple[int, int]
     point: str                 # fault-injection point name, e.g. "F2"
+    recv_key: tuple[float, int] | None = None  # the received message's place in issue order
+    send_key: tuple[float, int] | None = None
 
 
 @dataclass(frozen=True)
 class Program:
     instrs: tuple[Instr, ...]
-    recvs: tuple[int, ...]      # indices of instructions that receive
+    issues: tuple[Issue, ...]   # one iteration's receives, ops and sends in issue order
     logical: int                # the logical pipeline this worker plays
     stagger: bool
 
@@ -93,55 +104,54 @@ def compile_program(plan: Plan, mapping: Mapping, worker: tuple[int, int],
     def tags(direction: int, stage: int, p: int, m: int) -> tuple[int, int]:
         return tuple(message_tag(direction, stage, p, m, it, S, D, M) for it in (0, 1))
 
+    space, end = plan.schedule.space, plan.timing.end
+
+    def key(stage: int, p: int, m: int, kinds: tuple[int, ...], tag: int) -> tuple[float, int]:
+        """When the plan sends the output of the op of micro-batch (p, m) at `stage`."""
+        times = [float(end[space.compute(kind, p, stage, m)]) for kind in kinds]
+        return min(t for t in times if t == t), tag  # the one of `kinds` that is scheduled
+
     none = (0, 0)
     instrs: list[Instr] = []
     counts: dict[str, int] = {}
     for op in plan.schedule.ops((logical, s)):
         p, m = op.pipeline, op.microbatch
-        src = dst = None
+        src = dst = rkey = skey = None
         rtags = stags = none
         if op.kind == "F":
             if s > 0:
                 src, rtags = peer(before, s - 1, p, m), tags(FORWARD, s - 1, p, m)
+                rkey = key(s - 1, p, m, (F,), rtags[0])
             if s < S - 1:
                 dst, stags = peer(after, s + 1, p, m), tags(FORWARD, s, p, m)
+                skey = key(s, p, m, (F,), stags[0])
         elif op.kind in ("I", "B"):
             if s < S - 1:
                 src, rtags = peer(after, s + 1, p, m), tags(BACKWARD, s + 1, p, m)
+                rkey = key(s + 1, p, m, (I, B), rtags[0])
             if s > 0:
                 dst, stags = peer(before, s - 1, p, m), tags(BACKWARD, s, p, m)
+                skey = key(s, p, m, (KIND_CODES[op.kind],), stags[0])
         index = counts.get(op.kind, 0)
         counts[op.kind] = index + 1
-        instrs.append(Instr(op.kind, p, m, src, rtags, dst, stags, f"{op.kind}{index}"))
-    recvs = tuple(i for i, ins in enumerate(instrs) if ins.src is not None)
-    return Program(tuple(instrs), recvs, logical, plan.policy.stagger)
-
-
-def pair_orders(programs: dict[int, Program]) -> list[str]:
-    """Pairs of workers whose messages are sent in another order than they are received.
-
-    gloo matches messages by tag, so any order works; NCCL ignores tags and matches by order,
-    so a plan with such a pair cannot run on NCCL. `programs` maps a group rank to its
-    program; returns one line per mismatching pair."""
-    sent: dict[tuple[int, int], list[int]] = {}
-    received: dict[tuple[int, int], list[int]] = {}
-    for rank, program in programs.items():
-        for ins in program.instrs:
-            if ins.dst is not None:
-                sent.setdefault((rank, ins.dst), []).append(ins.send_tags[0])
-            if ins.src is not None:
-                received.setdefault((ins.src, rank), []).append(ins.recv_tags[0])
-    return [f"{a} -> {b}" for (a, b), tags in sorted(sent.items())
-            if received.get((a, b)) != tags]
+        point = POINTS.get(op.kind) or f"{op.kind}{index}"
+        instrs.append(Instr(op.kind, p, m, src, rtags, dst, stags, point, rkey, skey))
+    return Program(tuple(instrs), issue_order(instrs), logical, plan.policy.stagger)
 
 
 class StageRuntime:
-    """One worker's stage: its module and state, the per-iteration caches, the op handlers."""
+    """One worker's stage: its module and state, the per-iteration caches, the op handlers.
+
+    `in_layout` / `out_layout` describe what the stage receives and sends (None at the ends);
+    each receive and send has one buffer, allocated at its first use and reused every
+    iteration. `hook` (a `StepHook`) runs between the gradient all-reduce and the optimizer
+    step with the sum of every stage's `stats` (`all_stages_sum`); `autocast` is the dtype of
+    mixed-precision forwards."""
 
     def __init__(self, state: StageState, loss_fn: Callable, data: Callable, stage: int,
                  stages: int, pipelines: int, microbatches: int, device: torch.device,
-                 in_meta: tuple[tuple[int, ...], torch.dtype] | None,
-                 out_meta: tuple[tuple[int, ...], torch.dtype] | None, prefetch: int = 4):
+                 in_layout: Layout | None, out_layout: Layout | None,
+                 hook: Any = None, autocast: torch.dtype | None = None):
         self.state = state
         self.module = state.module
         self.loss_fn = loss_fn
@@ -150,16 +160,28 @@ class StageRuntime:
         self.first = stage == 0
         self.last = stage == stages - 1
         self.scale = 1.0 / (pipelines * microbatches)
+        self.microbatches = microbatches
+        self.loss_count = pipelines * microbatches
         self.device = device
-        self.in_meta = in_meta
-        self.out_meta = out_meta
-        self.prefetch = max(1, prefetch)
+        self.in_layout = in_layout
+        self.out_layout = out_layout
+        self.hook = hook
+        self.autocast = autocast
+        self.in_grads = in_layout.grads() if in_layout is not None else None
+        self.out_grads = out_layout.grads() if out_layout is not None else None
+        self.recv_bufs: dict[int, torch.Tensor] = {}
+        """Per receiving instruction: its buffer, reused every iteration of a generation."""
+        self.send_bufs: dict[int, tuple[torch.Tensor, Any]] = {}
+        """Per sending instruction: its buffer and the latest send from it."""
         self.comm: Comm | None = None
         self.op_started: float | None = None
         """time.monotonic() when the running op began (None between iterations): with
         `Comm.waited`, how the heartbeat thread tells a stalled training thread."""
         self.on_step: Callable[[int, dict[tuple[int, int], float]], None] | None = None
-        self.losses: dict[tuple[int, int], float] = {}
+        self.losses: dict[tuple[int, int], torch.Tensor] = {}
+        """The last stage's micro-batch losses of the running iteration, kept on the device."""
+        self.all_losses: torch.Tensor | None = None
+        """All D*M losses of the iteration once the stage's all-reduce is done (last stage)."""
         self.reset()
         self.op_times: dict[str, list[float]] = {kind: [0, 0.0] for kind in KINDS}
         """Per op kind: how many ran and the seconds they took (waits for data included)."""
@@ -170,10 +192,14 @@ class StageRuntime:
 
     def reset(self) -> None:
         """Forget everything of an abandoned iteration (activations, saved graphs, gradients)."""
-        self.cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cache: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.saved: dict[tuple[int, int], Any] = {}
         self.posted: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.outgoing: dict[int, list[torch.Tensor | None]] = {}
+        self.send_bufs = {}  # a new generation: a new program, and a broken group's pending
+        self.recv_bufs = {}  # operations must not write into the next one's buffers
         self.losses = {}
+        self.all_losses = None
         self.op_started = None
         self.state.clear_grads()
 
@@ -181,23 +207,26 @@ class StageRuntime:
 
     def run_iteration(self, program: Program, iteration: int, abort: threading.Event,
                       faults: FaultInjector) -> None:
-        instrs, recvs = program.instrs, program.recvs
+        instrs = program.instrs
         parity = iteration % 2
         handlers = self.handlers
         times = self.op_times
         clock = time.perf_counter
         self.posted = {}
+        self.outgoing = {}
         self.losses = {}
-        posted = consumed = 0
-        for k, ins in enumerate(instrs):
+        self.all_losses = None
+        for kind, k in program.issues:
+            ins = instrs[k]
+            if kind == POST:
+                self._post(ins, k, parity)
+                continue
+            if kind == SEND:
+                self._send(self.outgoing.pop(k), ins, k, iteration)
+                continue
             if abort.is_set():
                 raise PeerFailure("the launcher abandoned this generation")
             self.op_started = time.monotonic()
-            if ins.src is not None:
-                consumed += 1
-            while posted < len(recvs) and posted < consumed + self.prefetch:
-                self._post(instrs[recvs[posted]], recvs[posted], parity)
-                posted += 1
             if faults.active:
                 faults.trigger(iteration, ins.point)
             t0 = clock()
@@ -210,20 +239,33 @@ class StageRuntime:
             faults.trigger(iteration, "step")
 
     def _post(self, ins: Instr, k: int, parity: int) -> None:
-        shape, dtype = self.in_meta if ins.kind == "F" else self.out_meta
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        buf = self.recv_bufs.get(k)
+        if buf is None:
+            layout = self.in_layout if ins.kind == "F" else self.out_grads
+            buf = self.recv_bufs[k] = layout.empty(self.device)
         self.posted[k] = (self.comm.irecv(buf, ins.src, ins.recv_tags[parity]), buf)
 
-    def _received(self, k: int, what: str) -> torch.Tensor:
+    def _received(self, k: int, layout: Layout, what: str) -> list[torch.Tensor]:
         work, buf = self.posted.pop(k)
         self.comm.wait(work, what)
-        return buf
+        return unpack(buf, layout)
 
-    def _send(self, tensor: torch.Tensor | None, ins: Instr, iteration: int) -> None:
-        if tensor is None:  # the stage output did not depend on this input
-            shape, dtype = self.in_meta
-            tensor = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.comm.isend(tensor.detach().contiguous(), ins.dst, ins.send_tags[iteration % 2])
+    def _send(self, leaves: list[torch.Tensor | None], ins: Instr, k: int,
+              iteration: int) -> None:
+        layout = self.out_layout if ins.kind == "F" else self.in_grads
+        slot = self.send_bufs.get(k)
+        if slot is None:
+            buf = layout.empty(self.device)
+        else:
+            buf, work = slot
+            self.comm.settle(work)  # last iteration's, long received: free to refill
+        pack(leaves, layout, buf)
+        self.send_bufs[k] = (buf, self.comm.isend(buf, ins.dst, ins.send_tags[iteration % 2]))
+
+    def _forward_context(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
     # -- handlers ----------------------------------------------------------------------------
 
@@ -232,67 +274,106 @@ class StageRuntime:
         sample = None
         if self.first:
             sample = self.data(iteration, *key)
-            x = _to(sample[0], self.device)
+            value = tree_map(lambda v: _to(v, self.device), sample[0])
+            inputs: list[torch.Tensor] = []
         else:
-            x = self._received(k, "receiving an activation").requires_grad_(True)
-        out = self.module(x)
+            leaves = [x.detach().requires_grad_(x.dtype.is_floating_point)
+                      for x in self._received(k, self.in_layout, "receiving an activation")]
+            value = pytree.tree_unflatten(leaves, self.in_layout.spec)
+            inputs = [x for x in leaves if x.requires_grad]
+        with self._forward_context():
+            out = call(self.module, value)
         if self.last:
             target = (sample if sample is not None else self.data(iteration, *key))[1]
-            loss = self.loss_fn(out, _to(target, self.device))
-            self.losses[key] = float(loss.detach())
-            out = loss * self.scale
+            loss = self.loss_fn(out, tree_map(lambda v: _to(v, self.device), target))
+            self.losses[key] = loss.detach()
+            outputs = [loss * self.scale]
         else:
-            if out._is_view():  # torch's I detaches the output in place, which views forbid
-                out = out.clone()
-            self._send(out, ins, iteration)
-        self.cache[key] = (x, out)
+            # torch's I detaches the outputs in place, which views forbid
+            leaves = [x.clone() if x._is_view() else x for x in flat(out)]
+            self.outgoing[k] = leaves
+            outputs = [x for x in leaves if x.dtype.is_floating_point]
+        self.cache[key] = (inputs, outputs)
+
+    def _output_grads(self, k: int) -> list[torch.Tensor] | None:
+        return None if self.last else self._received(k, self.out_grads, "receiving a gradient")
 
     def backward_input(self, k: int, ins: Instr, iteration: int) -> None:
         key = (ins.pipeline, ins.microbatch)
-        x, out = self.cache[key]
-        grad = None if self.last else self._received(k, "receiving a gradient")
+        inputs, outputs = self.cache[key]
+        grads = self._output_grads(k)
         if self.first:
-            self.saved[key] = grad  # no input gradient to compute: W does the whole backward
+            self.saved[key] = grads  # no input gradient to compute: W does the whole backward
             return
-        dinputs, groups = stage_backward_input([out], None if grad is None else [grad], [x],
-                                               self.module.parameters())
+        dinputs, groups = stage_backward_input(outputs, grads, inputs, self.module.parameters())
         self.saved[key] = groups
-        self._send(dinputs[0], ins, iteration)
+        self.outgoing[k] = list(dinputs)
 
     def backward_weight(self, k: int, ins: Instr, iteration: int) -> None:
         key = (ins.pipeline, ins.microbatch)
-        x, out = self.cache.pop(key)
+        inputs, outputs = self.cache.pop(key)
         saved = self.saved.pop(key)
         if self.first:
-            stage_backward(out, saved, [x])
+            stage_backward(_graded(outputs, saved), saved, inputs)
         else:
             stage_backward_weight(self.module.parameters(), saved)
 
     def backward(self, k: int, ins: Instr, iteration: int) -> None:
         key = (ins.pipeline, ins.microbatch)
-        x, out = self.cache.pop(key)
-        grad = None if self.last else self._received(k, "receiving a gradient")
-        grads = stage_backward(out, grad, [x])
+        inputs, outputs = self.cache.pop(key)
+        grads = self._output_grads(k)
+        grads = stage_backward(_graded(outputs, grads), grads, inputs)
         if not self.first:
-            self._send(grads[0], ins, iteration)
+            self.outgoing[k] = list(grads)
 
     def allreduce(self, k: int, ins: Instr, iteration: int) -> None:
+        if self.last:
+            self._gather_losses()
         if self.comm.stage_group is None:
             return
         params = self.state.params
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.comm.allreduce_sum(flat)
+        flat_grads = torch.cat([g.reshape(-1) for g in grads])
+        self.comm.allreduce_sum(flat_grads)
         offset = 0
         for p in params:
             n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p)
+            p.grad = flat_grads[offset:offset + n].view_as(p)
             offset += n
 
+    def _gather_losses(self) -> None:
+        """Every last-stage worker learns all D*M losses of the iteration from the stage's
+        all-reduce (each micro-batch's slot is filled by the one worker that ran it, zeros
+        elsewhere, so the SUM is exact). A survivor can then report the losses of a peer
+        that vanished after the all-reduce but before its own report reached the launcher:
+        that iteration is never redone, so nobody else would."""
+        values = torch.zeros(self.loss_count, dtype=torch.float64, device=self.device)
+        if self.losses:
+            keys = sorted(self.losses)
+            index = torch.tensor([p * self.microbatches + m for p, m in keys],
+                                 device=self.device)
+            values[index] = torch.stack([self.losses[key] for key in keys]).to(torch.float64)
+        if self.comm.stage_group is not None:
+            self.comm.allreduce_sum(values, "loss all-reduce")
+        self.all_losses = values
+
     def optimizer_step(self, k: int, ins: Instr, iteration: int) -> None:
-        if self.on_step is not None:  # the losses are final once the stage steps
-            self.on_step(iteration, self.losses)
-        self.state.step()
+        if self.on_step is not None and self.all_losses is not None:
+            values = self.all_losses.tolist()  # the iteration's one read of the losses
+            M = self.microbatches
+            self.on_step(iteration, {(i // M, i % M): v for i, v in enumerate(values)})
+        apply = True
+        if self.hook is not None:
+            params = self.state.params
+            total = self.comm.all_stages_sum(self.hook.stats(self.stage, params))
+            apply = self.hook.apply(self.stage, params, total) is not False
+        self.state.step(apply)
+
+
+def _graded(outputs: list[torch.Tensor], grads: list | None):
+    """What `stage_backward` differentiates: the loss itself at the last stage (no incoming
+    gradient; torch skips a list whose gradients are None), else the list of outputs."""
+    return outputs[0] if grads is None else outputs
 
 
 def _to(value: Any, device: torch.device) -> Any:

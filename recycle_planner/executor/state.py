@@ -36,16 +36,24 @@ from recycle_planner.io import write_json
 
 
 class StageState:
-    def __init__(self, module: torch.nn.Module, optimizer: Any, steps: int = 0):
+    """`scheduler` (an LR scheduler of `optimizer`, or None) steps after every optimizer step
+    and is undone, copied and checkpointed with it."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: Any, steps: int = 0,
+                 scheduler: Any = None):
         self.module = module
         self.optimizer = optimizer
+        self.scheduler = scheduler
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.steps = steps
         self._saved_params: list[torch.Tensor] | None = None
         self._saved_optimizer: dict | None = None  # set by a step, until it is undone
+        self._saved_scheduler: dict | None = None
 
-    def step(self) -> None:
-        """Save what an undo needs, then step and clear the gradients."""
+    def step(self, apply: bool = True) -> None:
+        """Save what an undo needs, then step (unless `apply` is False: a step skipped, as
+        a loss scaler does on an overflow; the iteration still counts) and clear the
+        gradients."""
         with torch.no_grad():
             if self._saved_params is None:
                 self._saved_params = [p.detach().clone() for p in self.params]
@@ -53,7 +61,12 @@ class StageState:
                 for buf, p in zip(self._saved_params, self.params):
                     buf.copy_(p)
         self._save_optimizer()
-        self.optimizer.step()
+        if self.scheduler is not None:
+            self._saved_scheduler = copy.deepcopy(self.scheduler.state_dict())
+        if apply:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
 
@@ -94,6 +107,8 @@ class StageState:
                 p.copy_(buf)
         self.optimizer.load_state_dict(self._saved_optimizer)
         self._saved_optimizer = None  # the optimizer may now share its tensors
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(self._saved_scheduler)
         self.steps = steps
 
     def clear_grads(self) -> None:
@@ -102,9 +117,16 @@ class StageState:
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
-        torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "steps": self.steps}, buf)
+        torch.save(self.state_dict(), buf)
         return buf.getvalue()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a copy or a checkpoint holds."""
+        out = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+               "steps": self.steps}
+        if self.scheduler is not None:
+            out["scheduler"] = self.scheduler.state_dict()
+        return out
 
     def load_bytes(self, payload: bytes) -> None:
         self.load(torch.load(io.BytesIO(payload), map_location=_device_of(self.module),
@@ -114,6 +136,8 @@ class StageState:
         """Take a peer's or a checkpoint's state (`to_bytes`'s dict); nothing left to undo."""
         self.module.load_state_dict(data["model"])
         self.optimizer.load_state_dict(data["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(data["scheduler"])
         self.steps = int(data["steps"])
         self._saved_optimizer = None
 
@@ -142,8 +166,7 @@ def write_stage_checkpoint(run_dir: str | Path, iteration: int, stage: int,
     shutil.rmtree(tmp, ignore_errors=True)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"model": state.module.state_dict(), "optimizer": state.optimizer.state_dict(),
-                  "steps": state.steps}, checkpoint_id=tmp, no_dist=True)
+        dcp.save(state.state_dict(), checkpoint_id=tmp, no_dist=True)
     try:
         os.replace(tmp, path)
     except OSError:  # another writer got there first with the same state

@@ -25,9 +25,9 @@ launcher's abort notice.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
-import json
 import logging
 import os
 import socket
@@ -41,15 +41,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor import protocol as P
-from recycle_planner.executor.comm import Comm, PeerFailure, short_error
+from recycle_planner.executor.boundary import Layout, call, layout_of
+from recycle_planner.executor.comm import Comm, PeerFailure, prepare, short_error
 from recycle_planner.executor.config import (CONFIG_ERROR, COORDINATOR_LOST, STALLED,
                                              WorkerConfig)
 from recycle_planner.executor.faults import Fault, FaultInjector
 from recycle_planner.executor.job import Job, load_job
-from recycle_planner.executor.runtime import StageRuntime, compile_program, pair_orders
+from recycle_planner.executor.nccl_check import replay
+from recycle_planner.executor.runtime import StageRuntime, compile_program
 from recycle_planner.executor.state import (StageState, latest_checkpoint,
                                             load_stage_checkpoint, write_manifest,
                                             write_stage_checkpoint)
@@ -89,11 +92,7 @@ class Worker:
             raise RecycleError(f"the job has {len(job.stages)} stages but the plan library "
                                f"has {self.S}")
         self.d, self.s = P.worker_of(self.rank, self.S)
-        if config.backend == "nccl":
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
+        self.device = prepare(config.backend, os.environ)
         self.timeout = timedelta(seconds=config.pg_timeout)
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
@@ -102,7 +101,8 @@ class Worker:
         self._watch_store = dist.TCPStore(host, port, is_master=False,
                                           timeout=timedelta(seconds=config.lease))
         module = job.build_stage(self.s).to(self.device)
-        self.state = StageState(module, job.optimizer(module.parameters()))
+        optimizer, scheduler = job.build_state(module)
+        self.state = StageState(module, optimizer, scheduler=scheduler)
         self.has_state = self.incarnation == 0
         if config.resume and self.has_state:
             self._resume()
@@ -129,10 +129,10 @@ class Worker:
             self._coordinator_lost(self.coordinator_lost or short_error(exc))
 
     def _live(self) -> None:
-        in_meta, out_meta = self._shapes()
+        in_layout, out_layout = self._layouts()
         self.runtime = StageRuntime(self.state, self.job.loss_fn, self.job.data, self.s, self.S,
-                                    self.D, self.M, self.device, in_meta, out_meta,
-                                    self.config.prefetch)
+                                    self.D, self.M, self.device, in_layout, out_layout,
+                                    self.job.step_hook, self.job.autocast_dtype())
         # Everything built so far lives until the end: keep the collector off it, so that
         # the collection that closes a broken generation's groups takes microseconds.
         gc.freeze()
@@ -230,7 +230,7 @@ class Worker:
             runtime.reset()
             runtime.comm = None
             if comm is not None:
-                comm.close()
+                comm.close(failed=bool(failure))
         log.warning("generation %d abandoned at iteration %d (groups closed in %.0f ms): %s",
                     gen, iteration, 1e3 * (time.perf_counter() - t_fail), failure)
         self.store.add(P.gen_key(gen, "errors"), 1)
@@ -299,14 +299,12 @@ class Worker:
         plan = self._plans[key]
         members = list(decision.members)
         program = compile_program(plan, hit.mapping, (self.d, self.s), members)
-        if self.config.backend == "nccl":
+        if self.config.backend == "nccl":  # the order is safe by construction: prove it here
             programs = {i: compile_program(plan, hit.mapping, P.worker_of(r, self.S), members)
                         for i, r in enumerate(members)}
-            bad = pair_orders(programs)
+            bad = replay(programs, {i: r % self.S for i, r in enumerate(members)})
             if bad:
-                raise RecycleError(f"plan {hit.file.name} sends messages between "
-                                   f"{', '.join(bad[:3])} in another order than they are "
-                                   f"received, which NCCL cannot match: use gloo")
+                raise RecycleError(f"plan {hit.file.name} cannot run on NCCL: {bad[0]}")
         return program
 
     def _record_losses(self, gen: int, iteration: int, losses: dict) -> None:
@@ -365,21 +363,19 @@ class Worker:
 
     # -- shapes, waiting, heartbeats -------------------------------------------------------------
 
-    def _shapes(self):
-        """(shape, dtype) of the activation this stage receives and of the gradient it
-        receives (its own output), through the store: stage s-1 publishes its output's."""
-        if self.s == 0:
-            x = self.job.data(0, 0, 0)[0]
-            in_meta = (tuple(x.shape), x.dtype)
-        else:
-            shape, dtype = json.loads(self._wait_for(P.shape_key(self.s - 1)))
-            in_meta = (tuple(shape), getattr(torch, dtype))
-        out_meta = None
+    def _layouts(self):
+        """What this stage receives and sends (`boundary.Layout`), through the store: stage
+        s-1 publishes its output's; stage 0 reads one sample. None at the pipeline's ends."""
+        in_layout = None
+        if self.s > 0:
+            in_layout = Layout.from_json(self._wait_for(P.shape_key(self.s - 1)))
+        out_layout = None
         if self.s < self.S - 1:
-            out_meta = _output_meta(self.state.module, in_meta, self.device)
-            self.store.set(P.shape_key(self.s), json.dumps(
-                [list(out_meta[0]), str(out_meta[1]).removeprefix("torch.")]))
-        return in_meta, out_meta
+            sample = self.job.data(0, 0, 0)[0] if self.s == 0 else in_layout.meta()
+            out_layout = _output_layout(self.state.module, sample, self.device,
+                                        self.job.autocast_dtype())
+            self.store.set(P.shape_key(self.s), out_layout.to_json())
+        return in_layout, out_layout
 
     def _wait_for(self, key: str, check_abort: bool = False) -> str:
         while not self.store.check([key]):
@@ -441,20 +437,24 @@ class Worker:
             {"t": time.time(), "fault": str(fault)}))
 
 
-def _output_meta(module: torch.nn.Module, in_meta, device: torch.device):
-    """Shape and dtype of the stage's output, from a copy of the module on the meta device
-    (no compute, no side effects); modules that cannot run on meta run a copy on zeros."""
-    shape, dtype = in_meta
-    with torch.no_grad():
-        try:
-            out = copy.deepcopy(module).to("meta")(torch.empty(shape, dtype=dtype,
-                                                               device="meta"))
-        except Exception:  # noqa: BLE001 - any failure on meta: fall back to real compute
-            out = copy.deepcopy(module)(torch.zeros(shape, dtype=dtype, device=device))
-    if not isinstance(out, torch.Tensor):
-        raise RecycleError(f"stage output is {type(out).__name__}: the executor passes one "
-                           f"tensor between stages")
-    return tuple(out.shape), out.dtype
+def _output_layout(module: torch.nn.Module, sample: Any, device: torch.device,
+                   autocast: torch.dtype | None) -> Layout:
+    """The layout of the stage's output, from a copy of the module on the meta device (no
+    compute, no side effects); modules that cannot run on meta, and mixed precision, run a
+    copy on zeros."""
+    def run(on: torch.device, value: Any):
+        context = torch.autocast(device.type, dtype=autocast) if autocast is not None \
+            else contextlib.nullcontext()
+        with torch.no_grad(), context:
+            return call(copy.deepcopy(module).to(on), value)
+
+    try:
+        if autocast is not None:  # autocast does not act on meta tensors: run for real
+            raise NotImplementedError
+        out = run(torch.device("meta"), tree_map(lambda t: t.to("meta"), sample))
+    except Exception:  # noqa: BLE001 - any failure on meta: fall back to real compute
+        out = run(device, tree_map(lambda t: torch.zeros_like(t, device=device), sample))
+    return layout_of(out)
 
 
 def _setup_logging(rank: int, incarnation: int) -> None:
