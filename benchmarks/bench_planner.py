@@ -146,7 +146,8 @@ def optimality(node_limit: int, time_limit: float, work_limit: float) -> dict:
         lines.append(f"| {r['instance']} | {r['policy']} | {r['lower_bound']:.4g} | "
                      f"{r['heuristic']:.4g} | {r['dp']:.4g} | {num(r['milp'])} ({status}) | "
                      f"{num(r['milp_bound'])} | {r['milp_seconds']:.1f} s | {num(r['cp'])} "
-                     f"({cp_status}) | {num(r['cp_bound'])} | {r['cp_seconds']:.1f} / {r['cp_cpu']:.1f} s | "
+                     f"({cp_status}) | {num(r['cp_bound'])} | "
+                     f"{r['cp_seconds']:.1f} / {r['cp_cpu']:.1f} s | "
                      f"{ex} | "
                      f"{num(r['best'])} / {num(r['best_bound'])} ({r['gap']:.1%}) |")
     return {"rows": rows, "table": "\n".join(lines),

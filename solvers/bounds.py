@@ -74,8 +74,8 @@ def lower_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Bo
         inp, wgt = spec.backward, (0.0,) * S
     tail = [spec.allreduce[s] + spec.optimizer[s] for s in range(S)]
     caps = budget_caps(spec, policy)
-    # Work that memory forces to the wrong side of a worker's last / first input backward.
-    late_w = [max(0, n[s] - caps[s]) * wgt[s] for s in range(S)]
+    # Forwards that memory forces after a worker's first input backward (`cycles` counts the
+    # weight gradients it forces after the last one).
     late_f = [max(0, n[s] - caps[s]) * fwd[s] for s in range(S)]
     head = [sum(fwd[j] + p2p[j] for j in range(s)) for s in range(S)]
     # Gradient chain: from the end of stage s's input backward to the end of stage 0's.

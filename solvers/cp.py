@@ -39,7 +39,7 @@ import numpy as np
 from recycle_planner.errors import RecycleError
 from recycle_planner.job.policy import Policy, budget_caps
 from recycle_planner.job.spec import JobSpec
-from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker
+from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker, worker_at, worker_index
 from recycle_planner.schedules.schedule import Schedule, with_collectives
 from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers.milp import MilpResult
@@ -126,7 +126,8 @@ class CpModel:
         p2p = [ticks(v) for v in spec.p2p]
         tail = [ticks(spec.allreduce[s]) + ticks(spec.optimizer[s]) for s in range(S)]
         dead = set(self.failed)
-        self.live = [d * S + s for d in range(D) for s in range(S) if (d, s) not in dead]
+        self.live = [worker_index(S, d, s) for d in range(D) for s in range(S)
+                     if (d, s) not in dead]
         work = sum(self.dur[k][s] for k in self.kinds for s in range(S)) * M * D
         horizon = work + sum(tail) + sum(p2p) * M * D + 1
         if warm is not None:
@@ -151,8 +152,9 @@ class CpModel:
         self.units = [(d, s, mb) for d in range(D) for s in range(S) for mb in range(M)]
         self.cands = {}
         for d, s, mb in self.units:
-            self.cands[d, s, mb] = [p * S + s for p in range(D) if (p, s) not in dead] \
-                if (d, s) in dead else [d * S + s]
+            self.cands[d, s, mb] = [worker_index(S, p, s) for p in range(D)
+                                     if (p, s) not in dead] \
+                if (d, s) in dead else [worker_index(S, d, s)]
         self.start: dict[tuple, Any] = {}
         self.presence: dict[tuple, Any] = {}
         self.helpers: list[tuple] = []  # in-flight intervals' end and size, for the hint
@@ -187,8 +189,9 @@ class CpModel:
             m.AddNoOverlap(on[w])
         caps = budget_caps(spec, policy)
         for w in self.live:
-            if count[w] > caps[w % S]:
-                m.AddCumulative(held[w], [1] * len(held[w]), caps[w % S])
+            cap = caps[worker_at(S, w)[1]]
+            if count[w] > cap:
+                m.AddCumulative(held[w], [1] * len(held[w]), cap)
         # Dependencies.
         bwd = self.kinds[1]
         for d, s, mb in self.units:
@@ -219,7 +222,7 @@ class CpModel:
         self.z = m.NewIntVar(min(lb, max(ub, 0)), max(ub, 0), "period")
         self.first: dict[int, Any] = {}
         for w in self.live:
-            s = w % S
+            s = worker_at(S, w)[1]
             if policy.stagger:
                 f = m.NewIntVar(0, horizon, "")
                 self.first[w] = f
@@ -288,7 +291,7 @@ class CpModel:
         classes: dict[tuple, list[int]] = {}
         for d in range(D):
             if (d, s) not in dead:
-                classes.setdefault(holes[d], []).append(d * S + s)
+                classes.setdefault(holes[d], []).append(worker_index(S, d, s))
         for members in classes.values():
             for prev, cur in zip(members, members[1:]):
                 for j, u in enumerate(rer):
@@ -325,7 +328,7 @@ class CpModel:
                 for s in range(S)}
         first, z = {}, 0
         for w in self.live:
-            s = w % S
+            s = worker_at(S, w)[1]
             if self.policy.stagger:
                 first[w] = min(values[u, F] for u in self.units if w in self.cands[u]
                                and (len(self.cands[u]) == 1

@@ -2,8 +2,8 @@
 
 The command line's --solver choices and help, the library's `Settings` and `planner.solve` all
 read `SOLVERS`. Adding a solver is one entry there: a function
-`run(spec, policy, failed, settings, fast=None) -> Solution` (see `portfolio.py`) and the settings it
-reads, for example
+`run(spec, policy, failed, settings, fast=None) -> Solution` (see `portfolio.py`) and the
+settings it reads, for example
 
     "tabu": SolverEntry(solve_tabu, "tabu search with a time limit", ("time_limit",)),
 

@@ -9,6 +9,7 @@ import pytest
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import load_spec
 from recycle_planner.library import PlanLibrary, Settings, build_library
+from recycle_planner.library.entries import LibraryEntry
 
 from conftest import EXAMPLES
 
@@ -42,15 +43,15 @@ def prefetched(prefetch: int):
     return order
 
 
-def _programs(lib: PlanLibrary, entry: dict):
+def _programs(lib: PlanLibrary, entry: LibraryEntry):
     S, D = lib.spec.stages, lib.spec.pipelines
-    dead = [(d, s) for d, stages in enumerate(entry["placement"]) for s in stages]
+    dead = [(d, s) for d, stages in enumerate(entry.placement) for s in stages]
     hit = lib.lookup(dead)
     plan = hit.plan()
     members = [r for r in range(D * S) if P.worker_of(r, S) not in set(dead)]
     programs = {i: compile_program(plan, hit.mapping, P.worker_of(r, S), members)
                 for i, r in enumerate(members)}
-    return programs, {i: r % S for i, r in enumerate(members)}
+    return programs, {i: P.worker_of(r, S)[1] for i, r in enumerate(members)}
 
 
 @pytest.fixture(scope="module", params=LIBRARIES, ids=["small", "small-fused-barrier", "gpt"])
@@ -68,9 +69,9 @@ def test_every_plan_is_safe_on_nccl_and_the_old_order_deadlocks(example_library)
     for entry in lib.entries():
         programs, stage_of = _programs(lib, entry)
         for streams in ("pair", "rank"):
-            assert replay(programs, stage_of, streams=streams) == [], (entry["file"], streams)
+            assert replay(programs, stage_of, streams=streams) == [], (entry.file, streams)
         old = replay(programs, stage_of, order=prefetched(1))
-        assert old and old[0].startswith("deadlock"), entry["file"]
+        assert old and old[0].startswith("deadlock"), entry.file
 
 
 def test_the_replay_sees_messages_received_in_another_order(example_library):

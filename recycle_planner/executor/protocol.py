@@ -195,7 +195,7 @@ def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None
     stateful = {r: k for r, k in steps.items() if k is not None}
     by_stage: dict[int, list[int]] = {}
     for r in sorted(stateful):
-        by_stage.setdefault(r % stages, []).append(r)
+        by_stage.setdefault(worker_of(r, stages)[1], []).append(r)
     restart = min(stateful.values()) if stateful else 0
     if stateful and max(stateful.values()) - restart > 1:
         raise RecycleError(f"workers report step counts {sorted(set(stateful.values()))}: "
@@ -221,7 +221,7 @@ def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None
     plan, degradation = found
     sources: dict[int, int] = {}
     for r in members:
-        s = r % stages
+        s = worker_of(r, stages)[1]
         first = by_stage[s][0]
         if steps[r] is None or (initial and r != first):
             sources[r] = first
