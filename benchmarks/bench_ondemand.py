@@ -71,8 +71,7 @@ def latency_once(lib: PlanLibrary, reader: PlanLibrary, dead: list) -> dict:
     decision = P.decide(1, spec.pipelines, spec.stages, steps, lambda d: None)
     assert decision.action == "plan"
     counts = dead_per_stage(spec, dead)
-    zero = lib.entry((0,) * spec.stages)
-    plan, placement = plan_on_demand(spec, lib.policy, counts, zero.period if zero else None,
+    plan, placement = plan_on_demand(spec, lib.policy, counts, lib.reference_period,
                                      ON_DEMAND_BUDGET)
     t1 = time.perf_counter()
     entry = lib.add(plan, placement, "on-demand")

@@ -603,9 +603,7 @@ class Agent:
         lib = self.lib
         counts = dead_per_stage(lib.spec, dead)
         t0 = time.perf_counter()
-        reference = lib.entry((0,) * lib.spec.stages)
-        plan, placement = plan_on_demand(lib.spec, lib.policy, counts,
-                                         reference.period if reference else None,
+        plan, placement = plan_on_demand(lib.spec, lib.policy, counts, lib.reference_period,
                                          self.config.plan_budget)
         entry = lib.add(plan, placement, ON_DEMAND)
         seconds = time.perf_counter() - t0

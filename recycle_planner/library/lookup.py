@@ -196,6 +196,13 @@ class PlanLibrary:
     def entry(self, counts: tuple[int, ...]) -> LibraryEntry | None:
         return self._by_counts.get(tuple(counts))
 
+    @property
+    def reference_period(self) -> float | None:
+        """The period of the library's fault-free plan, the reference of a new plan's
+        degradation; None while it has none (a run without a library, before its first plan)."""
+        zero = self.entry((0,) * self.spec.stages)
+        return None if zero is None else zero.period
+
     def lookup(self, failed: Iterable[Iterable[int]], file: str | None = None) -> Lookup:
         """The plan and mapping for these dead physical workers; an error if a worker is outside
         the grid or listed twice, if a stage has no live worker left, or a `MissingPlan` if the

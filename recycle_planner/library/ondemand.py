@@ -108,10 +108,8 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     lib = PlanLibrary.open(folder)
     counts = tuple(int(k) for k in counts_text.split(","))
-    zero = lib.entry((0,) * lib.spec.stages)
     t0 = time.perf_counter()
-    plan, placement = refine(lib.spec, lib.policy, counts, zero.period if zero else None,
-                             float(budget))
+    plan, placement = refine(lib.spec, lib.policy, counts, lib.reference_period, float(budget))
     plan = Plan(plan.schedule, plan.timing, plan.metrics, plan.solver,
                 mapping={"placement": [list(g) for g in placement]})
     write_plan(plan, out, compact=True)
