@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch")
 from recycle_planner.errors import RecycleError  # noqa: E402
 from recycle_planner.executor.boundary import (Layout, call, fit, layout_of, pack,  # noqa: E402
                                                prefix, unpack)
-from recycle_planner.executor.shapes import DynamicDims, input_layout, output_layout  # noqa: E402
+from recycle_planner.executor.shapes import (DynamicDims, input_layout, largest,  # noqa: E402
+                                             output_layout)
 
 B, DIM, MAX = 3, 4, 8
 
@@ -113,3 +114,20 @@ def _errors():
     with pytest.raises(RecycleError, match="structure, ranks or dtypes change") as structure:
         output_layout(inp, DIMS, lambda v: layout_of(shrinking.forward(v)), "stage 0's output")
     yield structure.value
+
+
+def test_the_profiler_measures_the_largest_microbatch_and_sizes_are_asked_once():
+    calls = []
+
+    def sizes(iteration, pipeline, microbatch):
+        calls.append((iteration, pipeline, microbatch))
+        return _sizes(iteration, pipeline, microbatch)
+
+    dims = DynamicDims({"seq": MAX}, sizes)
+    key = largest(dims)
+    assert dims.of(*key) == {"seq": MAX} and key == (6, 0, 0)  # the first to reach 8
+    assert largest(None) == (0, 0, 0)
+    calls.clear()
+    for _ in range(4):  # a worker's activation and gradient, in and out
+        dims.of(3, 1, 2)
+    assert calls == [(3, 1, 2)]

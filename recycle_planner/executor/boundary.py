@@ -16,7 +16,7 @@ capacity (`fit`: the largest message seen, the message a prefix of it).
 from __future__ import annotations
 
 import json
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -124,9 +124,10 @@ STATIC = "was agreed at start: shapes must not change during training without Dy
 
 
 def pack(leaves: list[torch.Tensor | None], layout: Layout, out: torch.Tensor,
-         expected: str = STATIC) -> torch.Tensor:
-    """Copy `leaves` (None: zeros) into `out` (at least `layout.nbytes` bytes); `expected`
-    says where the layout came from, for the error on a tensor that does not fit it."""
+         expected: Callable[[], str] = lambda: STATIC) -> torch.Tensor:
+    """Copy `leaves` (None: zeros) into `out` (at least `layout.nbytes` bytes); `expected()`
+    says where the layout came from, for the error on a tensor that does not fit it (built
+    only then)."""
     for leaf, x in zip(leaves, layout.leaves):
         view = out[x.offset:x.offset + x.nbytes].view(x.dtype).view(x.shape)
         if leaf is None:
@@ -134,7 +135,7 @@ def pack(leaves: list[torch.Tensor | None], layout: Layout, out: torch.Tensor,
         else:
             if tuple(leaf.shape) != x.shape or leaf.dtype != x.dtype:
                 raise RecycleError(f"a stage boundary tensor is {tuple(leaf.shape)} "
-                                   f"{leaf.dtype}, but {x.shape} {x.dtype} {expected}")
+                                   f"{leaf.dtype}, but {x.shape} {x.dtype} {expected()}")
             view.copy_(leaf.detach())
     return out
 

@@ -173,6 +173,8 @@ class StageRuntime:
         self.hook = hook
         self.autocast = autocast
         self.dims = dims
+        self.resolved: dict[tuple, Layout] = {}
+        """Concrete layouts by role and dynamic sizes: messages repeat a few lengths."""
         self.in_grads = in_layout.grads() if in_layout is not None else None
         self.out_grads = out_layout.grads() if out_layout is not None else None
         self.recv_bufs: dict[int, torch.Tensor] = {}
@@ -243,18 +245,23 @@ class StageRuntime:
         if faults.active:
             faults.trigger(iteration, "step")
 
-    def _layout(self, layout: Layout, ins: Instr, iteration: int) -> tuple[Layout, str]:
-        """The concrete layout of one message of `ins`, and where it comes from (for errors)."""
+    def _layout(self, role: str, ins: Instr, iteration: int):
+        """The concrete layout of one message of `ins` (`role`: the attribute holding its
+        layout), and a function saying where it comes from (for errors)."""
+        layout = getattr(self, role)
         if not layout.dynamic:
-            return layout, STATIC
-        where = (iteration, ins.pipeline, ins.microbatch)
-        sizes = self.dims.of(*where)
-        return layout.resolve(sizes), (f"follows from the dynamic dims {sizes} of iteration "
-                                       f"{where[0]}, micro-batch {where[2]} of pipeline "
-                                       f"{where[1]}")
+            return layout, _static
+        sizes = self.dims.of(iteration, ins.pipeline, ins.microbatch)
+        key = (role, *sizes.values())
+        concrete = self.resolved.get(key)
+        if concrete is None:
+            concrete = self.resolved[key] = layout.resolve(sizes)
+        return concrete, lambda: (f"follows from the dynamic dims {sizes} of iteration "
+                                  f"{iteration}, micro-batch {ins.microbatch} of pipeline "
+                                  f"{ins.pipeline}")
 
     def _post(self, ins: Instr, k: int, iteration: int) -> None:
-        layout, _ = self._layout(self.in_layout if ins.kind == "F" else self.out_grads, ins,
+        layout, _ = self._layout("in_layout" if ins.kind == "F" else "out_grads", ins,
                                  iteration)
         buf = self.recv_bufs[k] = fit(self.recv_bufs.get(k), layout.nbytes, self.device)
         work = self.comm.irecv(prefix(buf, layout.nbytes), ins.src, ins.recv_tags[iteration % 2])
@@ -267,8 +274,8 @@ class StageRuntime:
 
     def _send(self, leaves: list[torch.Tensor | None], ins: Instr, k: int,
               iteration: int) -> None:
-        layout, expected = self._layout(self.out_layout if ins.kind == "F" else self.in_grads,
-                                        ins, iteration)
+        layout, expected = self._layout("out_layout" if ins.kind == "F" else "in_grads", ins,
+                                        iteration)
         slot = self.send_bufs.get(k)
         buf = None
         if slot is not None:
@@ -385,6 +392,10 @@ class StageRuntime:
             total = self.comm.all_stages_sum(self.hook.stats(self.stage, params))
             apply = self.hook.apply(self.stage, params, total) is not False
         self.state.step(apply)
+
+
+def _static() -> str:
+    return STATIC
 
 
 def _graded(outputs: list[torch.Tensor], grads: list | None):

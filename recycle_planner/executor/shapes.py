@@ -21,7 +21,8 @@ weighs the two.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from recycle_planner.errors import RecycleError
@@ -29,6 +30,9 @@ from recycle_planner.executor.boundary import Layout, layout_of, symbolic
 
 SCAN_ITERATIONS = 64
 """How many iterations of `sizes` `input_layout` scans for micro-batches whose dims differ."""
+
+SEEN = 4096
+"""How many micro-batches' sizes `DynamicDims.of` remembers (several iterations' worth)."""
 
 SizesFn = Callable[[int, int, int], Mapping[str, int]]
 
@@ -41,6 +45,9 @@ class DynamicDims:
 
     maxima: Mapping[str, int]
     sizes: SizesFn
+    _seen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Checked sizes by micro-batch: a worker asks up to four times per micro-batch (its
+    activation and gradient, in and out), the user's function runs once."""
 
     def __post_init__(self) -> None:
         if not self.maxima:
@@ -55,7 +62,16 @@ class DynamicDims:
 
     def of(self, iteration: int, pipeline: int, microbatch: int) -> dict[str, int]:
         """The sizes of one micro-batch, checked against the declaration."""
-        got = dict(self.sizes(iteration, pipeline, microbatch))
+        key = (iteration, pipeline, microbatch)
+        got = self._seen.get(key)
+        if got is None:
+            if len(self._seen) >= SEEN:
+                self._seen.clear()
+            got = self._seen[key] = self._check(key, dict(self.sizes(*key)))
+        return got
+
+    def _check(self, key: tuple[int, int, int], got: dict[str, int]) -> dict[str, int]:
+        iteration, pipeline, microbatch = key
         where = f"iteration {iteration}, micro-batch {microbatch} of pipeline {pipeline}"
         if got.keys() != self.maxima.keys():
             raise RecycleError(f"dynamic dim sizes of {where} name {sorted(got)}, but "
@@ -99,6 +115,15 @@ def output_layout(inp: Layout, dims: DynamicDims, trace: Callable[[Any], Layout]
     assignments = [top] + [{**top, name: top[name] // 2} for name in names]
     outs = [trace(inp.resolve(sizes).meta()) for sizes in assignments]
     return _label(outs, assignments, names, what)
+
+
+def largest(dims: DynamicDims | None) -> tuple[int, int, int]:
+    """The (iteration, pipeline, microbatch) with the largest sizes among the first
+    `SCAN_ITERATIONS` iterations' first micro-batches ((0, 0, 0) for fixed shapes): what the
+    profiler measures, so that the plan's memory and times hold for every micro-batch."""
+    if dims is None:
+        return (0, 0, 0)
+    return max(_keys(1, 1), key=lambda key: (math.prod(dims.of(*key).values()), -key[0]))
 
 
 def _keys(pipelines: int, microbatches: int):
