@@ -4,13 +4,15 @@
 # compare the runs, and draw both loss curves (they coincide). float64, so that the runs agree
 # to rounding: the re-routed micro-batches' gradients are summed in another order, and in
 # float32 Adam amplifies that to ~1e-3 relative in a few parameters after 20 steps.
-#   bash examples/gpt_demo.sh .venv/bin out
+# Further arguments go to the job: `--min-seq 32` draws each batch's length (shapes that vary
+# with the data; the runs still agree).
+#   bash examples/gpt_demo.sh .venv/bin out [JOB ARGS...]
 set -euo pipefail
 BIN=${1:-.venv/bin}
 OUT=${2:-out}/gpt-small
 RP="$BIN/recycle-planner"
 JOB=examples/gpt_small.py:make_job
-ARGS=(--dtype float64)
+ARGS=(--dtype float64 "${@:3}")
 ITER=${ITER:-40}
 mkdir -p "$OUT"
 "$RP" profile "$JOB" --pipelines 2 --microbatches 4 --name gpt-small \

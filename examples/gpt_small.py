@@ -8,7 +8,11 @@ makes a stage redo its iteration) and clipping to a global gradient norm over al
 
 The text is the source of a few standard-library modules read from the Python install, so
 nothing is downloaded; `data(iteration, pipeline, microbatch)` takes windows at offsets drawn
-from a generator seeded by its arguments, so any worker can (re)load any micro-batch.
+from a generator seeded by its arguments, so any worker can (re)load any micro-batch. With
+`--min-seq N` each batch has its own length, from N to `--seq` bytes, drawn per iteration (or
+per micro-batch: `--vary microbatch`) from the same kind of seeded generator: the boundaries'
+sequence dim is then declared dynamic (`DynamicDims`) and every worker derives each message's
+shape from the same draw.
 
     recycle-planner profile examples/gpt_small.py:make_job --pipelines 2 --microbatches 4 \
         -o gpt.toml
@@ -28,11 +32,13 @@ import sys
 import torch
 from torch import nn
 
-from recycle_planner.executor import Job, run
+from recycle_planner.errors import RecycleError
+from recycle_planner.executor import DynamicDims, Job, run
 from recycle_planner.executor.hooks import ClipGradNorm
 
 TEXT_MODULES = ("argparse", "textwrap", "json.decoder", "dataclasses", "functools")
 VOCAB = 256
+VARY = ("iteration", "microbatch")
 
 
 def options(argv=()) -> argparse.Namespace:
@@ -41,7 +47,12 @@ def options(argv=()) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks per stage")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64, help="bytes per sequence")
+    parser.add_argument("--seq", type=int, default=64,
+                        help="bytes per sequence (the maximum with --min-seq)")
+    parser.add_argument("--min-seq", type=int, default=0,
+                        help="draw each batch's length from MIN_SEQ to --seq (0: fixed)")
+    parser.add_argument("--vary", choices=VARY, default="iteration",
+                        help="with --min-seq: one length per iteration or per micro-batch")
     parser.add_argument("--microbatch-size", type=int, default=8, help="sequences")
     parser.add_argument("--iterations", type=int, default=60)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -112,13 +123,29 @@ def stage_factory(s: int, opts: argparse.Namespace):
     return build
 
 
+def seq_lengths(opts: argparse.Namespace):
+    """`(iteration, pipeline, microbatch) -> {"seq": n}`: the batch's length, seeded by the
+    iteration (and the micro-batch with `--vary microbatch`), so every worker draws the same."""
+    def sizes(iteration: int, pipeline: int, microbatch: int) -> dict[str, int]:
+        if not opts.min_seq:
+            return {"seq": opts.seq}
+        key = iteration if opts.vary == "iteration" else \
+            ((iteration * 1009) + pipeline) * 9173 + microbatch
+        g = torch.Generator().manual_seed(7919 + key)
+        return {"seq": int(torch.randint(opts.min_seq, opts.seq + 1, (1,), generator=g))}
+    return sizes
+
+
 def data_source(opts: argparse.Namespace):
+    length = seq_lengths(opts)
+
     def data(iteration: int, pipeline: int, microbatch: int):
         tokens = corpus()
+        seq = length(iteration, pipeline, microbatch)["seq"]
         g = torch.Generator().manual_seed(((iteration * 1009) + pipeline) * 9173 + microbatch)
         starts = torch.randint(0, len(tokens) - opts.seq - 1, (opts.microbatch_size,),
                                generator=g)
-        window = torch.stack([tokens[i:i + opts.seq + 1] for i in starts.tolist()])
+        window = torch.stack([tokens[i:i + seq + 1] for i in starts.tolist()])
         return window[:, :-1], window[:, 1:]
     return data
 
@@ -136,10 +163,14 @@ def make_job(argv=()) -> Job:
     def scheduler(opt):
         return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / opts.warmup))
 
+    if not 0 <= opts.min_seq <= opts.seq:
+        raise RecycleError(f"--min-seq must be from 0 to --seq ({opts.seq}), got "
+                           f"{opts.min_seq}")
+    dynamic = DynamicDims({"seq": opts.seq}, seq_lengths(opts)) if opts.min_seq else None
     return Job(stages=[stage_factory(s, opts) for s in range(opts.stages)], loss_fn=loss_fn,
                optimizer=optimizer, data=data_source(opts), iterations=opts.iterations,
                library=opts.library, scheduler=scheduler if opts.warmup else None,
-               step_hook=ClipGradNorm(opts.clip) if opts.clip else None)
+               step_hook=ClipGradNorm(opts.clip) if opts.clip else None, dynamic=dynamic)
 
 
 if __name__ == "__main__":

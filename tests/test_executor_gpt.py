@@ -21,6 +21,18 @@ SMALL = ["--dim", "16", "--heads", "2", "--layers", "1", "--seq", "16", "--micro
          "2", "--iterations", "5", "--warmup", "3", "--clip", "0.5", "--dtype", "float64"]
 
 
+def _reference(args):
+    sys.path.insert(0, str(EXAMPLES))
+    from gpt_small import make_job
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_reference(make_job(args), pipelines=2, microbatches=2)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_small_gpt_loses_a_worker_and_trains_on_exactly(tmp_path):
     lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=2, max_failures=1)
     config = LaunchConfig(nproc=4, run_dir=str(tmp_path / "run"),
@@ -30,16 +42,34 @@ def test_a_small_gpt_loses_a_worker_and_trains_on_exactly(tmp_path):
     gens = [e for e in result.events if e["kind"] == "generation"]
     assert [g["dead"] for g in gens] == [[], [[1, 0]]] and gens[1]["restart"] == 2
 
+    ref = _reference(SMALL)
+    assert ref.losses[-1] < ref.losses[0]  # it learns
+    _, params = checkpoint_params(tmp_path / "run", 2)
+    assert_params_equal(params, ref.params)
+    assert_losses_equal(result.losses, ref.losses)
+
+
+def test_sequence_lengths_vary_per_microbatch_through_a_kill(tmp_path):
+    """Each micro-batch has its own length (5 to 16 bytes, drawn from the seed): every
+    activation and gradient message has the shape its micro-batch's draw gives, on both ends,
+    also for the micro-batches re-routed after worker 0:1 dies in the middle of iteration 3's
+    backward; the result equals one process training on the same data."""
+    args = [*SMALL, "--min-seq", "5", "--vary", "microbatch"]
+    lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=2, max_failures=1)
+    config = LaunchConfig(nproc=4, run_dir=str(tmp_path / "run"),
+                          faults=[parse_fault("1:3:I0")])
+    result = launch(GPT, config, ["--library", str(lib), *args])
+    assert result.status == "completed" and result.iterations == 5
+    gens = [e for e in result.events if e["kind"] == "generation"]
+    assert [g["dead"] for g in gens] == [[], [[0, 1]]]
+
     sys.path.insert(0, str(EXAMPLES))
     from gpt_small import make_job
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ref = train_reference(make_job(SMALL), pipelines=2, microbatches=2)
-    finally:
-        torch.set_num_threads(threads)
-    assert ref.losses[-1] < ref.losses[0]  # it learns
+    lengths = {make_job(args).data(i, p, m)[0].shape[1]
+               for i in range(5) for p in range(2) for m in range(2)}
+    assert len(lengths) >= 5  # the shapes really vary
+    ref = _reference(args)
     _, params = checkpoint_params(tmp_path / "run", 2)
     assert_params_equal(params, ref.params)
     assert_losses_equal(result.losses, ref.losses)

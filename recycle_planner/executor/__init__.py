@@ -19,7 +19,7 @@ _WHERE = {
     "LaunchConfig": "agent", "LaunchResult": "agent", "TrainingStopped": "agent",
     "launch": "agent", "worker_command": "agent", "Fault": "faults", "parse_fault": "faults",
     "Job": "job", "load_job": "job", "ReferenceResult": "reference",
-    "train_reference": "reference", "run": "worker",
+    "train_reference": "reference", "run": "worker", "DynamicDims": "shapes",
 }
 
 __all__ = sorted(_WHERE)

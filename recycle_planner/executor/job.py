@@ -20,6 +20,8 @@ from recycle_planner.errors import RecycleError
 if TYPE_CHECKING:  # torch is an optional dependency of the package
     import torch
 
+    from recycle_planner.executor.shapes import DynamicDims
+
 DataFn = Callable[[int, int, int], tuple[Any, Any]]
 AUTOCAST = (None, "bfloat16", "float16")
 
@@ -49,9 +51,13 @@ class Job:
     - `autocast`: "bfloat16" or "float16" to run forwards under `torch.autocast` (parameters,
       gradients and optimizer stay in their own dtype), or None.
 
+    - `dynamic`: a `shapes.DynamicDims` naming the boundary dims whose sizes vary with the
+      data (a sequence length per batch), their maxima and a function giving their sizes per
+      micro-batch; None (the default) for shapes fixed for the run.
+
     Stage inputs and outputs may be a tensor or a tuple, list or dict of tensors (a tuple is
-    passed as positional arguments, a dict as keyword arguments); their shapes are fixed
-    for the run (read from the first sample).
+    passed as positional arguments, a dict as keyword arguments); their shapes are read from
+    the first sample and fixed for the run, unless `dynamic` says which dims vary.
     """
 
     stages: Sequence[Any]
@@ -63,6 +69,7 @@ class Job:
     scheduler: Callable[[Any], Any] | None = None
     step_hook: Any = None
     autocast: str | None = None
+    dynamic: "DynamicDims | None" = None
 
     def __post_init__(self) -> None:
         if self.autocast not in AUTOCAST:

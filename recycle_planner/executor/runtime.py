@@ -33,11 +33,13 @@ from torch.distributed.pipelining._backward import (stage_backward, stage_backwa
                                                      stage_backward_weight)
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor.boundary import Layout, call, flat, pack, unpack
+from recycle_planner.executor.boundary import (STATIC, Layout, call, fit, flat, pack, prefix,
+                                               unpack)
 from recycle_planner.executor.comm import BACKWARD, FORWARD, Comm, PeerFailure, message_tag
 from recycle_planner.executor.faults import FaultInjector
 from recycle_planner.executor.issue import POST, SEND, Issue, issue_order
 from recycle_planner.executor.protocol import rank_of
+from recycle_planner.executor.shapes import DynamicDims
 from recycle_planner.executor.state import StageState
 from recycle_planner.job.situations import Mapping
 from recycle_planner.schedules.ops import B, F, I, KIND_CODES
@@ -144,14 +146,17 @@ class StageRuntime:
 
     `in_layout` / `out_layout` describe what the stage receives and sends (None at the ends);
     each receive and send has one buffer, allocated at its first use and reused every
-    iteration. `hook` (a `StepHook`) runs between the gradient all-reduce and the optimizer
-    step with the sum of every stage's `stats` (`all_stages_sum`); `autocast` is the dtype of
-    mixed-precision forwards."""
+    iteration. With `dims` (`shapes.DynamicDims`) the layouts are symbolic: each message's is
+    resolved with the sizes of its micro-batch, on both ends alike, and its buffer grows to the
+    largest message seen (fixed-shape jobs take none of this path). `hook` (a `StepHook`) runs
+    between the gradient all-reduce and the optimizer step with the sum of every stage's
+    `stats` (`all_stages_sum`); `autocast` is the dtype of mixed-precision forwards."""
 
     def __init__(self, state: StageState, loss_fn: Callable, data: Callable, stage: int,
                  stages: int, pipelines: int, microbatches: int, device: torch.device,
                  in_layout: Layout | None, out_layout: Layout | None,
-                 hook: Any = None, autocast: torch.dtype | None = None):
+                 hook: Any = None, autocast: torch.dtype | None = None,
+                 dims: DynamicDims | None = None):
         self.state = state
         self.module = state.module
         self.loss_fn = loss_fn
@@ -167,6 +172,9 @@ class StageRuntime:
         self.out_layout = out_layout
         self.hook = hook
         self.autocast = autocast
+        self.dims = dims
+        self.resolved: dict[tuple, Layout] = {}
+        """Concrete layouts by role and dynamic sizes: messages repeat a few lengths."""
         self.in_grads = in_layout.grads() if in_layout is not None else None
         self.out_grads = out_layout.grads() if out_layout is not None else None
         self.recv_bufs: dict[int, torch.Tensor] = {}
@@ -208,7 +216,6 @@ class StageRuntime:
     def run_iteration(self, program: Program, iteration: int, abort: threading.Event,
                       faults: FaultInjector) -> None:
         instrs = program.instrs
-        parity = iteration % 2
         handlers = self.handlers
         times = self.op_times
         clock = time.perf_counter
@@ -219,7 +226,7 @@ class StageRuntime:
         for kind, k in program.issues:
             ins = instrs[k]
             if kind == POST:
-                self._post(ins, k, parity)
+                self._post(ins, k, iteration)
                 continue
             if kind == SEND:
                 self._send(self.outgoing.pop(k), ins, k, iteration)
@@ -238,29 +245,46 @@ class StageRuntime:
         if faults.active:
             faults.trigger(iteration, "step")
 
-    def _post(self, ins: Instr, k: int, parity: int) -> None:
-        buf = self.recv_bufs.get(k)
-        if buf is None:
-            layout = self.in_layout if ins.kind == "F" else self.out_grads
-            buf = self.recv_bufs[k] = layout.empty(self.device)
-        self.posted[k] = (self.comm.irecv(buf, ins.src, ins.recv_tags[parity]), buf)
+    def _layout(self, role: str, ins: Instr, iteration: int):
+        """The concrete layout of one message of `ins` (`role`: the attribute holding its
+        layout), and a function saying where it comes from (for errors)."""
+        layout = getattr(self, role)
+        if not layout.dynamic:
+            return layout, _static
+        sizes = self.dims.of(iteration, ins.pipeline, ins.microbatch)
+        key = (role, *sizes.values())
+        concrete = self.resolved.get(key)
+        if concrete is None:
+            concrete = self.resolved[key] = layout.resolve(sizes)
+        return concrete, lambda: (f"follows from the dynamic dims {sizes} of iteration "
+                                  f"{iteration}, micro-batch {ins.microbatch} of pipeline "
+                                  f"{ins.pipeline}")
 
-    def _received(self, k: int, layout: Layout, what: str) -> list[torch.Tensor]:
-        work, buf = self.posted.pop(k)
+    def _post(self, ins: Instr, k: int, iteration: int) -> None:
+        layout, _ = self._layout("in_layout" if ins.kind == "F" else "out_grads", ins,
+                                 iteration)
+        buf = self.recv_bufs[k] = fit(self.recv_bufs.get(k), layout.nbytes, self.device)
+        work = self.comm.irecv(prefix(buf, layout.nbytes), ins.src, ins.recv_tags[iteration % 2])
+        self.posted[k] = (work, buf, layout)
+
+    def _received(self, k: int, what: str) -> list[torch.Tensor]:
+        work, buf, layout = self.posted.pop(k)
         self.comm.wait(work, what)
         return unpack(buf, layout)
 
     def _send(self, leaves: list[torch.Tensor | None], ins: Instr, k: int,
               iteration: int) -> None:
-        layout = self.out_layout if ins.kind == "F" else self.in_grads
+        layout, expected = self._layout("out_layout" if ins.kind == "F" else "in_grads", ins,
+                                        iteration)
         slot = self.send_bufs.get(k)
-        if slot is None:
-            buf = layout.empty(self.device)
-        else:
+        buf = None
+        if slot is not None:
             buf, work = slot
             self.comm.settle(work)  # last iteration's, long received: free to refill
-        pack(leaves, layout, buf)
-        self.send_bufs[k] = (buf, self.comm.isend(buf, ins.dst, ins.send_tags[iteration % 2]))
+        buf = fit(buf, layout.nbytes, self.device)
+        pack(leaves, layout, buf, expected)
+        self.send_bufs[k] = (buf, self.comm.isend(prefix(buf, layout.nbytes), ins.dst,
+                                                  ins.send_tags[iteration % 2]))
 
     def _forward_context(self):
         if self.autocast is None:
@@ -278,7 +302,7 @@ class StageRuntime:
             inputs: list[torch.Tensor] = []
         else:
             leaves = [x.detach().requires_grad_(x.dtype.is_floating_point)
-                      for x in self._received(k, self.in_layout, "receiving an activation")]
+                      for x in self._received(k, "receiving an activation")]
             value = pytree.tree_unflatten(leaves, self.in_layout.spec)
             inputs = [x for x in leaves if x.requires_grad]
         with self._forward_context():
@@ -296,7 +320,7 @@ class StageRuntime:
         self.cache[key] = (inputs, outputs)
 
     def _output_grads(self, k: int) -> list[torch.Tensor] | None:
-        return None if self.last else self._received(k, self.out_grads, "receiving a gradient")
+        return None if self.last else self._received(k, "receiving a gradient")
 
     def backward_input(self, k: int, ins: Instr, iteration: int) -> None:
         key = (ins.pipeline, ins.microbatch)
@@ -368,6 +392,10 @@ class StageRuntime:
             total = self.comm.all_stages_sum(self.hook.stats(self.stage, params))
             apply = self.hook.apply(self.stage, params, total) is not False
         self.state.step(apply)
+
+
+def _static() -> str:
+    return STATIC
 
 
 def _graded(outputs: list[torch.Tensor], grads: list | None):

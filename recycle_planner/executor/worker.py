@@ -53,6 +53,7 @@ from recycle_planner.executor.faults import Fault, FaultInjector
 from recycle_planner.executor.job import Job, load_job
 from recycle_planner.executor.nccl_check import replay
 from recycle_planner.executor.runtime import StageRuntime, compile_program
+from recycle_planner.executor.shapes import input_layout, output_layout
 from recycle_planner.executor.state import (StageState, latest_checkpoint,
                                             load_stage_checkpoint, write_manifest,
                                             write_stage_checkpoint)
@@ -132,7 +133,8 @@ class Worker:
         in_layout, out_layout = self._layouts()
         self.runtime = StageRuntime(self.state, self.job.loss_fn, self.job.data, self.s, self.S,
                                     self.D, self.M, self.device, in_layout, out_layout,
-                                    self.job.step_hook, self.job.autocast_dtype())
+                                    self.job.step_hook, self.job.autocast_dtype(),
+                                    self.job.dynamic)
         # Everything built so far lives until the end: keep the collector off it, so that
         # the collection that closes a broken generation's groups takes microseconds.
         gc.freeze()
@@ -215,8 +217,9 @@ class Worker:
         except PeerFailure as exc:
             failure = str(exc)
             t_fail = time.perf_counter()
-        except Exception:  # noqa: BLE001 - user code (model, loss, data): a bug, not a failure
-            failure = traceback.format_exc()
+        except Exception as exc:  # noqa: BLE001 - user code (model, loss, data): a bug
+            # bad input the executor diagnosed (a shape beyond its maximum): its one line
+            failure = str(exc) if isinstance(exc, RecycleError) else traceback.format_exc()
             t_fail = time.perf_counter()
             log.error("user code raised at iteration %d: stopping the whole job\n%s",
                       iteration, failure.rstrip())
@@ -371,9 +374,18 @@ class Worker:
             in_layout = Layout.from_json(self._wait_for(P.shape_key(self.s - 1)))
         out_layout = None
         if self.s < self.S - 1:
-            sample = self.job.data(0, 0, 0)[0] if self.s == 0 else in_layout.meta()
-            out_layout = _output_layout(self.state.module, sample, self.device,
-                                        self.job.autocast_dtype())
+            def trace(value: Any) -> Layout:
+                return _output_layout(self.state.module, value, self.device,
+                                      self.job.autocast_dtype())
+
+            dims = self.job.dynamic
+            if dims is None:
+                out_layout = trace(self.job.data(0, 0, 0)[0] if self.s == 0
+                                   else in_layout.meta())
+            else:
+                inp = in_layout if self.s > 0 else input_layout(dims, self.job.data, self.D,
+                                                                self.M)
+                out_layout = output_layout(inp, dims, trace, f"stage {self.s}'s output")
             self.store.set(P.shape_key(self.s), out_layout.to_json())
         return in_layout, out_layout
 

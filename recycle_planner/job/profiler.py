@@ -80,15 +80,16 @@ def usable_device(device: str):
 def profile_stages(job, device: str = "cpu", repeats: int = 10,
                    warmup: int = 2) -> list[StageProfile]:
     """Profile every stage of `job` on one micro-batch (iteration 0, pipeline 0, micro-batch
-    0) on `device`."""
+    0; with `Job.dynamic`, the largest of the first micro-batches) on `device`."""
     import torch
     from torch.distributed.pipelining._backward import (stage_backward, stage_backward_input,
                                                          stage_backward_weight)
 
+    from recycle_planner.executor.shapes import largest
     from recycle_planner.executor.state import StageState
 
     dev = usable_device(device)
-    x, target = job.data(0, 0, 0)
+    x, target = job.data(*largest(job.dynamic))
     x = x.to(dev)
     target = target.to(dev) if isinstance(target, torch.Tensor) else target
     S = len(job.stages)
