@@ -35,6 +35,13 @@ stage s run on D - k_s workers, so one pipeline's starts at least (ceil(D / (D -
 after the others could; every live worker of that pipeline at a stage t >= s then runs its own
 M micro-batches in one of the cycles above that much late. Which pipeline is late is not known,
 so the least of the pipelines counts. (GPT example, one dead stage-3 worker: 501.4 + 12.)
+(drain) The same at the other end: where stage t has k_t > 0 dead workers, take r > D - k_t
+pipelines, each with a live worker above t that runs its own M micro-batches: each one's last
+gradient reaches stage t no earlier than in that worker's cycle (closing at any j <= t), so
+all r arrive after the r-th latest such cycle's arrival, and one of the D - k_t live workers runs
+ceil(r / (D - k_t)) of them: (ceil(r / (D - k_t)) - 1) more I_t before the last one travels on,
+or, when t = j, (ceil(r / (D - k_t)) - 1) more I_j + W_j before stage j's all-reduce. (GPT
+example, one dead stage-0 worker: 501.4 + 24 = 525.4, the CP engine's plan; stage 3: 513.9.)
 These bounds are tight for 1F1B and ZB-H1 without failures (33 and 27 with unit costs, p = 4,
 m = 8).
 """
