@@ -86,9 +86,13 @@ def gpt16() -> JobSpec:
     return JobSpec.from_dict({**data, "microbatches": 16})
 
 
-def optimality(node_limit: int, time_limit: float, work_limit: float) -> dict:
+def optimality(node_limit: int, time_limit: float, work_limit: float,
+               only: tuple[str, ...] = ()) -> dict:
+    """The optimality table; `only`: the instances whose names contain one of these words."""
     rows = []
     for name, job, policy, failed in OPTIMALITY:
+        if only and not any(word in name for word in only):
+            continue
         job = job or gpt16()
         h = heuristic(job, policy, failed).simulation
         d = dp_plan(job, policy, failed).simulation
@@ -152,7 +156,7 @@ def optimality(node_limit: int, time_limit: float, work_limit: float) -> dict:
                      f"{num(r['best'])} / {num(r['best_bound'])} ({r['gap']:.1%}) |")
     return {"rows": rows, "table": "\n".join(lines),
             "settings": {"node_limit": node_limit, "time_limit": time_limit,
-                         "work_limit": work_limit}}
+                         "work_limit": work_limit, "only": list(only)}}
 
 
 def quality() -> dict:
@@ -243,16 +247,21 @@ def main() -> None:
     parser.add_argument("--work-limit", type=float, default=30.0,
                         help="the CP engine's deterministic seconds per instance")
     parser.add_argument("--big", action="store_true", help="also the 1,024-worker library")
+    parser.add_argument("--only", action="append", default=[], metavar="WORDS",
+                        help="optimality: only the instances whose names contain WORDS "
+                             "(repeatable; the results then go to planner-optimality-only.json)")
     args = parser.parse_args()
     if args.which == "optimality":
-        out = optimality(args.node_limit, args.time_limit, args.work_limit)
+        out = optimality(args.node_limit, args.time_limit, args.work_limit, tuple(args.only))
     elif args.which == "quality":
         out = quality()
     else:
         out = speed(args.big)
     out["machine"] = machine()
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"planner-{args.which}.json").write_text(json.dumps(out, indent=1, default=str))
+    suffix = "-only" if args.only else ""
+    (RESULTS / f"planner-{args.which}{suffix}.json").write_text(
+        json.dumps(out, indent=1, default=str))
     print(out["table"])
     print(f"\nmachine: {out['machine']}", file=sys.stderr)
 

@@ -35,6 +35,13 @@ stage s run on D - k_s workers, so one pipeline's starts at least (ceil(D / (D -
 after the others could; every live worker of that pipeline at a stage t >= s then runs its own
 M micro-batches in one of the cycles above that much late. Which pipeline is late is not known,
 so the least of the pipelines counts. (GPT example, one dead stage-3 worker: 501.4 + 12.)
+(drain) The same at the other end: where stage t has k_t > 0 dead workers, take r > D - k_t
+pipelines, each with a live worker above t that runs its own M micro-batches: each one's last
+gradient reaches stage t no earlier than in that worker's cycle (closing at any j <= t), so
+all r arrive after the r-th latest such cycle's arrival, and one of the D - k_t live workers runs
+ceil(r / (D - k_t)) of them: (ceil(r / (D - k_t)) - 1) more I_t before the last one travels on,
+or, when t = j, (ceil(r / (D - k_t)) - 1) more I_j + W_j before stage j's all-reduce. (GPT
+example, one dead stage-0 worker: 501.4 + 24 = 525.4, the CP engine's plan; stage 3: 513.9.)
 These bounds are tight for 1F1B and ZB-H1 without failures (33 and 27 with unit costs, p = 4,
 m = 8).
 """
@@ -64,6 +71,11 @@ def busiest_load(spec: JobSpec, failed: tuple[Worker, ...]) -> tuple[int, ...]:
 
 def lower_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Bound:
     """The largest of the bounds in the module docstring, with the one that decided it."""
+    return max(all_bounds(spec, policy, failed), key=lambda b: b.value)
+
+
+def all_bounds(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> list[Bound]:
+    """Every bound of the module docstring for this situation (each one is sound alone)."""
     S, D, M = spec.stages, spec.pipelines, spec.microbatches
     n = busiest_load(spec, failed)
     k = dead_per_stage(spec, failed)
@@ -100,6 +112,27 @@ def lower_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Bo
 
     bounds: list[Bound] = []
     dead = set(failed)
+
+    def drain(j: int, t: int) -> list[Bound]:
+        """(drain) The cycles closing at stage j in which the last gradients of r pipelines
+        all reach stage t (j <= t, k_t > 0) on D - k_t live workers, one of which runs
+        ceil(r / (D - k_t)) of them."""
+        live = D - k[t]
+        if k[t] == 0:
+            return []
+        # Pipeline d's last gradient, from its live worker at a stage above t that runs its
+        # own M micro-batches, reaches stage t no earlier than in that worker's cycle (the
+        # worker at stage t itself would count its own work twice).
+        per_pipeline = sorted((max((max(cycles(u, j, M)) for u in range(t + 1, S)
+                                    if (d, u) not in dead), default=-math.inf)
+                               for d in range(D)), reverse=True)
+        # Each extra one costs an input backward at stage t (the last of them then travels
+        # on); at the closing stage also its weight gradient, before the all-reduce.
+        extra = inp[t] + (wgt[t] if t == j else 0.0)
+        return [Bound(per_pipeline[r - 1] + (math.ceil(r / live) - 1) * extra,
+                      f"the last gradients of {r} pipelines reach stage {t} on {live} live "
+                      f"workers, then travel up to stage {j}")
+                for r in range(live + 1, D + 1) if per_pipeline[r - 1] > -math.inf]
     for s in range(S):
         for j in range(s + 1):
             last, both = cycles(s, j, n[s])
@@ -120,6 +153,8 @@ def lower_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Bo
             bounds.append(Bound(late + min(per_pipeline),
                                 f"{live} live stage-{s} workers start {D} pipelines: one starts "
                                 f"{late:g} late, its gradients travel up to stage {j}"))
+        for t in range(s + 1):
+            bounds.extend(drain(t, s))
         if policy.stagger:
             bounds.append(Bound(work[s] + tail[s], f"work of the busiest stage-{s} worker"))
             bounds.append(Bound(round_trip[s] + n[s] * (inp[s] + wgt[s]) + late_f[s] + tail[s],
@@ -130,4 +165,4 @@ def lower_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Bo
             bounds.append(Bound(head[s] + round_trip[s] + n[s] * (inp[s] + wgt[s]) + late_f[s]
                                 + tail[s],
                                 f"stage {s}'s first gradient plus its backwards"))
-    return max(bounds, key=lambda b: b.value)
+    return bounds

@@ -95,15 +95,15 @@ def test_no_schedule_under_x_is_a_bound():
 
 
 def test_prove_mode_bisects_the_gap():
-    """3x2x4 with p2p, split, barrier: the fast plan is 26.6 above a bound of 25.6; prove mode
-    finds a shorter plan, keeps a bound between the analytic one and the plan, and records
-    each "schedule under X?" probe it ran."""
+    """3x2x4 with p2p, split, barrier: the fast plan is 26.2 above a bound of 25.6; prove mode
+    finds a shorter plan (25.8), keeps a bound between the analytic one and the plan, and
+    records each "schedule under X?" probe it ran."""
     spec = make_spec(stages=3, pipelines=2, microbatches=4, p2p=0.2)
     failed = ((1, 1),)
     warm = warm_of(spec, SPLIT, failed)
     sim, info, bound = cp_prove(spec, SPLIT, failed, 2, warm)
     floor = lower_bound(spec, SPLIT, failed).value
-    assert sim.period < warm.period - 0.5 and floor <= bound <= sim.period
+    assert sim.period < warm.period - 0.3 and floor <= bound <= sim.period
     assert info["improved"] and info["probes"]
     for probe in info["probes"]:
         assert bound < probe["under"] < warm.period and probe["status"]
