@@ -36,8 +36,10 @@ MAX_PERIOD_US = 1_000_000
 @dataclass(frozen=True)
 class CpuQuota:
     """`cpus` CPUs per process, enforced every `period_us` (a short period keeps a throttled
-    process's pauses short next to the ops it times); `shares` weighs the group against the
-    machine's other processes while the quota is not reached (1024: like one process)."""
+    process's pauses short next to the ops it times). `shares` is the weight of all the
+    groups together (their parent's cpu.shares) against the machine's other processes (1024:
+    like one ordinary process): on a busy machine it must be large enough for the groups to
+    get their quotas, or they get less, and more after a peer dies."""
 
     cpus: float
     period_us: int = 10_000
@@ -58,9 +60,9 @@ class CpuQuota:
         return round(self.cpus * self.period_us)
 
     def settings(self) -> dict[str, int]:
-        """The group's control files and their values, in the order they are written."""
-        return {"cpu.cfs_period_us": self.period_us, "cpu.cfs_quota_us": self.quota_us,
-                "cpu.shares": self.shares}
+        """A process's group's control files and their values, in the order they are
+        written."""
+        return {"cpu.cfs_period_us": self.period_us, "cpu.cfs_quota_us": self.quota_us}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,8 +87,9 @@ def wrap_command(command: list[str], root: str | Path, quota: CpuQuota) -> list[
 
 
 class QuotaGroups:
-    """The cgroups of one benchmark: a folder under the cpu controller made on enter, every
-    group in it removed on exit (a process still inside is moved back to the top first)."""
+    """The cgroups of one benchmark: a parent group under the cpu controller made on enter
+    (with the quota's shares), a group per process inside it, all removed on exit (a process
+    still inside is moved back to the top first)."""
 
     def __init__(self, quota: CpuQuota, base: str | Path = CGROUP_CPU, name: str | None = None):
         self.quota = quota
@@ -99,12 +102,13 @@ class QuotaGroups:
                                f"cpu.cfs_quota_us): CPU quotas need it")
         try:
             self.root.mkdir()
+            (self.root / "cpu.shares").write_text(str(self.quota.shares))
         except OSError as exc:
             raise RecycleError(f"cannot create the cgroup {self.root} ({exc.strerror}): CPU "
                                f"quotas need root and a writable cgroup v1 cpu controller"
                                ) from None
-        log.info("CPU quota: %s CPUs per process every %d us, groups under %s",
-                 self.quota.cpus, self.quota.period_us, self.root)
+        log.info("CPU quota: %s CPUs per process every %d us, groups under %s (cpu.shares %d)",
+                 self.quota.cpus, self.quota.period_us, self.root, self.quota.shares)
         return self
 
     def wrap(self, command: list[str]) -> list[str]:

@@ -17,7 +17,7 @@ from recycle_planner.errors import RecycleError  # noqa: E402
 def test_quota_in_microseconds_and_checked():
     q = CpuQuota(0.45)
     assert q.quota_us == 4500
-    assert list(q.settings()) == ["cpu.cfs_period_us", "cpu.cfs_quota_us", "cpu.shares"]
+    assert list(q.settings()) == ["cpu.cfs_period_us", "cpu.cfs_quota_us"]
     assert CpuQuota.from_dict(q.to_dict()) == q
     with pytest.raises(RecycleError, match="below the kernel's 1 ms"):
         CpuQuota(0.05, period_us=10_000)
@@ -26,7 +26,7 @@ def test_quota_in_microseconds_and_checked():
 
 
 def test_wrapper_makes_its_own_group_moves_itself_in_and_runs_the_command(tmp_path):
-    quota = CpuQuota(0.3, period_us=5000, shares=2048)
+    quota = CpuQuota(0.3, period_us=5000)
     out = subprocess.run(wrap_command([sys.executable, "-c", "import os; print(os.getpid())"],
                                       tmp_path, quota), capture_output=True, text=True, check=True)
     pid = out.stdout.strip()
@@ -34,7 +34,6 @@ def test_wrapper_makes_its_own_group_moves_itself_in_and_runs_the_command(tmp_pa
     assert (group / "cgroup.procs").read_text().strip() == pid
     assert (group / "cpu.cfs_quota_us").read_text().strip() == "1500"
     assert (group / "cpu.cfs_period_us").read_text().strip() == "5000"
-    assert (group / "cpu.shares").read_text().strip() == "2048"
 
 
 def test_wrapper_does_not_run_the_command_when_the_group_cannot_be_made(tmp_path):
