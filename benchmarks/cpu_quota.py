@@ -102,11 +102,16 @@ class QuotaGroups:
                                f"cpu.cfs_quota_us): CPU quotas need it")
         try:
             self.root.mkdir()
-            (self.root / "cpu.shares").write_text(str(self.quota.shares))
         except OSError as exc:
             raise RecycleError(f"cannot create the cgroup {self.root} ({exc.strerror}): CPU "
                                f"quotas need root and a writable cgroup v1 cpu controller"
                                ) from None
+        try:
+            (self.root / "cpu.shares").write_text(str(self.quota.shares))
+        except OSError as exc:
+            self.root.rmdir()
+            raise RecycleError(f"cannot set cpu.shares {self.quota.shares} on {self.root} "
+                               f"({exc.strerror})") from None
         log.info("CPU quota: %s CPUs per process every %d us, groups under %s (cpu.shares %d)",
                  self.quota.cpus, self.quota.period_us, self.root, self.quota.shares)
         return self
