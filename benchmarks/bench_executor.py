@@ -135,18 +135,18 @@ def wrap(quota: QuotaGroups | None, command: list[str]) -> list[str]:
 
 def replayed(res, lib: PlanLibrary, failed: list, generation: int) -> dict:
     """The plan the run used after `failed` died, re-timed with the run's op costs of
-    `generation` (timing/replay.py), and the time per iteration its workers spent outside
-    ops (ms, the largest over workers)."""
+    `generation` (timing/replay.py), and the time per iteration the busiest worker spent in
+    ops, waits included (ms; the step minus it is time outside ops)."""
     spec = lib.spec
     costs = stage_costs(res.op_times, generation, spec.stages)
     plan = lib.lookup(failed).plan()
-    outside = []
+    in_ops = []
     for by_gen in res.op_times.values():
         table = by_gen.get(str(generation))
         if table and table["OPTIMIZER"][0]:
-            outside.append(1e3 * sum(row[1] for row in table.values()) / table["OPTIMIZER"][0])
+            in_ops.append(1e3 * sum(row[1] for row in table.values()) / table["OPTIMIZER"][0])
     return {"replayed_ms": replay_period(plan, measured_spec(spec, costs)),
-            "ops_per_iteration_ms": max(outside) if outside else None,
+            "ops_per_iteration_ms": max(in_ops) if in_ops else None,
             "measured_costs_ms": [c.ms for c in costs]}
 
 
