@@ -1,5 +1,8 @@
 """Train a recycle-planner job with torch's own Schedule1F1B: the baseline the executor is
-compared with (same model, same data, same machine), without any fault tolerance.
+compared with (same model, same data, same machine), without any fault tolerance. With
+`--csv`, torch's `_PipelineScheduleRuntime` runs a compute-only schedule CSV instead, such as
+a fault-free plan exported by `recycle-planner export-torch` (ZB-H1 with I/W, say): then the
+two runtimes execute the same schedule.
 
     python examples/torch_1f1b.py --pipelines 2 --microbatches 4 --out torch-run \
         examples/tiny_mlp.py:make_job -- --iterations 6
@@ -26,14 +29,15 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 
 def worker(rank: int, world: int, port: int, target: str, job_args: list[str], D: int, M: int,
-           out: Path) -> None:
+           out: Path, csv: str | None = None) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import Schedule1F1B
+    from torch.distributed.pipelining.schedules import Schedule1F1B, _PipelineScheduleRuntime
 
     from recycle_planner.executor.job import load_job
     from recycle_planner.io import atomic_write, write_json
@@ -50,7 +54,11 @@ def worker(rank: int, world: int, port: int, target: str, job_args: list[str], D
     module = job.build_stage(s)
     optimizer = job.optimizer(module.parameters())
     stage = PipelineStage(module, s, S, torch.device("cpu"), group=pipes[d])
-    schedule = Schedule1F1B(stage, n_microbatches=M, loss_fn=job.loss_fn)
+    if csv:
+        schedule = _PipelineScheduleRuntime([stage], n_microbatches=M, loss_fn=job.loss_fn)
+        schedule._load_csv(csv, format="compute_only")
+    else:
+        schedule = Schedule1F1B(stage, n_microbatches=M, loss_fn=job.loss_fn)
     losses, ends = [], []
     dist.barrier()
     t0 = time.time()
@@ -89,8 +97,10 @@ def worker(rank: int, world: int, port: int, target: str, job_args: list[str], D
 
 
 def train(target: str, job_args: list[str], pipelines: int, microbatches: int, stages: int,
-          out: str | Path, timeout: float = 600) -> dict:
-    """Run the baseline on pipelines x stages local processes; returns OUT/result.json."""
+          out: str | Path, timeout: float = 600, csv: str | Path | None = None,
+          wrap: Callable[[list[str]], list[str]] = list) -> dict:
+    """Run the baseline on pipelines x stages local processes (each command rewritten by
+    `wrap`), torch's runtime on schedule `csv` if given; returns OUT/result.json."""
     import torch.distributed as dist
 
     out = Path(out)
@@ -99,10 +109,16 @@ def train(target: str, job_args: list[str], pipelines: int, microbatches: int, s
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(world),
-                               str(store.port), str(pipelines), str(microbatches), str(out),
-                               target, *job_args], env=env) for r in range(world)]
-    codes = [p.wait(timeout=timeout) for p in procs]
+    procs = [subprocess.Popen(wrap([sys.executable, __file__, "--worker", str(r), str(world),
+                                    str(store.port), str(pipelines), str(microbatches),
+                                    str(out), str(csv or ""), target, *job_args]), env=env)
+             for r in range(world)]
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     if any(codes):
         raise SystemExit(f"torch 1F1B workers failed with exit codes {codes}")
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
@@ -120,12 +136,15 @@ def train(target: str, job_args: list[str], pipelines: int, microbatches: int, s
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         rank, world, port, D, M = (int(x) for x in sys.argv[2:7])
-        worker(rank, world, port, sys.argv[8], sys.argv[9:], D, M, Path(sys.argv[7]))
+        worker(rank, world, port, sys.argv[9], sys.argv[10:], D, M, Path(sys.argv[7]),
+               sys.argv[8] or None)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pipelines", type=int, required=True)
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--csv", default=None,
+                        help="run this compute-only schedule with _PipelineScheduleRuntime")
     parser.add_argument("job")
     parser.add_argument("job_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
@@ -134,7 +153,8 @@ def main() -> None:
 
     job_args = args.job_args[1:] if args.job_args[:1] == ["--"] else args.job_args
     stages = len(load_job(args.job, job_args).stages)
-    result = train(args.job, job_args, args.pipelines, args.microbatches, stages, args.out)
+    result = train(args.job, job_args, args.pipelines, args.microbatches, stages, args.out,
+                   csv=args.csv)
     print(json.dumps(result))
 
 

@@ -86,3 +86,18 @@ def test_unusable_device_is_one_line(device, message):
     with pytest.raises(RecycleError, match=message):
         usable_device(device)
     assert str(usable_device("cpu")) == "cpu"
+
+
+def test_profile_a_job_whose_stages_pass_dicts(tmp_path):
+    """Stages that pass {'h': floats, 'sign': int64} (tiny_mlp --boundary dict), through a
+    middle stage: the float leaf gets gradients, the integer one is passed along."""
+    out = tmp_path / "dict.toml"
+    r = run("profile", TINY, "-d", "2", "-m", "2", "-o", out, "--p2p", "0.05", "--allreduce",
+            "0.25", "--repeats", "2", "--warmup", "0", "--", "--boundary", "dict",
+            "--stages", "3", "--microbatch-size", "4")
+    assert r.exit_code == 0, r.output
+    spec = load_spec(out)
+    assert spec.stages == 3 and spec.microbatch_size == 4
+    assert all(v > 0 for v in spec.forward + spec.backward_weight)
+    assert spec.backward_input[1] > 0  # the middle stage differentiates its received 'h'
+    assert min(spec.memory.activation) > 0

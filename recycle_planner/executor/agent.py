@@ -138,7 +138,8 @@ class LaunchResult:
     microbatch_losses: dict[str, float] = field(default_factory=dict)
     spec: dict | None = None             # the plan library's job spec
     op_times: dict[str, dict] = field(default_factory=dict)
-    """Per worker that finished ("pipeline:stage"), per op kind: [count, seconds]."""
+    """Per worker that finished ("pipeline:stage"), per generation, per op kind: [count,
+    seconds, seconds from the op's last wait for a peer to its end (its own work)]."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -48,6 +48,11 @@ from recycle_planner.timing.plan import Plan
 log = logging.getLogger(__name__)
 
 KINDS = ("F", "I", "W", "B", "ALLREDUCE", "OPTIMIZER")
+
+
+def new_op_times() -> dict[str, list[float]]:
+    """Per op kind: [count, seconds, seconds of own work] (see `StageRuntime.op_times`)."""
+    return {kind: [0, 0.0, 0.0] for kind in KINDS}
 POINTS = {"ALLREDUCE": "allreduce", "OPTIMIZER": "optimizer"}
 """Fault-injection point names of the collectives (compute ops are named F0, I2, ...)."""
 
@@ -191,8 +196,9 @@ class StageRuntime:
         self.all_losses: torch.Tensor | None = None
         """All D*M losses of the iteration once the stage's all-reduce is done (last stage)."""
         self.reset()
-        self.op_times: dict[str, list[float]] = {kind: [0, 0.0] for kind in KINDS}
-        """Per op kind: how many ran and the seconds they took (waits for data included)."""
+        self.op_times: dict[str, list[float]] = new_op_times()
+        """Per op kind: how many ran, the seconds they took (waits for data included) and the
+        seconds from their last wait for a peer to their end (their own work)."""
         self.handlers: dict[str, Callable[[int, Instr, int], None]] = {
             "F": self.forward, "I": self.backward_input, "W": self.backward_weight,
             "B": self.backward, "ALLREDUCE": self.allreduce, "OPTIMIZER": self.optimizer_step,
@@ -218,7 +224,7 @@ class StageRuntime:
         instrs = program.instrs
         handlers = self.handlers
         times = self.op_times
-        clock = time.perf_counter
+        clock = time.monotonic  # the clock of Comm.waited
         self.posted = {}
         self.outgoing = {}
         self.losses = {}
@@ -238,9 +244,11 @@ class StageRuntime:
                 faults.trigger(iteration, ins.point)
             t0 = clock()
             handlers[ins.kind](k, ins, iteration)
+            t1 = clock()
             spent = times[ins.kind]
             spent[0] += 1
-            spent[1] += clock() - t0
+            spent[1] += t1 - t0
+            spent[2] += t1 - max(t0, self.comm.waited)
         self.op_started = None
         if faults.active:
             faults.trigger(iteration, "step")

@@ -52,7 +52,7 @@ from recycle_planner.executor.config import (CONFIG_ERROR, COORDINATOR_LOST, STA
 from recycle_planner.executor.faults import Fault, FaultInjector
 from recycle_planner.executor.job import Job, load_job
 from recycle_planner.executor.nccl_check import replay
-from recycle_planner.executor.runtime import StageRuntime, compile_program
+from recycle_planner.executor.runtime import StageRuntime, compile_program, new_op_times
 from recycle_planner.executor.shapes import input_layout, output_layout
 from recycle_planner.executor.state import (StageState, latest_checkpoint,
                                             load_stage_checkpoint, write_manifest,
@@ -131,6 +131,8 @@ class Worker:
 
     def _live(self) -> None:
         in_layout, out_layout = self._layouts()
+        self.op_times: dict[int, dict[str, list[float]]] = {}
+        """Per generation: the runtime's op times (`StageRuntime.op_times`) in it."""
         self.runtime = StageRuntime(self.state, self.job.loss_fn, self.job.data, self.s, self.S,
                                     self.D, self.M, self.device, in_layout, out_layout,
                                     self.job.step_hook, self.job.autocast_dtype(),
@@ -169,6 +171,7 @@ class Worker:
             self.state.rollback_to(decision.restart)
         runtime = self.runtime
         runtime.reset()
+        runtime.op_times = self.op_times.setdefault(gen, new_op_times())
         runtime.on_step = lambda it, losses: self._record_losses(gen, it, losses)
         comm = None
         iteration = decision.restart
@@ -212,7 +215,7 @@ class Worker:
                 self._checkpoint(decision, iteration)
             comm.flush_sends()
             self._checkpoint(decision, iteration, final=True)
-            self.store.set(P.op_times_key(self.rank), P.dumps(runtime.op_times))
+            self.store.set(P.op_times_key(self.rank), P.dumps(self.op_times))
             return "done"
         except PeerFailure as exc:
             failure = str(exc)

@@ -80,29 +80,44 @@ def usable_device(device: str):
 def profile_stages(job, device: str = "cpu", repeats: int = 10,
                    warmup: int = 2) -> list[StageProfile]:
     """Profile every stage of `job` on one micro-batch (iteration 0, pipeline 0, micro-batch
-    0; with `Job.dynamic`, the largest of the first micro-batches) on `device`."""
+    0; with `Job.dynamic`, the largest of the first micro-batches) on `device`. A stage may
+    take and return a tensor or a tuple, list or dict of tensors, as in the executor
+    (`executor/boundary.py`): its floating-point leaves get gradients."""
     import torch
     from torch.distributed.pipelining._backward import (stage_backward, stage_backward_input,
                                                          stage_backward_weight)
+    from torch.utils import _pytree as pytree
 
+    from recycle_planner.executor.boundary import call, flat, layout_of
     from recycle_planner.executor.shapes import largest
     from recycle_planner.executor.state import StageState
 
     dev = usable_device(device)
+
+    def to_dev(v):
+        return v.to(dev) if isinstance(v, torch.Tensor) else v
+
     x, target = job.data(*largest(job.dynamic))
-    x = x.to(dev)
-    target = target.to(dev) if isinstance(target, torch.Tensor) else target
+    value = pytree.tree_map(to_dev, x)
+    target = pytree.tree_map(to_dev, target)
     S = len(job.stages)
     out = []
     for s in range(S):
         module = job.build_stage(s).to(dev)
         params = [p for p in module.parameters() if p.requires_grad]
         first, last = s == 0, s == S - 1
-        inp = x.detach().requires_grad_(not first)
+        leaves, tree = pytree.tree_flatten(value)
+        if not first:  # a received value: fresh leaves, the float ones differentiable
+            leaves = [t.detach().requires_grad_(t.dtype.is_floating_point) for t in leaves]
+        inp = pytree.tree_unflatten(leaves, tree)
+        inputs = [] if first else [t for t in leaves if t.requires_grad]
 
         def forward():
-            y = module(inp)
+            y = call(module, inp)
             return job.loss_fn(y, target) if last else y
+
+        def differentiated(y) -> list:
+            return [y] if last else [t for t in flat(y) if t.dtype.is_floating_point]
 
         times: dict[str, list[float]] = {"F": [], "I": [], "W": []}
         for r in range(warmup + repeats):
@@ -110,14 +125,14 @@ def profile_stages(job, device: str = "cpu", repeats: int = 10,
             t0 = _now(dev)
             y = forward()
             t1 = _now(dev)
-            grad = None if last else torch.ones_like(y)
+            outs = differentiated(y)
+            grads = None if last else [torch.ones_like(t) for t in outs]
             if first:
                 t2 = _now(dev)
-                stage_backward(y, grad, [inp])
+                stage_backward(outs[0] if last else outs, grads, inputs)
                 t3 = _now(dev)
             else:
-                _, groups = stage_backward_input([y], None if grad is None else [grad], [inp],
-                                                 module.parameters())
+                _, groups = stage_backward_input(outs, grads, inputs, module.parameters())
                 t2 = _now(dev)
                 stage_backward_weight(module.parameters(), groups)
                 t3 = _now(dev)
@@ -127,11 +142,12 @@ def profile_stages(job, device: str = "cpu", repeats: int = 10,
                 times["W"].append(t3 - t2)
             for p in params:
                 p.grad = None
-            inp.grad = None
-        activation = _activation_bytes(forward, inp, first, params)
+            for t in inputs:
+                t.grad = None
+        activation = _activation_bytes(forward, inputs, params)
         with torch.no_grad():
-            y = module(inp)
-        output_bytes = 0 if last else y.numel() * y.element_size()
+            y = call(module, inp)
+        output_bytes = 0 if last else layout_of(y).nbytes
         param_bytes = sum(p.numel() * p.element_size() for p in params)
         state = StageState(copy.deepcopy(module), None)
         state.optimizer = job.optimizer(state.module.parameters())
@@ -152,7 +168,7 @@ def profile_stages(job, device: str = "cpu", repeats: int = 10,
             activation=activation,
             static=3 * param_bytes + 2 * opt_bytes,  # params, grads, undo copy; state twice
             output_bytes=output_bytes, grad_bytes=param_bytes))
-        x = y.detach()
+        value = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
         log.info("stage %d: F %.4f ms, I %.4f ms, W %.4f ms, activation %d B", s,
                  out[-1].forward, out[-1].backward_input, out[-1].backward_weight, activation)
     return out
@@ -170,11 +186,13 @@ def _ms(samples: list[float]) -> float:
     return max(MIN_MS, statistics.median(samples) * 1e3)
 
 
-def _activation_bytes(forward: Callable, inp, first: bool, params: list) -> int:
+def _activation_bytes(forward: Callable, inputs: list, params: list) -> int:
     """Bytes of distinct storages autograd saves in one forward (parameters excluded: they are
-    static memory), plus the output and (after stage 0) the received input, which the
-    executor keeps until the weight gradient."""
+    static memory), plus the output's leaves and (after stage 0) the received input's, which
+    the executor keeps until the weight gradient."""
     import torch
+
+    from recycle_planner.executor.boundary import flat
 
     seen: dict[Any, int] = {}
     static = {(p.untyped_storage().data_ptr(), p.device) for p in params}
@@ -190,7 +208,7 @@ def _activation_bytes(forward: Callable, inp, first: bool, params: list) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = forward()
-    for t in ([y] if first else [y, inp]):
+    for t in flat(y) + list(inputs):
         seen.setdefault((t.untyped_storage().data_ptr(), t.device), t.untyped_storage().nbytes())
     return int(sum(seen.values()))
 
@@ -198,10 +216,13 @@ def _activation_bytes(forward: Callable, inp, first: bool, params: list) -> int:
 # -- communication -----------------------------------------------------------------------------
 
 def measure_comm(p2p_bytes: list[int], allreduce_bytes: list[int], ranks: int,
-                 repeats: int = 20, timeout: float = 120.0) -> tuple[list[float], list[float]]:
+                 repeats: int = 20, timeout: float = 120.0,
+                 wrap: Callable[[list[str]], list[str]] | None = None,
+                 ) -> tuple[list[float], list[float]]:
     """One-way time (ms) of a message of each size in `p2p_bytes`, and time of an all-reduce
     of each size in `allreduce_bytes` among `ranks` processes, on local gloo processes (as the
-    executor's workers on this machine talk)."""
+    executor's workers on this machine talk). `wrap` rewrites each process's command (to start
+    it under the same CPU quota as the workers, for example)."""
     import torch.distributed as dist
 
     ranks = max(2, ranks)
@@ -210,7 +231,8 @@ def measure_comm(p2p_bytes: list[int], allreduce_bytes: list[int], ranks: int,
     job = json.dumps({"p2p": p2p_bytes, "allreduce": allreduce_bytes, "repeats": repeats,
                       "ranks": ranks, "port": store.port})
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", _COMM_CHILD, str(r), job], env=env,
+    wrap = wrap or list
+    procs = [subprocess.Popen(wrap([sys.executable, "-c", _COMM_CHILD, str(r), job]), env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for r in range(ranks)]
     try:
@@ -279,14 +301,18 @@ def profile_job(job, pipelines: int, microbatches: int, name: str | None = None,
                 device: str = "cpu", repeats: int = 10, warmup: int = 2,
                 memory_budget: float | None = None, p2p: float | None = None,
                 allreduce: float | None = None, measure_communication: bool = True,
+                wrap: Callable[[list[str]], list[str]] | None = None,
                 ) -> tuple[JobSpec, list[StageProfile]]:
     """The job spec of `job` on this machine with D = `pipelines` and M = `microbatches`.
 
     Communication is measured on CPU unless `p2p` / `allreduce` (ms) are given or
     `measure_communication` is off (then it counts as 0). The memory budget is `memory_budget`
-    bytes, else the GPU's memory, else this machine's memory shared by its D*S workers."""
+    bytes, else the GPU's memory, else this machine's memory shared by its D*S workers.
+    `wrap` rewrites the command of each communication-measuring process (`measure_comm`)."""
     if pipelines < 1 or microbatches < 1:
         raise RecycleError("pipelines and microbatches must be at least 1")
+    from recycle_planner.executor.boundary import flat
+
     stages = profile_stages(job, device, repeats, warmup)
     S = len(stages)
     p2p_ms = [float(p2p)] * S if p2p is not None else [0.0] * S
@@ -299,17 +325,18 @@ def profile_job(job, pipelines: int, microbatches: int, name: str | None = None,
         got_p2p, got_ar = measure_comm(sizes if p2p is None and S > 1 else [],
                                        [st.grad_bytes for st in stages]
                                        if allreduce is None and pipelines > 1 else [],
-                                       ranks=min(pipelines, 8), repeats=max(repeats, 10))
+                                       ranks=min(pipelines, 8), repeats=max(repeats, 10),
+                                       wrap=wrap)
         if got_p2p:
             p2p_ms = got_p2p
         if got_ar:
             ar_ms = got_ar
     budget = memory_budget if memory_budget is not None else _device_memory(device,
                                                                             pipelines * S)
-    x = job.data(0, 0, 0)[0]
+    x = flat(job.data(0, 0, 0)[0])[0]
     data = {
         "stages": S, "pipelines": pipelines, "microbatches": microbatches,
-        "microbatch_size": int(x.shape[0]) if getattr(x, "ndim", 0) else 1,
+        "microbatch_size": int(x.shape[0]) if x.ndim else 1,
         "time": {"forward": [st.forward for st in stages],
                  "backward_input": [st.backward_input for st in stages],
                  "backward_weight": [st.backward_weight for st in stages],
