@@ -1,0 +1,87 @@
+"""Fault-free GPT step time of the executor for several gradient-bucket sizes (issue 11).
+
+Usage: python benchmarks/bench_buckets.py [--repeat N] [--iterations N] [--bucket-mb X ...]
+                                          [--json FILE]
+
+The small GPT of examples/gpt_small.py (float32, no clipping, no LR schedule; `--dim` and
+`--layers` make it bigger), 2 stages x 2 pipelines x 8 micro-batches on local CPU processes
+(gloo), under the default policy (split backward, staggered optimizer) and fused+barrier.
+Each `--bucket-mb` value is one configuration (`default`: the launcher's default); the step
+time is the median of the runs' median step time, iterations 5 onwards. Also the memory and
+time of the step-undo copy per stage (bench_executor's `undo_copy`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from bench_executor import D, GPT, M, median_step, undo_copy
+from common import machine
+
+from recycle_planner.executor import LaunchConfig, launch, load_job
+from recycle_planner.job.policy import Policy
+from recycle_planner.job.profiler import profile_job
+from recycle_planner.library import PlanLibrary, Settings, build_library
+
+POLICIES = {"split+staggered (default)": Policy(), "fused+barrier": Policy(decouple=False,
+                                                                            stagger=False)}
+
+
+def run(job_args: list[str], buckets: list[str], repeat: int, work: Path) -> dict:
+    spec, _ = profile_job(load_job(GPT, job_args), D, M, name="gpt")
+    out: dict = {"configurations": [], "undo": undo_copy(load_job(GPT, job_args))}
+    for label, policy in POLICIES.items():
+        folder = work / policy.label.replace("/", "-")
+        build_library(spec, policy, 0, folder, Settings(solver="heuristic"), jobs=1)
+        lib = PlanLibrary.open(folder)
+        for bucket in buckets:
+            extra = {} if bucket == "default" else {"bucket_mb": float(bucket)}
+            steps = []
+            for r in range(repeat):
+                res = launch(GPT, LaunchConfig(nproc=D * spec.stages,
+                                               run_dir=str(work / f"run-{r}"), **extra),
+                             job_args + ["--library", str(lib.folder)])
+                steps.append(median_step(res.iteration_end, 5))
+            out["configurations"].append({"policy": label, "bucket_mb": bucket,
+                                          "step_ms": statistics.median(steps), "runs": steps})
+    return out
+
+
+def markdown(res: dict) -> str:
+    lines = ["| policy | bucket (MB) | step (ms) | runs (ms) |", "| --- | ---: | ---: | --- |"]
+    lines += [f"| {c['policy']} | {c['bucket_mb']} | {c['step_ms']:.1f} | "
+              f"{', '.join(f'{x:.1f}' for x in c['runs'])} |" for c in res["configurations"]]
+    lines += ["", "| stage | undo copy: parameters (MB) | optimizer state (MB) | step (ms) | "
+              "step with the copy (ms) |", "| ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['stage']} | {r['param_bytes'] / 1e6:.2f} | {r['optimizer_bytes'] / 1e6:.2f}"
+              f" | {r['step_ms']:.2f} | {r['step_with_undo_ms']:.2f} |" for r in res["undo"]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--bucket-mb", action="append", metavar="MB|default",
+                        help="a bucket size to measure (repeatable; default: 'default')")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    job_args = ["--dtype", "float32", "--clip", "0", "--warmup", "0", "--dim", str(args.dim),
+                "--layers", str(args.layers), "--iterations", str(args.iterations)]
+    with tempfile.TemporaryDirectory(prefix="bench-buckets-") as tmp:
+        res = run(job_args, args.bucket_mb or ["default"], args.repeat, Path(tmp))
+    res.update(machine=machine(), job_args=job_args, repeat=args.repeat)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2))
+    print(f"machine: {res['machine']}; {' '.join(job_args)}; {args.repeat} runs each")
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
