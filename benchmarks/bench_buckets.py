@@ -7,8 +7,10 @@ The small GPT of examples/gpt_small.py (float32, no clipping, no LR schedule; `-
 `--layers` make it bigger), 2 stages x 2 pipelines x 8 micro-batches on local CPU processes
 (gloo), under the default policy (split backward, staggered optimizer) and fused+barrier.
 Each `--bucket-mb` value is one configuration (`default`: the launcher's default); the step
-time is the median of the runs' median step time, iterations 5 onwards. Also the memory and
-time of the step-undo copy per stage (bench_executor's `undo_copy`).
+time is the median of the runs' median step time, iterations 5 onwards; beside it, the time a
+worker spends per iteration in its ALLREDUCE op (waiting for the stage's all-reduce) and in
+its W and B ops (where the buckets now start), averaged over workers and the whole run. Also
+the memory and time of the step-undo copy per stage (bench_executor's `undo_copy`).
 """
 
 from __future__ import annotations
@@ -40,21 +42,34 @@ def run(job_args: list[str], buckets: list[str], repeat: int, work: Path) -> dic
         lib = PlanLibrary.open(folder)
         for bucket in buckets:
             extra = {} if bucket == "default" else {"bucket_mb": float(bucket)}
-            steps = []
+            steps, waits = [], []
             for r in range(repeat):
                 res = launch(GPT, LaunchConfig(nproc=D * spec.stages,
                                                run_dir=str(work / f"run-{r}"), **extra),
                              job_args + ["--library", str(lib.folder)])
                 steps.append(median_step(res.iteration_end, 5))
-            out["configurations"].append({"policy": label, "bucket_mb": bucket,
-                                          "step_ms": statistics.median(steps), "runs": steps})
+                waits.append(per_iteration(res.op_times))
+            out["configurations"].append({
+                "policy": label, "bucket_mb": bucket, "step_ms": statistics.median(steps),
+                "runs": steps, **{key: statistics.median(w[key] for w in waits)
+                                  for key in waits[0]}})
     return out
 
 
+def per_iteration(op_times: dict) -> dict:
+    """ms per iteration in the ALLREDUCE op and in the W and B ops, mean over workers."""
+    def mean(kinds):
+        return 1e3 * statistics.mean(
+            sum(t[k][1] for k in kinds) / t["ALLREDUCE"][0] for t in op_times.values())
+    return {"allreduce_ms": mean(["ALLREDUCE"]), "backward_ms": mean(["W", "B"])}
+
+
 def markdown(res: dict) -> str:
-    lines = ["| policy | bucket (MB) | step (ms) | runs (ms) |", "| --- | ---: | ---: | --- |"]
+    lines = ["| policy | bucket (MB) | step (ms) | runs (ms) | in ALLREDUCE (ms/it) | in W and B "
+             "(ms/it) |", "| --- | ---: | ---: | --- | ---: | ---: |"]
     lines += [f"| {c['policy']} | {c['bucket_mb']} | {c['step_ms']:.1f} | "
-              f"{', '.join(f'{x:.1f}' for x in c['runs'])} |" for c in res["configurations"]]
+              f"{', '.join(f'{x:.1f}' for x in c['runs'])} | {c['allreduce_ms']:.2f} | "
+              f"{c['backward_ms']:.2f} |" for c in res["configurations"]]
     lines += ["", "| stage | undo copy: parameters (MB) | optimizer state (MB) | step (ms) | "
               "step with the copy (ms) |", "| ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['stage']} | {r['param_bytes'] / 1e6:.2f} | {r['optimizer_bytes'] / 1e6:.2f}"

@@ -77,8 +77,6 @@ class GradBuckets:
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(self._hook(i))
         self.comm: Comm | None = None
-        self.on_launch = None
-        """Called with a bucket's index when its all-reduce starts (tests record the order)."""
         self.reset()
 
     def reset(self) -> None:
@@ -148,8 +146,6 @@ class GradBuckets:
                 self.works.append(self.comm.allreduce_start(flat, "gradient all-reduce"))
             except PeerFailure as exc:  # raised at the wait, never inside an autograd hook
                 self.error = exc
-        if self.on_launch is not None:
-            self.on_launch(b)
 
     def wait(self) -> None:
         """Wait for every bucket (all started) and point each `.grad` into its bucket."""
