@@ -11,14 +11,23 @@ time is the median of the runs' median step time, iterations 5 onwards; beside i
 worker spends per iteration in its ALLREDUCE op (waiting for the stage's all-reduce) and in
 its W and B ops (where the buckets now start), averaged over workers and the whole run. Also
 the memory and time of the step-undo copy per stage (bench_executor's `undo_copy`).
+
+`--in-process`: instead, one worker per stage in this process, with a stand-in for the groups
+that completes every operation at once, runs its program with the buckets started at its
+last W or B (`Program.launch`) and, in the other half of the iterations (ABBA order), at
+its ALLREDUCE op (as before buckets): what starting them early costs on the host, without
+the other workers' processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from bench_executor import D, GPT, M, median_step, undo_copy
@@ -56,6 +65,74 @@ def run(job_args: list[str], buckets: list[str], repeat: int, work: Path) -> dic
     return out
 
 
+class _Done:
+    """A stand-in for the groups: every operation completes at once (receives read zeros)."""
+
+    size = D * 2
+    stage_group = True
+
+    def irecv(self, buf, src, tag):
+        return buf.zero_()
+
+    def isend(self, buf, dst, tag):
+        return None
+
+    def settle(self, work):
+        pass
+
+    def wait(self, work, what=""):
+        pass
+
+    def allreduce_start(self, flat, what):
+        return None
+
+
+def in_process(job_args: list[str], iterations: int, work: Path) -> list[dict]:
+    """Per policy and stage: median iteration time with the buckets started at the launch op
+    and at ALLREDUCE, alternating (ms)."""
+    import torch
+
+    from recycle_planner.executor.boundary import layout_of
+    from recycle_planner.executor.faults import FaultInjector
+    from recycle_planner.executor.runtime import StageRuntime, compile_program
+    from recycle_planner.executor.state import StageState
+
+    torch.set_num_threads(1)
+    job = load_job(GPT, job_args)
+    spec, _ = profile_job(job, D, M, name="gpt")
+    sample = job.data(0, 0, 0)[0]
+    with torch.no_grad():
+        hidden = job.build_stage(0)(sample)
+    layouts = [(None, layout_of(hidden)), (layout_of(hidden), None)]
+    rows = []
+    for label, policy in POLICIES.items():
+        folder = work / f"inproc-{policy.label.replace('/', '-')}"
+        build_library(spec, policy, 0, folder, Settings(solver="heuristic"), jobs=1)
+        hit = PlanLibrary.open(folder).lookup([])
+        for s in range(spec.stages):
+            module = job.build_stage(s)
+            optimizer, _ = job.build_state(module)
+            runtime = StageRuntime(StageState(module, optimizer), job.loss_fn, job.data, s,
+                                   spec.stages, D, M, torch.device("cpu"), *layouts[s])
+            runtime.comm = _Done()
+            program = compile_program(hit.plan(), hit.mapping, (0, s),
+                                      list(range(D * spec.stages)))
+            at_allreduce = dataclasses.replace(program, launch=next(
+                k for k, ins in enumerate(program.instrs) if ins.kind == "ALLREDUCE"))
+            times: dict[str, list[float]] = {"launch op": [], "ALLREDUCE": []}
+            for it in range(4 + 2 * iterations):
+                early = it % 4 in (1, 2)  # ABBA: each mode on as many odd as even iterations
+                mode = "launch op" if early else "ALLREDUCE"
+                t0 = time.perf_counter()
+                runtime.run_iteration(program if early else at_allreduce, it,
+                                      threading.Event(), FaultInjector([], 0, 0, print))
+                if it >= 4:
+                    times[mode].append(1e3 * (time.perf_counter() - t0))
+            rows.append({"policy": label, "stage": s,
+                         **{f"{mode} ms": statistics.median(t) for mode, t in times.items()}})
+    return rows
+
+
 def per_iteration(op_times: dict) -> dict:
     """ms per iteration in the ALLREDUCE op and in the W and B ops, mean over workers."""
     def mean(kinds):
@@ -85,10 +162,25 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--bucket-mb", action="append", metavar="MB|default",
                         help="a bucket size to measure (repeatable; default: 'default')")
+    parser.add_argument("--in-process", action="store_true",
+                        help="measure the host cost of starting buckets early, in one process")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     job_args = ["--dtype", "float32", "--clip", "0", "--warmup", "0", "--dim", str(args.dim),
                 "--layers", str(args.layers), "--iterations", str(args.iterations)]
+    if args.in_process:
+        with tempfile.TemporaryDirectory(prefix="bench-buckets-") as tmp:
+            rows = in_process(job_args, args.iterations, Path(tmp))
+        if args.json:
+            args.json.write_text(json.dumps({"machine": machine(), "job_args": job_args,
+                                             "in_process": rows}, indent=2))
+        print(f"machine: {machine()}; {' '.join(job_args)}; one process")
+        print("| policy | stage | buckets started at the last W/B (ms/it) | at ALLREDUCE (ms/it) |")
+        print("| --- | ---: | ---: | ---: |")
+        for r in rows:
+            print(f"| {r['policy']} | {r['stage']} | {r['launch op ms']:.1f} | "
+                  f"{r['ALLREDUCE ms']:.1f} |")
+        return
     with tempfile.TemporaryDirectory(prefix="bench-buckets-") as tmp:
         res = run(job_args, args.bucket_mb or ["default"], args.repeat, Path(tmp))
     res.update(machine=machine(), job_args=job_args, repeat=args.repeat)
