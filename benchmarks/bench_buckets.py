@@ -119,17 +119,21 @@ def in_process(job_args: list[str], iterations: int, work: Path) -> list[dict]:
                                       list(range(D * spec.stages)))
             at_allreduce = dataclasses.replace(program, launch=next(
                 k for k, ins in enumerate(program.instrs) if ins.kind == "ALLREDUCE"))
-            times: dict[str, list[float]] = {"launch op": [], "ALLREDUCE": []}
+            times: dict[str, dict[str, list[float]]] = {"launch op": {}, "ALLREDUCE": {}}
             for it in range(4 + 2 * iterations):
                 early = it % 4 in (1, 2)  # ABBA: each mode on as many odd as even iterations
                 mode = "launch op" if early else "ALLREDUCE"
+                before = {kind: spent[1] for kind, spent in runtime.op_times.items()}
                 t0 = time.perf_counter()
                 runtime.run_iteration(program if early else at_allreduce, it,
                                       threading.Event(), FaultInjector([], 0, 0, print))
                 if it >= 4:
-                    times[mode].append(1e3 * (time.perf_counter() - t0))
-            rows.append({"policy": label, "stage": s,
-                         **{f"{mode} ms": statistics.median(t) for mode, t in times.items()}})
+                    times[mode].setdefault("iteration", []).append(time.perf_counter() - t0)
+                    for kind, spent in runtime.op_times.items():
+                        times[mode].setdefault(kind, []).append(spent[1] - before[kind])
+            rows.append({"policy": label, "stage": s, **{
+                f"{mode} {kind} ms": 1e3 * statistics.median(t)
+                for mode, kinds in times.items() for kind, t in kinds.items()}})
     return rows
 
 
@@ -175,11 +179,14 @@ def main() -> None:
             args.json.write_text(json.dumps({"machine": machine(), "job_args": job_args,
                                              "in_process": rows}, indent=2))
         print(f"machine: {machine()}; {' '.join(job_args)}; one process")
-        print("| policy | stage | buckets started at the last W/B (ms/it) | at ALLREDUCE (ms/it) |")
-        print("| --- | ---: | ---: | ---: |")
+        kinds = ("iteration", "F", "I", "W", "B", "ALLREDUCE")
+        print("ms per iteration, buckets started at the last W/B / at ALLREDUCE")
+        print(f"| policy | stage | {' | '.join(kinds)} |")
+        print(f"| --- | ---: |{' ---: |' * len(kinds)}")
         for r in rows:
-            print(f"| {r['policy']} | {r['stage']} | {r['launch op ms']:.1f} | "
-                  f"{r['ALLREDUCE ms']:.1f} |")
+            print(f"| {r['policy']} | {r['stage']} | " + " | ".join(
+                f"{r[f'launch op {k} ms']:.1f} / {r[f'ALLREDUCE {k} ms']:.1f}" for k in kinds)
+                + " |")
         return
     with tempfile.TemporaryDirectory(prefix="bench-buckets-") as tmp:
         res = run(job_args, args.bucket_mb or ["default"], args.repeat, Path(tmp))
