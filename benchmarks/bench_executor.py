@@ -249,8 +249,8 @@ def undo_copy(job, repeats: int = 20) -> list[dict]:
                 optimizer.zero_grad(set_to_none=True)
                 key = "without"
             times[key].append(time.perf_counter() - t0)
-        params = sum(b.numel() * b.element_size() for b in state._saved_params)
-        opt = sum(v.numel() * v.element_size() for st in state._saved_optimizer["state"].values()
+        params = sum(b.numel() * b.element_size() for b in state.undo.params)
+        opt = sum(v.numel() * v.element_size() for st in state.undo.optimizer["state"].values()
                   for v in st.values() if isinstance(v, torch.Tensor))
         rows.append({"stage": s, "param_bytes": params, "optimizer_bytes": opt,
                      "step_ms": 1e3 * statistics.median(times["without"]),

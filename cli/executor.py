@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from recycle_planner.cli.progress import Ticker
+from recycle_planner.executor.config import BUCKET_MB, UNDO_COPY, UNDO_PLACES
 from recycle_planner.library.ondemand import (ON_DEMAND_BUDGET, REFINE_BUDGET, REFINE_MARGIN,
                                               REFINE_WHICH)
 
@@ -62,6 +63,16 @@ def _settings(f):
                      show_default=True, metavar="SECONDS",
                      help="Timeout of every process group (a backstop: failures are caught "
                           "by the lease and the groups aborted)."),
+        click.option("--bucket-mb", type=click.FloatRange(min=0, min_open=True),
+                     default=BUCKET_MB, show_default=True, metavar="MIB",
+                     help="Size of a bucket of a stage's gradient all-reduce: each bucket "
+                          "starts as soon as its gradients are final, during the worker's "
+                          "last backward op, so smaller buckets overlap more with it."),
+        click.option("--undo-copy", type=click.Choice(UNDO_PLACES), default=UNDO_COPY,
+                     show_default=True,
+                     help="Where the copy that undoes a stage's latest optimizer step lives "
+                          "(parameters and optimizer state): host memory (pinned on GPUs) or "
+                          "the device (faster to make, costs device memory)."),
         click.option("--checkpoint-every", type=click.IntRange(0), default=100,
                      show_default=True, metavar="ITERATIONS",
                      help="Checkpoint every so many iterations (0: only the final one, and "

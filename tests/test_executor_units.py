@@ -1,6 +1,7 @@
 """The executor's pieces that need no second process: faults, tags, membership decisions,
 routing of a re-routed plan, undo of an optimizer step, checkpoints, job loading."""
 
+import copy
 from itertools import product
 
 import pytest
@@ -159,6 +160,58 @@ def test_an_optimizer_step_can_be_undone_exactly():
         assert torch.equal(v, opt_before[k])
     st.rollback_to(2)  # already there: nothing to do
     with pytest.raises(RecycleError, match="undo"):
+        st.rollback_to(1)
+
+
+@pytest.mark.parametrize("place", ["host", "device"])
+def test_the_undo_copy_lives_where_asked_and_undoes_exactly(place):
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2).double()
+    opt = torch.optim.AdamW(module.parameters(), lr=0.1)
+    st = StageState(module, opt, scheduler=torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: (k + 1) / 4), undo_copy=place)
+    for k in range(3):
+        before = copy.deepcopy(st.state_dict())
+        st.module(torch.ones(4, 3, dtype=torch.float64)).pow(k + 1).sum().backward()
+        st.step()
+    assert all(b.device.type == "cpu" for b in st.undo.params)  # no GPU here: both on CPU
+    st.rollback_to(2)
+    after = st.state_dict()
+    assert torch.equal(after["model"]["weight"], before["model"]["weight"])
+    assert after["optimizer"]["param_groups"] == before["optimizer"]["param_groups"]
+    assert all(torch.equal(v, before["optimizer"]["state"][0][k])
+               for k, v in after["optimizer"]["state"][0].items())
+    assert after["scheduler"] == before["scheduler"]
+    with pytest.raises(RecycleError, match="undo copy place 'disk'"):
+        StageState(module, opt, undo_copy="disk")
+
+
+def test_the_undo_copy_is_skipped_where_no_undo_can_come():
+    """A skipped step (apply=False) keeps no tensor, yet its undo restores the LR schedule;
+    the generation's only member keeps nothing, and an undo is then refused."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2).double()
+    opt = torch.optim.Adam(module.parameters(), lr=0.1)
+    st = StageState(module, opt, scheduler=torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: (k + 1) / 4))
+    st.module(torch.ones(4, 3, dtype=torch.float64)).sum().backward()
+    st.step()
+    weight = st.params[0].detach().clone()
+    state = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    buffers = [b.data_ptr() for b in st.undo.params]
+    st.module(torch.ones(4, 3, dtype=torch.float64)).sum().backward()
+    st.step(apply=False)
+    assert not st.undo.tensors and opt.param_groups[0]["lr"] == pytest.approx(0.075)
+    assert [b.data_ptr() for b in st.undo.params] == buffers  # kept for the next full copy
+    st.rollback_to(1)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05) and st.scheduler.last_epoch == 1
+    assert torch.equal(st.params[0], weight)
+    assert all(torch.equal(v, state[k]) for k, v in opt.state_dict()["state"][0].items())
+
+    st.module(torch.ones(4, 3, dtype=torch.float64)).sum().backward()
+    st.step(undoable=False)
+    assert st.steps == 2 and not st.can_undo
+    with pytest.raises(RecycleError, match="only the latest step can be undone"):
         st.rollback_to(1)
 
 

@@ -4,6 +4,8 @@ per-pair streams or one stream per rank, over two iterations (the staggered opti
 them overlap); the order the runtime used before (receives posted a few ops ahead) deadlocks
 every one of them, which the replay must see."""
 
+from dataclasses import replace
+
 import pytest
 
 from recycle_planner.job.policy import Policy
@@ -83,5 +85,5 @@ def test_the_replay_sees_messages_received_in_another_order(example_library):
     issues = list(prog.issues)
     posts = [i for i, step in enumerate(issues) if step.kind == POST][:2]
     issues[posts[0]], issues[posts[1]] = issues[posts[1]], issues[posts[0]]
-    programs[rank] = Program(prog.instrs, tuple(issues), prog.logical, prog.stagger)
+    programs[rank] = replace(prog, issues=tuple(issues))
     assert replay(programs, stage_of)[0].startswith("mismatch")

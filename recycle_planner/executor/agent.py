@@ -47,7 +47,8 @@ from recycle_planner.errors import RecycleError
 from recycle_planner.executor import protocol as P
 from recycle_planner.executor.faults import Fault
 from recycle_planner.executor.state import latest_checkpoint, write_manifest
-from recycle_planner.executor.config import CONFIG_ENV, CONFIG_ERROR, STALLED, WorkerConfig
+from recycle_planner.executor.config import (BUCKET_MB, CONFIG_ENV, CONFIG_ERROR, STALLED,
+                                             UNDO_COPY, UNDO_PLACES, WorkerConfig)
 from recycle_planner.files.planfile import read_plan
 from recycle_planner.job.spec import load_spec
 from recycle_planner.job.workers import dead_per_stage, format_workers
@@ -97,6 +98,8 @@ class LaunchConfig:
     refine_margin: float = REFINE_MARGIN  # switch only if shorter by this fraction
     faults: Sequence[Fault] = ()
     threads: int = 1
+    bucket_mb: float = BUCKET_MB          # gradient all-reduce bucket size (MiB)
+    undo_copy: str = UNDO_COPY            # where the step-undo copy lives: host or device
     poll: float = 0.002                   # between checks while something is happening
     idle_poll: float = 0.02               # while training runs (a death wakes the launcher)
 
@@ -106,6 +109,11 @@ class LaunchConfig:
         for f in self.faults:
             if not 0 <= f.rank < self.nproc:
                 raise RecycleError(f"fault {f}: rank {f.rank} is outside 0..{self.nproc - 1}")
+        if not self.bucket_mb > 0:
+            raise RecycleError(f"bucket_mb must be positive, got {self.bucket_mb}")
+        if self.undo_copy not in UNDO_PLACES:
+            raise RecycleError(f"undo_copy {self.undo_copy!r} is not one of "
+                               f"{', '.join(UNDO_PLACES)}")
         if self.refine not in REFINE_WHICH:
             raise RecycleError(f"refine {self.refine!r} is not one of {', '.join(REFINE_WHICH)}")
 
@@ -115,7 +123,9 @@ class LaunchConfig:
                             pg_timeout=self.pg_timeout,
                             poll=self.poll, checkpoint_every=self.checkpoint_every,
                             resume=self.resume, library=self.library,
-                            threads=self.threads, faults=[f.to_dict() for f in self.faults])
+                            threads=self.threads, bucket_mb=self.bucket_mb,
+                            undo_copy=self.undo_copy,
+                            faults=[f.to_dict() for f in self.faults])
 
 
 @dataclass

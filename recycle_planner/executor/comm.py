@@ -239,13 +239,13 @@ class Comm:
             self.wait(work, "send")
         self.sends.clear()
 
-    def allreduce_sum(self, flat: torch.Tensor, what: str = "gradient all-reduce") -> None:
-        """SUM over the stage's live workers (callers skip it when `stage_group` is None)."""
+    def allreduce_start(self, flat: torch.Tensor, what: str):
+        """Start a SUM over the stage's live workers in place; `wait` for the returned work
+        (callers skip it when `stage_group` is None)."""
         try:
-            work = self.stage_group.allreduce([flat], dist.AllreduceOptions())
+            return self.stage_group.allreduce([flat], dist.AllreduceOptions())
         except RuntimeError as exc:
             raise PeerFailure(f"{what} failed: {short_error(exc)}") from None
-        self.wait(work, what)
 
     def all_stages_sum(self, value: torch.Tensor) -> torch.Tensor:
         """The sum over stages of `value`, which every worker of a stage holds equal (computed

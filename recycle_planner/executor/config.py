@@ -10,6 +10,14 @@ from dataclasses import dataclass, field
 from recycle_planner.errors import RecycleError
 
 CONFIG_ENV = "RECYCLE_CONFIG"
+BUCKET_MB = 25.0
+"""Size (MiB) of a bucket of the stage's gradient all-reduce (`buckets.py`), DDP's default:
+large enough that a launch costs little against its transfer, small enough that the first
+buckets start while the backward still runs."""
+UNDO_PLACES = ("host", "device")
+UNDO_COPY = "host"
+"""Where the copy that undoes a stage's latest step lives (`undo.UNDO_PLACES`): GPU memory
+is the scarce one."""
 CONFIG_ERROR = 3
 """Exit status of a worker that refuses to run (bad job or library): the launcher stops."""
 STALLED = 4
@@ -33,6 +41,8 @@ class WorkerConfig:
     resume: bool = False
     library: str | None = None      # overrides the job's library
     threads: int = 1                # torch intra-op threads per worker
+    bucket_mb: float = BUCKET_MB    # gradient all-reduce bucket size
+    undo_copy: str = UNDO_COPY      # where the step-undo copy lives: host or device
     faults: list[dict] = field(default_factory=list)
 
     def to_json(self) -> str:

@@ -11,7 +11,10 @@ too large to be buffered):
 - A receive from `a` is matched with the next send of `a` to it; if their tags differ, NCCL
   would deliver the wrong tensor (a mismatch).
 - A send starts once the op producing its tensor has run; an op runs once its receive has
-  completed; the stage all-reduce completes when every live worker of the stage reaches it.
+  completed. The stage's collectives (gradient buckets, the last stage's losses) run on their
+  own communicator: a worker starts them during its program's `launch` op (its last W or B,
+  or ALLREDUCE itself when it has neither) and its ALLREDUCE completes once every live worker
+  of the stage has started them.
 
 `replay` returns one line per problem (empty: the order is safe for these iterations).
 """
@@ -61,6 +64,15 @@ def replay(programs: Mapping[int, object], stage_of: Mapping[int, int], iteratio
     def instr(rank, k):
         return programs[rank].instrs[k]
 
+    def started(rank, it):
+        """Whether `rank` has started its stage's collectives of iteration `it`."""
+        launch = programs[rank].launch
+        if (rank, launch, it) in ran:
+            return True
+        runs = compute[rank]  # no W or B: started at its ALLREDUCE, even while it waits there
+        return instr(rank, launch).kind == "ALLREDUCE" and head[rank] < len(runs) \
+            and runs[head[rank]] == (launch, it)
+
     def tag(rank, k, it, kind):
         ins = instr(rank, k)
         return (ins.recv_tags if kind == POST else ins.send_tags)[it % 2]
@@ -74,17 +86,9 @@ def replay(programs: Mapping[int, object], stage_of: Mapping[int, int], iteratio
                 ins = instr(rank, k)
                 if ins.src is not None and (rank, k, it) not in received:
                     break
-                if ins.kind == "ALLREDUCE":
-                    peers = stages[stage_of[rank]]
-                    if not all(head[r] < len(compute[r]) and
-                               instr(r, compute[r][head[r]][0]).kind == "ALLREDUCE" and
-                               compute[r][head[r]][1] == it for r in peers):
-                        break
-                    for r in peers:
-                        ran.add((r, compute[r][head[r]][0], it))
-                        head[r] += 1
-                    progress = True
-                    continue
+                if ins.kind == "ALLREDUCE" and not all(
+                        started(r, it) for r in stages[stage_of[rank]]):
+                    break
                 ran.add((rank, k, it))
                 head[rank] += 1
                 progress = True

@@ -35,7 +35,9 @@ from torch.distributed.pipelining._backward import (stage_backward, stage_backwa
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.boundary import (STATIC, Layout, call, fit, flat, pack, prefix,
                                                unpack)
+from recycle_planner.executor.buckets import GradBuckets, launch_point
 from recycle_planner.executor.comm import BACKWARD, FORWARD, Comm, PeerFailure, message_tag
+from recycle_planner.executor.config import BUCKET_MB
 from recycle_planner.executor.faults import FaultInjector
 from recycle_planner.executor.issue import POST, SEND, Issue, issue_order
 from recycle_planner.executor.protocol import rank_of
@@ -76,6 +78,7 @@ class Program:
     issues: tuple[Issue, ...]   # one iteration's receives, ops and sends in issue order
     logical: int                # the logical pipeline this worker plays
     stagger: bool
+    launch: int                 # the op during which the gradient all-reduce starts
 
 
 def runners(plan: Plan, stage: int) -> dict[tuple[int, int], int]:
@@ -143,7 +146,8 @@ def compile_program(plan: Plan, mapping: Mapping, worker: tuple[int, int],
         counts[op.kind] = index + 1
         point = POINTS.get(op.kind) or f"{op.kind}{index}"
         instrs.append(Instr(op.kind, p, m, src, rtags, dst, stags, point, rkey, skey))
-    return Program(tuple(instrs), issue_order(instrs), logical, plan.policy.stagger)
+    return Program(tuple(instrs), issue_order(instrs), logical, plan.policy.stagger,
+                   launch_point(instrs))
 
 
 class StageRuntime:
@@ -155,13 +159,14 @@ class StageRuntime:
     resolved with the sizes of its micro-batch, on both ends alike, and its buffer grows to the
     largest message seen (fixed-shape jobs take none of this path). `hook` (a `StepHook`) runs
     between the gradient all-reduce and the optimizer step with the sum of every stage's
-    `stats` (`all_stages_sum`); `autocast` is the dtype of mixed-precision forwards."""
+    `stats` (`all_stages_sum`); `autocast` is the dtype of mixed-precision forwards;
+    `bucket_mb` the size of the gradient all-reduce's buckets (`buckets.GradBuckets`)."""
 
     def __init__(self, state: StageState, loss_fn: Callable, data: Callable, stage: int,
                  stages: int, pipelines: int, microbatches: int, device: torch.device,
                  in_layout: Layout | None, out_layout: Layout | None,
                  hook: Any = None, autocast: torch.dtype | None = None,
-                 dims: DynamicDims | None = None):
+                 dims: DynamicDims | None = None, bucket_mb: float = BUCKET_MB):
         self.state = state
         self.module = state.module
         self.loss_fn = loss_fn
@@ -195,6 +200,11 @@ class StageRuntime:
         """The last stage's micro-batch losses of the running iteration, kept on the device."""
         self.all_losses: torch.Tensor | None = None
         """All D*M losses of the iteration once the stage's all-reduce is done (last stage)."""
+        self.loss_work: Any = None
+        """The pending all-reduce of `all_losses`."""
+        self.buckets = GradBuckets(state.params, bucket_mb)
+        self.launch_at = -1
+        """The running program's `launch`: the op that starts the gradient all-reduce."""
         self.reset()
         self.op_times: dict[str, list[float]] = new_op_times()
         """Per op kind: how many ran, the seconds they took (waits for data included) and the
@@ -208,13 +218,15 @@ class StageRuntime:
         """Forget everything of an abandoned iteration (activations, saved graphs, gradients)."""
         self.cache: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.saved: dict[tuple[int, int], Any] = {}
-        self.posted: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.posted: dict[int, tuple[Any, torch.Tensor, Layout]] = {}
         self.outgoing: dict[int, list[torch.Tensor | None]] = {}
         self.send_bufs = {}  # a new generation: a new program, and a broken group's pending
         self.recv_bufs = {}  # operations must not write into the next one's buffers
         self.losses = {}
         self.all_losses = None
+        self.loss_work = None
         self.op_started = None
+        self.buckets.reset()
         self.state.clear_grads()
 
     # -- the loop ----------------------------------------------------------------------------
@@ -229,6 +241,7 @@ class StageRuntime:
         self.outgoing = {}
         self.losses = {}
         self.all_losses = None
+        self.launch_at = program.launch
         for kind, k in program.issues:
             ins = instrs[k]
             if kind == POST:
@@ -345,33 +358,53 @@ class StageRuntime:
         key = (ins.pipeline, ins.microbatch)
         inputs, outputs = self.cache.pop(key)
         saved = self.saved.pop(key)
+        armed = self._arm(k)
         if self.first:
             stage_backward(_graded(outputs, saved), saved, inputs)
+        elif armed:
+            self.buckets.backward_weight(self.module.parameters(), saved)
         else:
             stage_backward_weight(self.module.parameters(), saved)
+        if k == self.launch_at:
+            self._start_collectives()
 
     def backward(self, k: int, ins: Instr, iteration: int) -> None:
         key = (ins.pipeline, ins.microbatch)
         inputs, outputs = self.cache.pop(key)
         grads = self._output_grads(k)
+        self._arm(k)
         grads = stage_backward(_graded(outputs, grads), grads, inputs)
+        if k == self.launch_at:
+            self._start_collectives()
         if not self.first:
             self.outgoing[k] = list(grads)
 
-    def allreduce(self, k: int, ins: Instr, iteration: int) -> None:
+    def _arm(self, k: int) -> bool:
+        """If op `k` makes the gradients final and the stage has peers: arm the buckets
+        (each starts its all-reduce when complete) and say so."""
+        if k != self.launch_at or self.comm.stage_group is None:
+            return False
+        self.buckets.arm(self.comm)
+        return True
+
+    def _start_collectives(self) -> None:
+        """The gradients are final: start every bucket not started yet and, on the last
+        stage, the loss all-reduce after them (so the order is the same on every rank)."""
+        if self.comm.stage_group is not None:
+            self.buckets.finish(self.comm)
         if self.last:
             self._gather_losses()
-        if self.comm.stage_group is None:
-            return
-        params = self.state.params
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat_grads = torch.cat([g.reshape(-1) for g in grads])
-        self.comm.allreduce_sum(flat_grads)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat_grads[offset:offset + n].view_as(p)
-            offset += n
+
+    def allreduce(self, k: int, ins: Instr, iteration: int) -> None:
+        """Wait for the collectives started by the last gradient op (`buckets`), or start
+        them here when the worker ran no W or B."""
+        if k == self.launch_at:
+            self._start_collectives()
+        if self.loss_work is not None:
+            work, self.loss_work = self.loss_work, None
+            self.comm.wait(work, "loss all-reduce")
+        if self.comm.stage_group is not None:
+            self.buckets.wait()
 
     def _gather_losses(self) -> None:
         """Every last-stage worker learns all D*M losses of the iteration from the stage's
@@ -385,9 +418,9 @@ class StageRuntime:
             index = torch.tensor([p * self.microbatches + m for p, m in keys],
                                  device=self.device)
             values[index] = torch.stack([self.losses[key] for key in keys]).to(torch.float64)
+        self.all_losses = values  # summed in place by `loss_work`, waited for at ALLREDUCE
         if self.comm.stage_group is not None:
-            self.comm.allreduce_sum(values, "loss all-reduce")
-        self.all_losses = values
+            self.loss_work = self.comm.allreduce_start(values, "loss all-reduce")
 
     def optimizer_step(self, k: int, ins: Instr, iteration: int) -> None:
         if self.on_step is not None and self.all_losses is not None:
@@ -399,7 +432,7 @@ class StageRuntime:
             params = self.state.params
             total = self.comm.all_stages_sum(self.hook.stats(self.stage, params))
             apply = self.hook.apply(self.stage, params, total) is not False
-        self.state.step(apply)
+        self.state.step(apply, undoable=self.comm.size > 1)
 
 
 def _static() -> str:

@@ -3,9 +3,10 @@
 With the staggered optimizer a stage steps as soon as its own gradients are reduced, while
 other stages are still working on the same iteration. If a worker dies then, the iteration
 is redone, so a stage that already stepped must undo that step. `StageState` keeps the state
-from before its latest step: no stage can step iteration i+1 before every stage has stepped
-iteration i, so when a stage takes its next step the previous iteration is complete
-everywhere and one saved copy is always enough.
+from before its latest step (`undo.UndoCopy`: on the host by default, and skipped where no
+undo can come): no stage can step iteration i+1 before every stage has stepped iteration i,
+so when a stage takes its next step the previous iteration is complete everywhere and one
+saved copy is always enough.
 
 Checkpoints: `RUN/checkpoints/iter-NNNNNN/stage{s}/`, one `torch.distributed.checkpoint`
 folder per stage (model and optimizer state dicts and the step count, written by the stage's
@@ -18,7 +19,6 @@ is a shared filesystem.
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import os
@@ -32,37 +32,34 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from recycle_planner.errors import RecycleError
+from recycle_planner.executor.config import UNDO_COPY
+from recycle_planner.executor.undo import UndoCopy
 from recycle_planner.io import write_json
 
 
 class StageState:
     """`scheduler` (an LR scheduler of `optimizer`, or None) steps after every optimizer step
-    and is undone, copied and checkpointed with it."""
+    and is undone, copied and checkpointed with it; `undo_copy` is where the copy that undoes
+    a step lives (`config.UNDO_PLACES`)."""
 
     def __init__(self, module: torch.nn.Module, optimizer: Any, steps: int = 0,
-                 scheduler: Any = None):
+                 scheduler: Any = None, undo_copy: str = UNDO_COPY):
         self.module = module
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.steps = steps
-        self._saved_params: list[torch.Tensor] | None = None
-        self._saved_optimizer: dict | None = None  # set by a step, until it is undone
-        self._saved_scheduler: dict | None = None
+        self.undo = UndoCopy(undo_copy)
 
-    def step(self, apply: bool = True) -> None:
+    def step(self, apply: bool = True, undoable: bool = True) -> None:
         """Save what an undo needs, then step (unless `apply` is False: a step skipped, as
         a loss scaler does on an overflow; the iteration still counts) and clear the
-        gradients."""
-        with torch.no_grad():
-            if self._saved_params is None:
-                self._saved_params = [p.detach().clone() for p in self.params]
-            else:
-                for buf, p in zip(self._saved_params, self.params):
-                    buf.copy_(p)
-        self._save_optimizer()
-        if self.scheduler is not None:
-            self._saved_scheduler = copy.deepcopy(self.scheduler.state_dict())
+        gradients. `undoable` False: no other live worker can report fewer steps (the
+        generation's only member), so nothing is saved."""
+        if undoable:
+            self.undo.save(self.params, self.optimizer, self.scheduler, tensors=apply)
+        else:
+            self.undo.drop()
         if apply:
             self.optimizer.step()
         if self.scheduler is not None:
@@ -70,45 +67,18 @@ class StageState:
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
 
-    def _save_optimizer(self) -> None:
-        """Copy the optimizer state into the buffers of the previous copy when its structure
-        is unchanged (every step but the first), else deep-copy it."""
-        current = self.optimizer.state_dict()
-        saved = self._saved_optimizer
-        if saved is None or saved["state"].keys() != current["state"].keys() or any(
-                saved["state"][i].keys() != st.keys() for i, st in current["state"].items()):
-            self._saved_optimizer = copy.deepcopy(current)
-            return
-        with torch.no_grad():
-            for i, st in current["state"].items():
-                into = saved["state"][i]
-                for key, value in st.items():
-                    old = into[key]
-                    if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) \
-                            and old.shape == value.shape and old.dtype == value.dtype:
-                        old.copy_(value)
-                    else:
-                        into[key] = copy.deepcopy(value)
-        saved["param_groups"] = copy.deepcopy(current["param_groups"])
-
     @property
     def can_undo(self) -> bool:
-        return self._saved_optimizer is not None
+        return self.undo.ready
 
     def rollback_to(self, steps: int) -> None:
         """Undo the latest step if the stage is one step past `steps`."""
         if self.steps == steps:
             return
-        if self.steps != steps + 1 or self._saved_optimizer is None:
+        if self.steps != steps + 1 or not self.undo.ready:
             raise RecycleError(f"cannot undo from step {self.steps} to step {steps}: only the "
                                f"latest step can be undone")
-        with torch.no_grad():
-            for p, buf in zip(self.params, self._saved_params or []):
-                p.copy_(buf)
-        self.optimizer.load_state_dict(self._saved_optimizer)
-        self._saved_optimizer = None  # the optimizer may now share its tensors
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(self._saved_scheduler)
+        self.undo.restore(self.params, self.optimizer, self.scheduler)
         self.steps = steps
 
     def clear_grads(self) -> None:
@@ -139,7 +109,7 @@ class StageState:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(data["scheduler"])
         self.steps = int(data["steps"])
-        self._saved_optimizer = None
+        self.undo.drop()
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:

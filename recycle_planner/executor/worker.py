@@ -103,7 +103,8 @@ class Worker:
                                           timeout=timedelta(seconds=config.lease))
         module = job.build_stage(self.s).to(self.device)
         optimizer, scheduler = job.build_state(module)
-        self.state = StageState(module, optimizer, scheduler=scheduler)
+        self.state = StageState(module, optimizer, scheduler=scheduler,
+                                undo_copy=config.undo_copy)
         self.has_state = self.incarnation == 0
         if config.resume and self.has_state:
             self._resume()
@@ -136,7 +137,7 @@ class Worker:
         self.runtime = StageRuntime(self.state, self.job.loss_fn, self.job.data, self.s, self.S,
                                     self.D, self.M, self.device, in_layout, out_layout,
                                     self.job.step_hook, self.job.autocast_dtype(),
-                                    self.job.dynamic)
+                                    self.job.dynamic, self.config.bucket_mb)
         # Everything built so far lives until the end: keep the collector off it, so that
         # the collection that closes a broken generation's groups takes microseconds.
         gc.freeze()

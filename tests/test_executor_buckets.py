@@ -1,0 +1,187 @@
+"""The bucketed gradient all-reduce (`executor/buckets.py`) in one process, with a recording
+stand-in for the process groups: buckets start in a fixed order as they complete, during the
+worker's last gradient op (before its ALLREDUCE op is reached), the last stage's losses after
+the last bucket, a failed start surfaces as `PeerFailure` at the wait, `reset` drops pending
+work. Exactness against one process is tests/test_executor*.py's (real groups)."""
+
+import threading
+
+import pytest
+
+from recycle_planner.job.policy import Policy
+from recycle_planner.library import PlanLibrary, Settings, build_library
+
+from conftest import make_spec
+
+torch = pytest.importorskip("torch")
+
+from recycle_planner.executor.boundary import layout_of  # noqa: E402
+from recycle_planner.executor.buckets import GradBuckets, plan_buckets  # noqa: E402
+from recycle_planner.executor.comm import PeerFailure  # noqa: E402
+from recycle_planner.executor.faults import FaultInjector  # noqa: E402
+from recycle_planner.executor.runtime import StageRuntime, compile_program  # noqa: E402
+from recycle_planner.executor.state import StageState  # noqa: E402
+
+S, D, M, WIDTH, BATCH = 2, 2, 4, 8, 3
+
+
+class Work:
+    def __init__(self, fail=False):
+        self.fail = fail
+
+
+class RecordingComm:
+    """Completes every operation at once; records the stage collectives it starts."""
+
+    def __init__(self, events, fail_start=False, size=D * S):
+        self.events = events
+        self.size = size  # the generation's members
+        self.stage_group = object() if size > 1 else None
+        self.fail_start = fail_start
+        self.waited_works = []
+        self.waited = 0.0  # Comm.waited: when the last wait for a peer ended
+
+    def irecv(self, buf, src, tag):
+        buf.zero_()
+        return Work()
+
+    def isend(self, buf, dst, tag):
+        return Work()
+
+    def settle(self, work):
+        pass
+
+    def wait(self, work, what="operation"):
+        self.waited_works.append(work)
+        if work.fail:
+            raise PeerFailure(f"{what} failed: connection closed")
+
+    def allreduce_start(self, flat, what):
+        if self.fail_start:
+            raise PeerFailure(f"{what} failed: group aborted")
+        self.events.append(("start", what, flat.numel()))
+        return Work()
+
+
+def _stage(s, seed=0):
+    torch.manual_seed(seed + s)
+    layers = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(3)]
+    module = torch.nn.Sequential(layers[0], torch.nn.Tanh(), layers[1], torch.nn.Tanh(),
+                                 layers[2])
+    return StageState(module, torch.optim.SGD(module.parameters(), lr=0.1))
+
+
+def _data(iteration, pipeline, microbatch):
+    g = torch.Generator().manual_seed(1000 * iteration + 10 * pipeline + microbatch)
+    return torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+
+
+def test_buckets_are_reverse_ordered_split_by_size_and_dtype():
+    params = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(4, dtype=torch.int64),
+              torch.zeros(5)]
+    # 4 bytes per float32: 40, 40, 120, (int64) 32, 20 bytes; buckets of 100 bytes
+    assert plan_buckets(params, 100) == ((4,), (3,), (2,), (1, 0))
+    assert plan_buckets([torch.zeros(10)] * 3, 1 << 20) == ((2, 1, 0),)
+
+
+@pytest.fixture(scope="module", params=[Policy(), Policy(decouple=False)],
+                ids=["split", "fused"])
+def plan(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lib")
+    build_library(make_spec(stages=S, pipelines=D, microbatches=M), request.param, 0, folder,
+                  Settings(solver="heuristic"), jobs=1)
+    return PlanLibrary.open(folder).lookup([])
+
+
+def _run(plan, s, events, bucket_mb, **comm):
+    """Run iteration 0 of worker (0, s) and record its ops and stage collectives."""
+    program = compile_program(plan.plan(), plan.mapping, (0, s), list(range(D * S)))
+    state = _stage(s)
+    layout = layout_of(torch.zeros(BATCH, WIDTH))
+    runtime = StageRuntime(state, torch.nn.functional.mse_loss, _data, s, S, D, M,
+                           torch.device("cpu"), layout if s > 0 else None,
+                           layout if s < S - 1 else None, bucket_mb=bucket_mb)
+    runtime.comm = RecordingComm(events, **comm)
+    for name, handler in list(runtime.handlers.items()):
+        def recorded(k, ins, it, handler=handler, name=name):
+            events.append(("op", name, k))
+            handler(k, ins, it)
+            events.append(("end", name, k))
+        runtime.handlers[name] = recorded
+    first = state.params[0]  # in the last bucket: its gradient is the backward's last
+    first.register_post_accumulate_grad_hook(lambda p: events.append(("grad", 0)))
+    return program, state, runtime
+
+
+@pytest.mark.parametrize("s", range(S))
+def test_buckets_start_during_the_last_gradient_op_in_order(plan, s):
+    events = []
+    program, state, runtime = _run(plan, s, events, bucket_mb=1e-4)  # ~100 B: one per tensor
+    grads = {}
+    reduce = runtime.handlers["ALLREDUCE"]
+
+    def allreduce(k, ins, it):
+        grads["local"] = [p.grad.clone() for p in state.params]
+        reduce(k, ins, it)
+        grads["reduced"] = [p.grad.clone() for p in state.params]
+    runtime.handlers["ALLREDUCE"] = allreduce
+    runtime.run_iteration(program, 0, threading.Event(), FaultInjector([], 0, 0, print))
+
+    launch = program.launch
+    kind = program.instrs[launch].kind
+    assert kind in ("W", "B")
+    starts = [i for i, e in enumerate(events) if e[0] == "start"]
+    op_start = events.index(("op", kind, launch))
+    op_end = events.index(("end", kind, launch))
+    allreduce = next(i for i, e in enumerate(events) if e[:2] == ("op", "ALLREDUCE"))
+    buckets = runtime.buckets.buckets
+    assert len(buckets) == len(state.params) == 6
+    # every bucket starts during the last gradient op, none at the ALLREDUCE op
+    grad_starts = [i for i in starts if events[i][1] == "gradient all-reduce"]
+    assert len(grad_starts) == len(buckets)
+    assert all(op_start < i < op_end < allreduce for i in grad_starts)
+    # in bucket order, sizes as planned (the last layer's bias first)
+    assert [events[i][2] for i in grad_starts] == [state.params[b[0]].numel() for b in buckets]
+    if kind == "B" or s == 0:  # autograd's hooks: the first buckets start mid-backward
+        assert grad_starts[0] < events.index(("grad", 0), op_start)
+    # the last stage's losses after the last bucket
+    loss_starts = [i for i in starts if events[i][1] == "loss all-reduce"]
+    assert len(loss_starts) == (s == S - 1)
+    assert all(grad_starts[-1] < i < op_end for i in loss_starts)
+    # the reduced gradients (the stand-in sums over one worker) are the local ones
+    assert all(torch.equal(a, b) for a, b in zip(grads["local"], grads["reduced"]))
+    assert state.can_undo  # peers could report fewer steps: the undo copy was taken
+
+
+def test_a_lone_worker_reduces_nothing_and_keeps_no_undo_copy(plan):
+    events = []
+    program, state, runtime = _run(plan, S - 1, events, bucket_mb=1e-4, size=1)
+    runtime.run_iteration(program, 0, threading.Event(), FaultInjector([], 0, 0, print))
+    assert [e for e in events if e[0] == "start"] == [] and state.steps == 1
+    assert not state.can_undo and runtime.all_losses.count_nonzero() == M  # its own micro-batches
+
+
+def test_a_failed_start_is_raised_at_the_wait_and_reset_drops_pending_work():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    params = list(module.parameters())
+    buckets = GradBuckets(params, 1e-5)
+    events = []
+    comm = RecordingComm(events, fail_start=True)
+    buckets.arm(comm)
+    module(torch.ones(2, 4)).sum().backward()  # hooks start buckets: failures are kept
+    buckets.finish(comm)
+    with pytest.raises(PeerFailure, match="group aborted"):
+        buckets.wait()
+    assert events == [] and buckets.works == []
+
+    comm = RecordingComm(events)
+    buckets.arm(comm)
+    buckets.ready([2])  # bucket 1 complete, bucket 0 (the last bias) not: nothing starts
+    assert buckets.next == 0 and buckets.works == []
+    buckets.ready([3])
+    assert buckets.next == 2 and len(buckets.works) == 2 and len(events) == 2
+    buckets.reset()  # the generation is abandoned with work pending
+    assert buckets.works == [] and buckets.next == 0 and buckets.flats == [None] * 4
+    module(torch.ones(2, 4)).sum().backward()  # not armed: the hooks start nothing
+    assert len(events) == 2 and buckets.next == 0
