@@ -301,7 +301,7 @@ def main() -> None:
     if sys.argv[1:2] == ["--profile-child"]:
         profile_child(json.loads(sys.argv[2]))
         return
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append")

@@ -33,20 +33,29 @@ def _reference(args):
         torch.set_num_threads(threads)
 
 
-def test_a_small_gpt_loses_a_worker_and_trains_on_exactly(tmp_path):
+def _killed_run(tmp_path, args: list[str], fault: str):
+    """The 2x2x2 GPT trained 5 iterations by 4 processes with one worker killed at `fault`:
+    the launch result and its generation events."""
     lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=2, max_failures=1)
-    config = LaunchConfig(nproc=4, run_dir=str(tmp_path / "run"),
-                          faults=[parse_fault("2:2:F1")])
-    result = launch(GPT, config, ["--library", str(lib), *SMALL])
+    config = LaunchConfig(nproc=4, run_dir=str(tmp_path / "run"), faults=[parse_fault(fault)])
+    result = launch(GPT, config, ["--library", str(lib), *args])
     assert result.status == "completed" and result.iterations == 5
-    gens = [e for e in result.events if e["kind"] == "generation"]
+    return result, [e for e in result.events if e["kind"] == "generation"]
+
+
+def _assert_equals_reference(tmp_path, result, ref) -> None:
+    _, params = checkpoint_params(tmp_path / "run", 2)
+    assert_params_equal(params, ref.params)
+    assert_losses_equal(result.losses, ref.losses)
+
+
+def test_a_small_gpt_loses_a_worker_and_trains_on_exactly(tmp_path):
+    result, gens = _killed_run(tmp_path, SMALL, "2:2:F1")
     assert [g["dead"] for g in gens] == [[], [[1, 0]]] and gens[1]["restart"] == 2
 
     ref = _reference(SMALL)
     assert ref.losses[-1] < ref.losses[0]  # it learns
-    _, params = checkpoint_params(tmp_path / "run", 2)
-    assert_params_equal(params, ref.params)
-    assert_losses_equal(result.losses, ref.losses)
+    _assert_equals_reference(tmp_path, result, ref)
 
 
 def test_sequence_lengths_vary_per_microbatch_through_a_kill(tmp_path):
@@ -55,12 +64,7 @@ def test_sequence_lengths_vary_per_microbatch_through_a_kill(tmp_path):
     also for the micro-batches re-routed after worker 0:1 dies in the middle of iteration 3's
     backward; the result equals one process training on the same data."""
     args = [*SMALL, "--min-seq", "5", "--vary", "microbatch"]
-    lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=2, max_failures=1)
-    config = LaunchConfig(nproc=4, run_dir=str(tmp_path / "run"),
-                          faults=[parse_fault("1:3:I0")])
-    result = launch(GPT, config, ["--library", str(lib), *args])
-    assert result.status == "completed" and result.iterations == 5
-    gens = [e for e in result.events if e["kind"] == "generation"]
+    result, gens = _killed_run(tmp_path, args, "1:3:I0")
     assert [g["dead"] for g in gens] == [[], [[0, 1]]]
 
     sys.path.insert(0, str(EXAMPLES))
@@ -69,7 +73,4 @@ def test_sequence_lengths_vary_per_microbatch_through_a_kill(tmp_path):
     lengths = {make_job(args).data(i, p, m)[0].shape[1]
                for i in range(5) for p in range(2) for m in range(2)}
     assert len(lengths) >= 5  # the shapes really vary
-    ref = _reference(args)
-    _, params = checkpoint_params(tmp_path / "run", 2)
-    assert_params_equal(params, ref.params)
-    assert_losses_equal(result.losses, ref.losses)
+    _assert_equals_reference(tmp_path, result, _reference(args))

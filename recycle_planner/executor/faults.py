@@ -6,7 +6,9 @@ For tests, the demo and chaos drills, never for production training. A fault is 
 - POINT `F2` (or I, W, B with an index): just before the worker's third forward (0-based
   index 2) of that iteration, so its peers are mid-forward (or mid-backward) waiting for it;
   `step`: right after its stage's optimizer step of that iteration, before the iteration has
-  ended everywhere; `allreduce`: just before its stage's gradient all-reduce; `optimizer`:
+  ended everywhere; `allreduce`: just before its ALLREDUCE op, which waits for the stage's
+  gradient all-reduce (its buckets started during the worker's last W or B, so the peers
+  may already hold the sum); `optimizer`:
   just before the step, after the stage's all-reduce (its peers have stepped; a last-stage
   worker has not yet reported its losses); `start`: at the start of that iteration;
   `recovery`: when it enters

@@ -9,8 +9,9 @@ on one sample micro-batch and measures, per stage:
   exactly as the executor runs it), median of several repeats after a warm-up;
 - activation memory: the bytes one in-flight micro-batch holds from its forward to its W
   (tensors autograd saves, found with saved-tensor hooks, plus the stage's input and output);
-- static memory: parameters, gradients, optimizer state, and the copy of parameters and
-  optimizer state the executor keeps to undo a step;
+- static memory on the device: parameters, gradients, the gradient all-reduce's bucket
+  buffers (one more copy of the gradients) and the optimizer state; the copy the executor
+  keeps to undo a step lives on the host (`--undo-copy host`, the default) and is not counted;
 - the optimizer step (with that copy), and on CPU the point-to-point time of the stage's
   output and the all-reduce of its gradients, measured between local gloo processes.
 
@@ -166,7 +167,7 @@ def profile_stages(job, device: str = "cpu", repeats: int = 10,
             forward=_ms(times["F"]), backward_input=_ms(times["I"]),
             backward_weight=_ms(times["W"]), optimizer=_ms(step_times),
             activation=activation,
-            static=3 * param_bytes + 2 * opt_bytes,  # params, grads, undo copy; state twice
+            static=3 * param_bytes + opt_bytes,  # params, grads, buckets; the state
             output_bytes=output_bytes, grad_bytes=param_bytes))
         value = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
         log.info("stage %d: F %.4f ms, I %.4f ms, W %.4f ms, activation %d B", s,
