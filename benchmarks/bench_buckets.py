@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import tempfile
 import threading
@@ -34,6 +33,7 @@ from bench_executor import D, GPT, M, median_step, undo_copy
 from common import machine
 
 from recycle_planner.executor import LaunchConfig, launch, load_job
+from recycle_planner.io import write_json
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.profiler import profile_job
 from recycle_planner.library import PlanLibrary, Settings, build_library
@@ -176,8 +176,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-buckets-") as tmp:
             rows = in_process(job_args, args.iterations, Path(tmp))
         if args.json:
-            args.json.write_text(json.dumps({"machine": machine(), "job_args": job_args,
-                                             "in_process": rows}, indent=2))
+            write_json(args.json, {"machine": machine(), "job_args": job_args,
+                                   "in_process": rows})
         print(f"machine: {machine()}; {' '.join(job_args)}; one process")
         kinds = ("iteration", "F", "I", "W", "B", "ALLREDUCE")
         print("ms per iteration, buckets started at the last W/B / at ALLREDUCE")
@@ -192,7 +192,7 @@ def main() -> None:
         res = run(job_args, args.bucket_mb or ["default"], args.repeat, Path(tmp))
     res.update(machine=machine(), job_args=job_args, repeat=args.repeat)
     if args.json:
-        args.json.write_text(json.dumps(res, indent=2))
+        write_json(args.json, res)
     print(f"machine: {res['machine']}; {' '.join(job_args)}; {args.repeat} runs each")
     print(markdown(res))
 

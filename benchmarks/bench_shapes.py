@@ -18,7 +18,6 @@ Usage: python benchmarks/bench_shapes.py [--iterations N] [--repeat N] [--json F
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from bench_executor import D, M, S, median_step  # noqa: E402
 
 from recycle_planner.executor import LaunchConfig, launch, load_job  # noqa: E402
+from recycle_planner.io import write_json  # noqa: E402
 from recycle_planner.job.policy import Policy  # noqa: E402
 from recycle_planner.job.profiler import profile_job, write_spec  # noqa: E402
 from recycle_planner.library import Settings, build_library  # noqa: E402
@@ -149,7 +149,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-shapes-") as tmp:
         results["gpt"] = end_to_end(args.iterations, args.repeat, Path(tmp))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_json(args.json, results)
     print(f"machine: {results['machine']}; {results['grid']}; {args.repeat} run(s) each")
     print(markdown(results))
 

@@ -123,14 +123,18 @@ def stage_factory(s: int, opts: argparse.Namespace):
     return build
 
 
+def seed(iteration: int, pipeline: int, microbatch: int) -> int:
+    """One micro-batch's seed: any worker draws the same windows (and length) for it."""
+    return ((iteration * 1009) + pipeline) * 9173 + microbatch
+
+
 def seq_lengths(opts: argparse.Namespace):
     """`(iteration, pipeline, microbatch) -> {"seq": n}`: the batch's length, seeded by the
     iteration (and the micro-batch with `--vary microbatch`), so every worker draws the same."""
     def sizes(iteration: int, pipeline: int, microbatch: int) -> dict[str, int]:
         if not opts.min_seq:
             return {"seq": opts.seq}
-        key = iteration if opts.vary == "iteration" else \
-            ((iteration * 1009) + pipeline) * 9173 + microbatch
+        key = iteration if opts.vary == "iteration" else seed(iteration, pipeline, microbatch)
         g = torch.Generator().manual_seed(7919 + key)
         return {"seq": int(torch.randint(opts.min_seq, opts.seq + 1, (1,), generator=g))}
     return sizes
@@ -142,7 +146,7 @@ def data_source(opts: argparse.Namespace):
     def data(iteration: int, pipeline: int, microbatch: int):
         tokens = corpus()
         seq = length(iteration, pipeline, microbatch)["seq"]
-        g = torch.Generator().manual_seed(((iteration * 1009) + pipeline) * 9173 + microbatch)
+        g = torch.Generator().manual_seed(seed(iteration, pipeline, microbatch))
         starts = torch.randint(0, len(tokens) - opts.seq - 1, (opts.microbatch_size,),
                                generator=g)
         window = torch.stack([tokens[i:i + seq + 1] for i in starts.tolist()])

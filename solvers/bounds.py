@@ -123,9 +123,9 @@ def all_bounds(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> lis
         # Pipeline d's last gradient, from its live worker at a stage above t that runs its
         # own M micro-batches, reaches stage t no earlier than in that worker's cycle (the
         # worker at stage t itself would count its own work twice).
-        per_pipeline = sorted((max((max(cycles(u, j, M)) for u in range(t + 1, S)
-                                    if (d, u) not in dead), default=-math.inf)
-                               for d in range(D)), reverse=True)
+        reach = {u: max(cycles(u, j, M)) for u in range(t + 1, S)}
+        per_pipeline = sorted((max((reach[u] for u in reach if (d, u) not in dead),
+                                   default=-math.inf) for d in range(D)), reverse=True)
         # Each extra one costs an input backward at stage t (the last of them then travels
         # on); at the closing stage also its weight gradient, before the all-reduce.
         extra = inp[t] + (wgt[t] if t == j else 0.0)

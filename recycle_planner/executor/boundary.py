@@ -120,11 +120,13 @@ def prefix(buf: torch.Tensor, nbytes: int) -> torch.Tensor:
     return buf if buf.numel() == n else buf[:n]
 
 
-STATIC = "was agreed at start: shapes must not change during training without DynamicDims"
+def agreed_at_start() -> str:
+    """Where a fixed layout comes from, for `pack`'s error."""
+    return "was agreed at start: shapes must not change during training without DynamicDims"
 
 
 def pack(leaves: list[torch.Tensor | None], layout: Layout, out: torch.Tensor,
-         expected: Callable[[], str] = lambda: STATIC) -> torch.Tensor:
+         expected: Callable[[], str] = agreed_at_start) -> torch.Tensor:
     """Copy `leaves` (None: zeros) into `out` (at least `layout.nbytes` bytes); `expected()`
     says where the layout came from, for the error on a tensor that does not fit it (built
     only then)."""

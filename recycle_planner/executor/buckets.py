@@ -125,22 +125,27 @@ class GradBuckets:
         self.armed = False
         self.ready(range(len(self.params)))
 
+    def _segments(self, b: int):
+        """Each parameter of bucket `b` with its segment of the bucket's buffer."""
+        flat, offset = self.flats[b], 0
+        for i in self.buckets[b]:
+            p = self.params[i]
+            n = p.numel()
+            yield p, flat[offset:offset + n]
+            offset += n
+
     def _launch(self, b: int) -> None:
         flat = self.flats[b]
-        members = self.buckets[b]
         if flat is None:
+            members = self.buckets[b]
             p0 = self.params[members[0]]
             numel = sum(self.params[i].numel() for i in members)
             flat = self.flats[b] = torch.empty(numel, dtype=p0.dtype, device=p0.device)
-        offset = 0
-        for i in members:
-            p = self.params[i]
-            n = p.numel()
+        for p, segment in self._segments(b):
             if p.grad is None:
-                flat[offset:offset + n].zero_()
+                segment.zero_()
             else:
-                flat[offset:offset + n].copy_(p.grad.reshape(-1))
-            offset += n
+                segment.copy_(p.grad.reshape(-1))
         if self.error is None:
             try:
                 self.works.append(self.comm.allreduce_start(flat, "gradient all-reduce"))
@@ -155,10 +160,6 @@ class GradBuckets:
             raise error
         for work in works:
             self.comm.wait(work, "gradient all-reduce")
-        for b, members in enumerate(self.buckets):
-            flat, offset = self.flats[b], 0
-            for i in members:
-                p = self.params[i]
-                n = p.numel()
-                p.grad = flat[offset:offset + n].view_as(p)
-                offset += n
+        for b in range(len(self.buckets)):
+            for p, segment in self._segments(b):
+                p.grad = segment.view_as(p)

@@ -16,8 +16,8 @@ large enough that a launch costs little against its transfer, small enough that 
 buckets start while the backward still runs."""
 UNDO_PLACES = ("host", "device")
 UNDO_COPY = "host"
-"""Where the copy that undoes a stage's latest step lives (`undo.UNDO_PLACES`): GPU memory
-is the scarce one."""
+"""Where the copy that undoes a stage's latest step lives (one of UNDO_PLACES, each a buffer
+maker in `undo.BUFFERS`): GPU memory is the scarce one."""
 CONFIG_ERROR = 3
 """Exit status of a worker that refuses to run (bad job or library): the launcher stops."""
 STALLED = 4

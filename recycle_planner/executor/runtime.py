@@ -33,8 +33,8 @@ from torch.distributed.pipelining._backward import (stage_backward, stage_backwa
                                                      stage_backward_weight)
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor.boundary import (STATIC, Layout, call, fit, flat, pack, prefix,
-                                               unpack)
+from recycle_planner.executor.boundary import (Layout, agreed_at_start, call, fit, flat, pack,
+                                               prefix, unpack)
 from recycle_planner.executor.buckets import GradBuckets, launch_point
 from recycle_planner.executor.comm import BACKWARD, FORWARD, Comm, PeerFailure, message_tag
 from recycle_planner.executor.config import BUCKET_MB
@@ -55,6 +55,8 @@ KINDS = ("F", "I", "W", "B", "ALLREDUCE", "OPTIMIZER")
 def new_op_times() -> dict[str, list[float]]:
     """Per op kind: [count, seconds, seconds of own work] (see `StageRuntime.op_times`)."""
     return {kind: [0, 0.0, 0.0] for kind in KINDS}
+
+
 POINTS = {"ALLREDUCE": "allreduce", "OPTIMIZER": "optimizer"}
 """Fault-injection point names of the collectives (compute ops are named F0, I2, ...)."""
 
@@ -271,7 +273,7 @@ class StageRuntime:
         layout), and a function saying where it comes from (for errors)."""
         layout = getattr(self, role)
         if not layout.dynamic:
-            return layout, _static
+            return layout, agreed_at_start
         sizes = self.dims.of(iteration, ins.pipeline, ins.microbatch)
         key = (role, *sizes.values())
         concrete = self.resolved.get(key)
@@ -433,10 +435,6 @@ class StageRuntime:
             total = self.comm.all_stages_sum(self.hook.stats(self.stage, params))
             apply = self.hook.apply(self.stage, params, total) is not False
         self.state.step(apply, undoable=self.comm.size > 1)
-
-
-def _static() -> str:
-    return STATIC
 
 
 def _graded(outputs: list[torch.Tensor], grads: list | None):
