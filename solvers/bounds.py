@@ -30,6 +30,12 @@ barrier j counts from time 0 through stage 0's forwards): the forward chain from
 round trip to stage s's first gradient, then n_s I_s and both memory terms before its last
 input backward, whose gradient travels up to stage j, then W_j and stage j's all-reduce and
 step.
+(last forward) The memory cap also holds back a worker's last forward: of its n_s micro-batches
+at most cap_s are in flight, so its last forward starts only after n_s - cap_s weight gradients
+(and their input backwards) are done, which wait for the round trip, as do the
+n_s - cap_s - 1 forwards before it that also wait for a freed slot; that micro-batch then makes
+its own round trip, and its input gradient travels up to stage j, for every j <= s. (The
+8x8x16 job without failures: 16.4 + 8 x 2 + 7 = 39.4, then 16.4 + 2 + 4.6: 62.4, the plan.)
 (late pipeline) When stage s has k_s > 0 dead workers, the first forwards of the D pipelines at
 stage s run on D - k_s workers, so one pipeline's starts at least (ceil(D / (D - k_s)) - 1) F_s
 after the others could; every live worker of that pipeline at a stage t >= s then runs its own
@@ -98,17 +104,29 @@ def all_bounds(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> lis
                   + sum(inp[j] + p2p[j] for j in range(s + 1, S)) for s in range(S)]
     work = [n[s] * (fwd[s] + inp[s] + wgt[s]) for s in range(S)]
 
+    def last_forward(s: int, count: int) -> float:
+        """(last forward) The earliest start of a stage-s worker's last forward after its
+        first, when it runs `count` micro-batches: the other forwards run before it, and with
+        more than cap_s micro-batches it waits for count - cap_s weight gradients (and their
+        input backwards), which wait for the round trip, as do count - cap_s - 1 forwards."""
+        over = max(0, count - caps[s])
+        done = (count - 1) * fwd[s] + over * (inp[s] + wgt[s])
+        if over == 0:
+            return done
+        return max(done, round_trip[s] + over * (inp[s] + wgt[s]) + (over - 1) * fwd[s])
+
     def closing(s: int, j: int) -> float:
         """Forwards from stage j to s before, and the gradient from s up to j's step after."""
         before = head[s] - (0.0 if not policy.stagger else head[j])
         return before + up[s] - up[j] + wgt[j] + tail[j]
 
-    def cycles(s: int, j: int, count: int) -> tuple[float, float]:
-        """(last input) and (first and last input) through a stage-s worker that runs `count`
-        micro-batches, closing at stage j."""
+    def cycles(s: int, j: int, count: int) -> tuple[float, float, float]:
+        """(last input), (first and last input) and (last forward) through a stage-s worker
+        that runs `count` micro-batches, closing at stage j."""
         late = max(0, count - caps[s])
         return (closing(s, j) + count * (fwd[s] + inp[s]) + late * wgt[s],
-                closing(s, j) + round_trip[s] + count * inp[s] + late * (fwd[s] + wgt[s]))
+                closing(s, j) + round_trip[s] + count * inp[s] + late * (fwd[s] + wgt[s]),
+                closing(s, j) + last_forward(s, count) + round_trip[s] + inp[s])
 
     bounds: list[Bound] = []
     dead = set(failed)
@@ -135,10 +153,12 @@ def all_bounds(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> lis
                 for r in range(live + 1, D + 1) if per_pipeline[r - 1] > -math.inf]
     for s in range(S):
         for j in range(s + 1):
-            last, both = cycles(s, j, n[s])
+            last, both, gated = cycles(s, j, n[s])
             bounds.append(Bound(last, f"stage {s}'s last gradient travelling up to stage {j}"))
             bounds.append(Bound(both, f"stage {s}'s first gradient, its input backwards and its "
                                       f"last gradient travelling up to stage {j}"))
+            bounds.append(Bound(gated, f"stage {s}'s last forward, after the weight gradients "
+                                       f"that free its memory, travelling up to stage {j}"))
             live = D - k[s]
             if k[s] == 0:
                 continue
