@@ -60,13 +60,12 @@ def solve(spec: JobSpec, policy: Policy, failed: tuple,
 
 def plan_situation(spec: JobSpec, policy: Policy, failed: Iterable[Iterable[int]] = (),
                    solver: str | SolverSettings | None = None, reference: float | None = None,
-                   reference_bound: float | None = None,
                    fast: Sequence[Candidate] | None = None, **options: Any) -> Plan:
-    """The plan for one failure set, with its figures. `reference` is the fault-free period and
-    `reference_bound` a proven lower bound of the fault-free situation (both computed when not
-    given; pass them to save the work for many situations); `fast` the fast solvers' plans of
-    this failure set when the caller already has them. A failure plan is also a valid
-    fault-free plan (the dead workers just idle), so the fault-free bound bounds it too."""
+    """The plan for one failure set, with its figures. `reference` is the fault-free period
+    (computed when not given; pass it to save the work for many situations); `fast` the fast
+    solvers' plans of this failure set when the caller already has them. Only this situation's
+    own bounds certify the plan: the fault-free optimum's does not, since moving re-routed ops
+    back to their dead owners can break the owner's memory cap."""
     settings = SolverSettings.of(solver, **options)
     failed = check_failed(spec, failed)
     solution = solve(spec, policy, failed, settings, fast)
@@ -76,12 +75,7 @@ def plan_situation(spec: JobSpec, policy: Policy, failed: Iterable[Iterable[int]
     if not failed:
         reference = solution.simulation.period
     elif reference is None:
-        ff = solve(spec, policy, (), settings)
-        reference = ff.simulation.period
-        if reference_bound is None:
-            reference_bound = max(lower_bound(spec, policy, ()).value, ff.bound or 0.0)
-    if failed and reference_bound is not None:
-        bounds.append(Bound(reference_bound, "the fault-free optimum's bound"))
+        reference = solve(spec, policy, (), settings).simulation.period
     log.debug("planned %s with %s: period %.3f", failed or "no failures", solution.info,
               solution.simulation.period)
     return finish_plan(solution.simulation, reference, solution.info, bounds=bounds)

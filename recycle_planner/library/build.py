@@ -70,17 +70,17 @@ def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str 
 
     # The fault-free situation first: every other entry's degradation is measured against it.
     if zero not in keep:
-        entries[zero] = build_entry((spec, policy, zero, settings, None, None, folder, shash,
+        entries[zero] = build_entry((spec, policy, zero, settings, None, folder, shash,
                                      to_prove.get(zero)))
         todo.remove(zero)
         done += 1
     fault_free = Metrics.from_dict(entries[zero]["metrics"])
-    reference, reference_bound = fault_free.period, fault_free.lower_bound
+    reference = fault_free.period
     if zero not in keep:
         index = save()
     jobs = jobs or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                        else os.cpu_count() or 1)
-    tasks = [(spec, policy, k, settings, reference, reference_bound, str(folder), shash,
+    tasks = [(spec, policy, k, settings, reference, str(folder), shash,
               to_prove.get(k)) for k in todo]
     with planning_pool(jobs if len(tasks) > 1 else 1) as run:
         for entry in run(build_entry, tasks):

@@ -108,16 +108,15 @@ class LibraryEntry:
 
 def build_entry(args: tuple) -> dict[str, Any]:
     """Plan one situation (the best placement), write its plan file; its index entry."""
-    spec, policy, counts, settings, reference, reference_bound, folder, shash, old = args
+    spec, policy, counts, settings, reference, folder, shash, old = args
     if old is not None:  # --prove on an entry already built: start from its plan
         plan = read_plan(Path(folder) / old["file"])
         placement = tuple(tuple(g) for g in old["placement"])
     else:
-        plan, placement = plan_best_placement(spec, policy, counts, settings, reference,
-                                              reference_bound)
+        plan, placement = plan_best_placement(spec, policy, counts, settings, reference)
     if settings.prove_work is not None and not plan.metrics.optimal:
         ref = plan.metrics.fault_free_period if reference is None else reference
-        plan = prove_plan(plan, ref, settings.prove_work, reference_bound)
+        plan = prove_plan(plan, ref, settings.prove_work)
     return store_plan(spec, plan, placement, Path(folder), situation_file(counts), shash,
                       settings.hash, PLAN_ALL, settings.prove_work).to_dict()
 

@@ -19,8 +19,7 @@ SCREEN_ABOVE_OPS = 50_000
 
 
 def plan_best_placement(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
-                        settings: Settings, reference: float | None,
-                        reference_bound: float | None = None) -> tuple[Plan, Placement]:
+                        settings: Settings, reference: float | None) -> tuple[Plan, Placement]:
     """Plan every placement of the holes (up to the settings' limit) and keep the shortest
     period; ties go to the placement listed first (packed before spread). On large jobs the
     placements are screened by one list-scheduling pass first; with the exact engines (cp,
@@ -41,7 +40,7 @@ def plan_best_placement(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
     best: tuple[Plan, Placement] | None = None
     for placement in options:
         plan = plan_situation(spec, policy, logical_failed(placement), settings,
-                              reference=reference, reference_bound=reference_bound, fast=fast)
+                              reference=reference, fast=fast)
         if best is None or plan.metrics.period < best[0].metrics.period - 1e-9:
             best = (plan, placement)
     assert best is not None

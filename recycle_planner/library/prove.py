@@ -9,8 +9,7 @@ from recycle_planner.timing.plan import Plan
 from recycle_planner.timing.simulate import simulate
 
 
-def prove_plan(plan: Plan, reference: float, work: float,
-               reference_bound: float | None = None) -> Plan:
+def prove_plan(plan: Plan, reference: float, work: float) -> Plan:
     """The plan after the CP engine's prove mode, warm-started from it: a shorter plan if one
     is found, and the best bound proven (the plan's own bounds kept)."""
     sim = simulate(plan.schedule)
@@ -18,8 +17,6 @@ def prove_plan(plan: Plan, reference: float, work: float,
     bounds = [Bound(plan.metrics.lower_bound, plan.metrics.lower_bound_reason or "")]
     if bound is not None:
         bounds.append(Bound(bound, "the CP engine's bound (prove mode)"))
-    if reference_bound is not None and plan.failed:
-        bounds.append(Bound(reference_bound, "the fault-free optimum's bound"))
     solver = dict(plan.solver, prove=info)
     if info["improved"]:
         solver["detail"] = "cp (prove)"
