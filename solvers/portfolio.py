@@ -1,12 +1,13 @@
 """The registered solvers: which candidate plans each one builds, and when the MILP runs.
 
-heuristic: list scheduling; dp: the slot-matching DP (with no failures there is nothing to
-match and the heuristic's fault-free plan is returned); milp: the MILP warm-started from the
-better of the two; cp: the CP-SAT engine warm-started the same way, within its work limit
-(deterministic); auto: heuristic and dp, then, while a gap to the analytic bound is left, the CP
-engine if the job is small enough for it and the MILP if its model fits the time budget, and
-it reports that budget. The shortest period wins; the first candidate wins ties; the best
-bound of any engine certifies the plan.
+heuristic: list scheduling, then the forward-backward improvement of its plan (improve.py);
+dp: the slot-matching DP (with no failures there is nothing to match and the heuristic's
+fault-free plan is returned); milp: the MILP warm-started from the better of the two; cp: the
+CP-SAT engine warm-started the same way, within its work limit (deterministic); auto: heuristic
+and dp, the improvement of the shorter plan, then, while a gap to the analytic bound is left,
+the CP engine if the job is small enough for it and the MILP if its model fits the time
+budget, and it reports that budget. The shortest period wins; the first candidate wins ties;
+the best bound of any engine certifies the plan.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers.cp import cp_fits, cp_prove, cp_solution
 from recycle_planner.solvers.dp import dp_plan
 from recycle_planner.solvers.heuristic import Candidate, heuristic
+from recycle_planner.solvers.improve import justified
 from recycle_planner.solvers.milp import milp_solution
 from recycle_planner.solvers.milp_model import estimated_pairs
 
@@ -42,7 +44,8 @@ MILP_PAIRS_PER_SECOND = 400
 
 def solve_heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                     settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
-    return best_of(settings, [fast[0] if fast else heuristic(spec, policy, failed)])
+    return best_of(settings, justified(spec, policy,
+                                       [fast[0] if fast else heuristic(spec, policy, failed)]))
 
 
 def solve_dp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
@@ -68,7 +71,8 @@ def solve_cp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
 def solve_auto(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
     t0 = time.perf_counter()
-    found = best_of(settings, fast or fast_candidates(spec, policy, failed))
+    found = best_of(settings, justified(spec, policy,
+                                        list(fast or fast_candidates(spec, policy, failed))))
     if _open_gap(spec, policy, failed, found) and cp_fits(spec, policy, failed):
         found = with_cp(spec, policy, failed, settings, found)
     if _open_gap(spec, policy, failed, found) and estimated_pairs(
