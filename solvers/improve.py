@@ -162,6 +162,12 @@ def assignment_of(schedule: Schedule) -> np.ndarray:
     return assign
 
 
+def worker_caps(spec: JobSpec, policy: Policy) -> list[int]:
+    """The memory cap of every worker index (budget_caps is per stage)."""
+    caps = budget_caps(spec, policy)
+    return [caps[worker_at(spec.stages, w)[1]] for w in range(spec.workers)]
+
+
 def backward_pass(sim: Simulation, graph: OpGraph, caps: list[int]) -> tuple[Simulation, dict]:
     """The mirrored list schedule of `sim`'s ops, latest-ending first: the plan of its orders
     reversed, and each op's start in it, packed against the end (the next forward pass's
@@ -179,15 +185,13 @@ def improve(spec: JobSpec, policy: Policy, start: Candidate, rounds: int = ROUND
     """The shortest of `start` and the plans of `rounds` backward and forward passes from it
     (see the module docstring); `start` itself when none is shorter."""
     schedule = start.simulation.schedule
-    stage_caps = budget_caps(spec, policy)
-    caps = [stage_caps[worker_at(spec.stages, w)[1]] for w in range(len(schedule.orders))]
-    settings = ListSettings(assignment_of(schedule), stage_caps, template_keys(spec, policy),
-                            patient=True)
+    assignment, keys = assignment_of(schedule), template_keys(spec, policy)
+    caps = worker_caps(spec, policy)
     graph = op_graph(schedule)
     best, current = start, start.simulation
     for _ in range(rounds):
         mirrored, op_keys = backward_pass(current, graph, caps)
-        settings = ListSettings(settings.assignment, stage_caps, settings.keys, op_keys=op_keys,
+        settings = ListSettings(assignment, budget_caps(spec, policy), keys, op_keys=op_keys,
                                 patient=True)
         current = simulate(list_schedule(spec, policy, schedule.failed, settings))
         for sim in (mirrored, current):
