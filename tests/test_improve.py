@@ -8,6 +8,7 @@ from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.planner import finish_plan, plan_situation
 from recycle_planner.solvers.heuristic import heuristic
+from recycle_planner.solvers import improve as improve_module
 from recycle_planner.solvers.improve import backward_pass, improve, op_graph, worker_caps
 from recycle_planner.timing.validate import validate
 
@@ -76,3 +77,12 @@ def test_auto_improves_the_dp_plan_too():
     assert auto.metrics.period <= alone.metrics.period + 1e-9
     assert any(name.startswith("dp") and name.endswith(", justified")
                for name in auto.solver["candidates"])
+
+
+def test_plans_above_the_size_limit_are_left_alone(monkeypatch):
+    """Above UP_TO_OPS (the 1,024-worker library's speed) the passes do not run."""
+    spec, policy, failed = unit_job(3, 2, 4), Policy(), ((0, 1),)
+    monkeypatch.setattr(improve_module, "UP_TO_OPS", 81)  # this plan has 82 ops
+    plan = plan_situation(spec, policy, failed, "heuristic")
+    assert plan.metrics.period == pytest.approx(30.3)
+    assert list(plan.solver["candidates"]) == [heuristic(spec, policy, failed).name]
