@@ -32,17 +32,19 @@ from recycle_planner.schedules.schedule import Schedule, with_collectives
 from recycle_planner.solvers.heuristic import Candidate, ListSettings, list_schedule, template_keys
 from recycle_planner.timing.simulate import Simulation, cost_table, data_edges, simulate
 
-ROUNDS = 2
-"""Backward and forward passes per improvement. On the 8x8x16 job the passes settle into a
-cycle of two plans by the second round; a third found nothing more on a sample of 41
-situations."""
-
-
+ROUNDS = 1
+"""Backward and forward passes per start. On the 8x8x16 library a second round from the same
+start gained less than a first round from more starts (the passes settle into a cycle of two
+plans): the heuristic's three best and the DP's plan, one round each, 2.22% mean gap; its best
+and the DP's, two rounds each, 2.40%; the same CPU."""
+STARTS = 3
+"""How many of the heuristic's candidates (the shortest) the passes start from; starting from
+every one gave 2.14% for 1.8 times the CPU."""
 UP_TO_OPS = 50_000
-"""Plans with more ops than this are not improved: each start costs about four
-list-scheduling passes and four simulations (8 s of CPU at 1,024 workers, 200k ops, where a
-sample found nothing shorter), which the 1,024-worker library's 10-minute target cannot pay
-for 153 situations. Up to it: 0.07 s at 8x8x16 (3,200 ops), 0.7 s at 16x16x32 (25k)."""
+"""Plans with more ops than this are not improved: two rounds from one start took 8 s of CPU
+at 1,024 workers (200k ops; nothing shorter on a sample), which the 1,024-worker library's
+10-minute target cannot pay for 153 situations. Up to it a round costs about 0.03 s at
+8x8x16 (3,200 ops); two rounds 0.7 s at 16x16x32 (25k)."""
 
 
 @dataclass(frozen=True, eq=False)

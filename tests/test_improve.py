@@ -36,6 +36,7 @@ def test_improved_plans_keep_every_rule_and_never_get_longer(case):
     better = improve(spec, policy, start)
     assert better.simulation.period <= start.simulation.period + 1e-9
     assert better is start or better.name == f"{start.name}, justified"
+    assert improve(spec, policy, start).simulation.period == better.simulation.period  # same
     # Every op once, dependencies, memory within the cap, no deadlock: the validator's rules.
     assert_valid(better.simulation, start.simulation.period)
 
@@ -63,9 +64,10 @@ def test_improvement_reaches_the_bound_where_list_scheduling_does_not(stagger, b
     plan = plan_situation(spec, policy, failed, "heuristic")
     assert plan.metrics.period == pytest.approx(after)
     assert plan.metrics.lower_bound == pytest.approx(after) and plan.metrics.optimal
-    assert plan.solver["detail"] == f"{start.name}, justified"
-    assert plan.solver["candidates"] == {start.name: pytest.approx(before),
-                                         f"{start.name}, justified": pytest.approx(after)}
+    assert plan.solver["detail"].endswith(", justified")
+    candidates = plan.solver["candidates"]
+    assert candidates[start.name] == pytest.approx(before)
+    assert candidates[f"{start.name}, justified"] == pytest.approx(after)
     assert validate(plan) == []
 
 
@@ -85,4 +87,4 @@ def test_plans_above_the_size_limit_are_left_alone(monkeypatch):
     monkeypatch.setattr(improve_module, "UP_TO_OPS", 81)  # this plan has 82 ops
     plan = plan_situation(spec, policy, failed, "heuristic")
     assert plan.metrics.period == pytest.approx(30.3)
-    assert list(plan.solver["candidates"]) == [heuristic(spec, policy, failed).name]
+    assert not any(name.endswith("justified") for name in plan.solver["candidates"])
