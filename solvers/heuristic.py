@@ -324,6 +324,12 @@ class Candidate:
 def heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Candidate:
     """The best of the list-scheduling candidates (see the module docstring); without failures
     the schedule's own generator competes too."""
+    return heuristic_candidates(spec, policy, failed)[0]
+
+
+def heuristic_candidates(spec: JobSpec, policy: Policy,
+                         failed: tuple[Worker, ...]) -> list[Candidate]:
+    """Every distinct candidate (see `heuristic`), shortest first."""
     base = ListSettings(default_assignment(spec, failed), budget_caps(spec, policy),
                         template_keys(spec, policy))
     # With the I/W split, ZB-H1's order is 1F1B's with W deferred into the bubbles: it fits
@@ -353,7 +359,7 @@ def heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Cand
             fused = Policy(policy.schedule, decouple=False, stagger=policy.stagger)
             candidates.append(("fused order, split", lambda: split_backwards(list_schedule(
                 spec, fused, failed, replace(base, keys=template_keys(spec, fused))), policy)))
-    best: Candidate | None = None
+    found: list[Candidate] = []
     seen: set[tuple[bytes, ...]] = set()
     for name, build in candidates:
         schedule = build()
@@ -361,8 +367,19 @@ def heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Cand
         if orders in seen:  # candidates often agree; the same orders time the same
             continue
         seen.add(orders)
-        sim = simulate(schedule)
-        if best is None or sim.period < best.simulation.period - 1e-9:
-            best = Candidate(name, sim)
-    assert best is not None
-    return best
+        found.append(Candidate(name, simulate(schedule)))
+    return _shortest_first(found)
+
+
+def _shortest_first(found: list[Candidate]) -> list[Candidate]:
+    """`found` by period; a candidate goes before an earlier one only when shorter by more than
+    1e-9 (the same plan timed along another path differs in the last bits)."""
+    rest, ordered = list(found), []
+    while rest:
+        best = rest[0]
+        for c in rest[1:]:
+            if c.simulation.period < best.simulation.period - 1e-9:
+                best = c
+        ordered.append(best)
+        rest.remove(best)
+    return ordered

@@ -1,12 +1,13 @@
 """The registered solvers: which candidate plans each one builds, and when the MILP runs.
 
-heuristic: list scheduling; dp: the slot-matching DP (with no failures there is nothing to
-match and the heuristic's fault-free plan is returned); milp: the MILP warm-started from the
-better of the two; cp: the CP-SAT engine warm-started the same way, within its work limit
-(deterministic); auto: heuristic and dp, then, while a gap to the analytic bound is left, the CP
-engine if the job is small enough for it and the MILP if its model fits the time budget, and
-it reports that budget. The shortest period wins; the first candidate wins ties; the best
-bound of any engine certifies the plan.
+heuristic: list scheduling, then the forward-backward improvement of its best plans
+(improve.py); dp: the slot-matching DP (with no failures there is nothing to match and the
+heuristic's fault-free plan is returned); milp: the MILP warm-started from the best of the
+two; cp: the CP-SAT engine warm-started the same way, within its work limit (deterministic);
+auto: heuristic and dp, the improvement of their plans, then, while a gap to the analytic bound
+is left, the CP engine if the job is small enough for it and the MILP if its model fits the
+time budget, and it reports that budget. The shortest period wins; the first candidate wins
+ties; the best bound of any engine certifies the plan.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from recycle_planner.solvers import Solution
 from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers.cp import cp_fits, cp_prove, cp_solution
 from recycle_planner.solvers.dp import dp_plan
-from recycle_planner.solvers.heuristic import Candidate, heuristic
+from recycle_planner.solvers.heuristic import Candidate, heuristic, heuristic_candidates
+from recycle_planner.solvers.improve import STARTS, justified
 from recycle_planner.solvers.milp import milp_solution
 from recycle_planner.solvers.milp_model import estimated_pairs
 
@@ -42,13 +44,15 @@ MILP_PAIRS_PER_SECOND = 400
 
 def solve_heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                     settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
-    return best_of(settings, [fast[0] if fast else heuristic(spec, policy, failed)])
+    starts = list(fast[:-1] if failed else fast) if fast else \
+        heuristic_candidates(spec, policy, failed)[:STARTS]
+    return best_of(settings, justified(spec, policy, starts))
 
 
 def solve_dp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
              settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
     if fast:
-        return best_of(settings, [fast[-1]])
+        return best_of(settings, [fast[-1] if failed else fast[0]])
     found = dp_plan(spec, policy, failed) if failed else heuristic(spec, policy, failed)
     return best_of(settings, [found])
 
@@ -68,7 +72,8 @@ def solve_cp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
 def solve_auto(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
     t0 = time.perf_counter()
-    found = best_of(settings, fast or fast_candidates(spec, policy, failed))
+    found = best_of(settings, justified(spec, policy,
+                                        list(fast or fast_candidates(spec, policy, failed))))
     if _open_gap(spec, policy, failed, found) and cp_fits(spec, policy, failed):
         found = with_cp(spec, policy, failed, settings, found)
     if _open_gap(spec, policy, failed, found) and estimated_pairs(
@@ -88,8 +93,10 @@ def _open_gap(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], found: 
 
 def fast_candidates(spec: JobSpec, policy: Policy,
                     failed: tuple[Worker, ...]) -> list[Candidate]:
-    """The fast solvers' plans: the heuristic's, then (with failures) the DP's."""
-    return [heuristic(spec, policy, failed)] + ([dp_plan(spec, policy, failed)] if failed else [])
+    """The fast solvers' plans: the heuristic's shortest (up to improve.STARTS of them, the
+    improvement's starting points, shortest first), then (with failures) the DP's."""
+    return heuristic_candidates(spec, policy, failed)[:STARTS] + (
+        [dp_plan(spec, policy, failed)] if failed else [])
 
 
 def best_of(settings: SolverSettings, found: list[Candidate]) -> Solution:
