@@ -10,8 +10,8 @@ from recycle_planner.library import PlanLibrary, Settings, build_library
 from recycle_planner.planner import finish_plan, plan_situation, solve
 from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers import cp as cp_module
-from recycle_planner.solvers.cp import (CP_WORKERS, INTERLEAVE_FROM, INTERLEAVED_WORKERS, cp_prove,
-                                       cp_solution, intervals, run_cp, time_scale)
+from recycle_planner.solvers.cp import (CP_WORKERS, INTERLEAVED_WORKERS, cp_prove, cp_solution,
+                                       intervals, run_cp, time_scale)
 from recycle_planner.solvers.exhaustive import exhaustive
 from recycle_planner.solvers.heuristic import heuristic
 from recycle_planner.solvers.milp import run_milp
@@ -132,11 +132,12 @@ def validate_sim(schedule):
     return validate(finish_plan(sim, sim.period, {}))
 
 
-@pytest.mark.parametrize("work, expected", [(2 * INTERLEAVE_FROM, INTERLEAVED_WORKERS),
-                                            (2 * INTERLEAVE_FROM - 1, CP_WORKERS)])
-def test_long_minimisations_run_interleaved(monkeypatch, work, expected):
-    """cp_solution minimises with interleaved workers from INTERLEAVE_FROM deterministic seconds
-    on (the benchmark's 30 per instance), with one worker below (auto's 1, plan's 10)."""
+@pytest.mark.parametrize("work, interleaved", [(3.0, True), (1.5, False)])
+def test_an_interleaved_pass_follows_where_a_gap_and_the_budget_are_left(monkeypatch, work,
+                                                                         interleaved):
+    """cp_solution minimises with one worker first; where that leaves a gap and at least
+    INTERLEAVE_FROM deterministic seconds (here lowered to 1), half of what is left goes to
+    interleaved workers from its best plan, the probes get the rest; below, no such pass."""
     seen = []
     real = cp_module.run_cp
 
@@ -145,9 +146,14 @@ def test_long_minimisations_run_interleaved(monkeypatch, work, expected):
         return real(*args, **{**kw, "workers": workers})
 
     monkeypatch.setattr(cp_module, "run_cp", recording)
-    spec = make_spec(stages=2, pipelines=2, microbatches=2)
-    cp_solution(spec, Policy(), ((1, 1),), work, warm_of(spec, Policy(), ((1, 1),)))
-    assert seen[0] == expected
+    monkeypatch.setattr(cp_module, "INTERLEAVE_FROM", 1.0)
+    spec = make_spec(stages=4, pipelines=4, microbatches=8, p2p=0.5)
+    failed = ((0, 1), (2, 2))
+    sim, info, bound = cp_solution(spec, Policy(), failed, work, warm_of(spec, Policy(), failed))
+    assert seen[0] == CP_WORKERS and ("interleaved" in info) == interleaved
+    assert seen[1:2] == ([INTERLEAVED_WORKERS] if interleaved else [CP_WORKERS])
+    assert all(w == CP_WORKERS for w in seen[2:]) and info["probes"]  # the probes: one worker
+    assert bound <= sim.period <= 40
 
 
 def test_costs_off_the_grid_round_down_and_say_so():
