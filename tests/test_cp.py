@@ -135,9 +135,10 @@ def validate_sim(schedule):
 @pytest.mark.parametrize("work, interleaved", [(3.0, True), (1.5, False)])
 def test_an_interleaved_pass_follows_where_a_gap_and_the_budget_are_left(monkeypatch, work,
                                                                          interleaved):
-    """cp_solution minimises with one worker first; where that leaves a gap and at least
-    INTERLEAVE_FROM deterministic seconds (here lowered to 1), half of what is left goes to
-    interleaved workers from its best plan, the probes get the rest; below, no such pass."""
+    """cp_solution minimises with one worker first; where that leaves a gap and the probes'
+    share is at least INTERLEAVE_FROM deterministic seconds (here lowered to 1), half of what
+    is left goes to interleaved workers from its best plan, the probes get the rest; with a
+    smaller budget (auto's, plan's) no such pass."""
     seen = []
     real = cp_module.run_cp
 
