@@ -489,9 +489,10 @@ def cp_solution(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_
                 ) -> tuple[Simulation, dict[str, Any], float | None]:
     """The CP engine's plan (or the warm start when it found nothing shorter), its report and
     its proven bound: the engine minimises the period with part of the work limit (one
-    worker; with a large budget left, then eight interleaved from its best plan), then, while
-    a gap is left, close_gap spends the rest (`share`) on "is there a schedule under X?"
-    probes (their infeasibility proofs are the bounds the minimisation alone rarely raises)."""
+    worker; where that leaves a gap and the budget is large, then eight interleaved workers
+    from its best plan: INTERLEAVE_FROM), then, while a gap is left, close_gap spends the
+    rest (`share`) on "is there a schedule under X?" probes (their infeasibility proofs are
+    the bounds the minimisation alone rarely raises)."""
     res = run_cp(spec, policy, failed, work_limit * (1 - share), warm)
     best, info, bound = res.against(warm, engine="cp-sat", work_limit=work_limit,
                                     time_scale=res.scale)
