@@ -7,12 +7,15 @@ import pytest
 
 from recycle_planner.job.policy import BASELINE, Policy
 from recycle_planner.library import PlanLibrary, Settings, build_library
-from recycle_planner.planner import plan_situation, solve
+from recycle_planner.planner import finish_plan, plan_situation, solve
 from recycle_planner.solvers.bounds import lower_bound
-from recycle_planner.solvers.cp import cp_prove, intervals, run_cp, time_scale
+from recycle_planner.solvers import cp as cp_module
+from recycle_planner.solvers.cp import (CP_WORKERS, INTERLEAVED_WORKERS, cp_prove, cp_solution,
+                                       intervals, run_cp, time_scale)
 from recycle_planner.solvers.exhaustive import exhaustive
 from recycle_planner.solvers.heuristic import heuristic
 from recycle_planner.solvers.milp import run_milp
+from recycle_planner.timing.simulate import simulate
 from recycle_planner.timing.validate import validate
 
 from conftest import make_spec
@@ -107,6 +110,51 @@ def test_prove_mode_bisects_the_gap():
     assert info["improved"] and info["probes"]
     for probe in info["probes"]:
         assert bound < probe["under"] < warm.period and probe["status"]
+
+
+def test_interleaved_workers_shorten_what_one_worker_does_not():
+    """4x4x8 with p2p 0.5, workers 0:1 and 2:2 dead, staggered (the optimality table): from
+    the fast plan (40), one worker's search stays at 40 where eight interleaved workers (their
+    large-neighbourhood search) find 39 with the same limit; both deterministic."""
+    spec = make_spec(stages=4, pipelines=4, microbatches=8, p2p=0.5)
+    failed = ((0, 1), (2, 2))
+    warm = warm_of(spec, Policy(), failed)
+    assert warm.period == pytest.approx(40)
+    one = run_cp(spec, Policy(), failed, 2, warm, workers=CP_WORKERS)
+    many = run_cp(spec, Policy(), failed, 2, warm, workers=INTERLEAVED_WORKERS)
+    assert one.objective == pytest.approx(40)
+    assert many.objective == pytest.approx(39) and validate_sim(many.schedule) == []
+
+
+def validate_sim(schedule):
+    """The validator's findings on a schedule re-timed by the simulator (memory included)."""
+    sim = simulate(schedule)
+    return validate(finish_plan(sim, sim.period, {}))
+
+
+@pytest.mark.parametrize("work, interleaved", [(3.0, True), (1.5, False)])
+def test_an_interleaved_pass_follows_where_a_gap_and_the_budget_are_left(monkeypatch, work,
+                                                                         interleaved):
+    """cp_solution minimises with one worker first; where that leaves a gap and the probes'
+    share is at least INTERLEAVE_FROM deterministic seconds (here lowered to 1), half of what
+    is left goes to interleaved workers from its best plan, the probes get the rest; with a
+    smaller budget (auto's, plan's) no such pass."""
+    seen = []
+    real = cp_module.run_cp
+
+    def recording(*args, workers=CP_WORKERS, **kw):
+        seen.append(workers)
+        return real(*args, **{**kw, "workers": workers})
+
+    monkeypatch.setattr(cp_module, "run_cp", recording)
+    monkeypatch.setattr(cp_module, "INTERLEAVE_FROM", 1.0)
+    spec = make_spec(stages=4, pipelines=4, microbatches=8, p2p=0.5)
+    failed = ((0, 1), (2, 2))
+    sim, info, bound = cp_solution(spec, Policy(), failed, work, warm_of(spec, Policy(), failed))
+    assert seen[0] == CP_WORKERS and ("interleaved" in info) == interleaved
+    assert seen[1:2] == ([INTERLEAVED_WORKERS] if interleaved else [CP_WORKERS])
+    assert all(w == CP_WORKERS for w in seen[2:]) and info["probes"]  # the probes: one worker
+    assert bound <= sim.period <= 40
 
 
 def test_costs_off_the_grid_round_down_and_say_so():
