@@ -182,10 +182,11 @@ def test_plan_all_prove_closes_gaps_and_resumes(tmp_path):
     spec = make_spec(stages=3, pipelines=3, microbatches=3, p2p=0.2)
     folder = tmp_path / "lib"
     fast = Settings(solver="heuristic", max_placements=1)
-    build_library(spec, Policy(), 1, folder, fast, jobs=1)
+    # Up to 2 failures: with one, the improved heuristic plans already meet their bounds.
+    build_library(spec, Policy(), 2, folder, fast, jobs=1)
     before = {e.counts: e.to_dict() for e in PlanLibrary.open(folder).entries()}
     proving = Settings(solver="heuristic", max_placements=1, prove_work=2)
-    index = build_library(spec, Policy(), 1, folder, proving, jobs=1)
+    index = build_library(spec, Policy(), 2, folder, proving, jobs=1)
     after = {tuple(e["failed_per_stage"]): e for e in index["entries"]}
     assert set(after) == set(before)
     for k, e in after.items():
@@ -200,7 +201,7 @@ def test_plan_all_prove_closes_gaps_and_resumes(tmp_path):
         assert validate(lib.lookup([tuple(w) for w in e.failed]).plan()) == []
     stamp = (folder / "index.json").stat().st_mtime_ns
     mtimes = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
-    build_library(spec, Policy(), 1, folder, proving, jobs=1)  # resumes: nothing to redo
+    build_library(spec, Policy(), 2, folder, proving, jobs=1)  # resumes: nothing to redo
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.name != "index.json"} \
         == {k: v for k, v in mtimes.items() if k != "index.json"}
     assert json.loads((folder / "index.json").read_text())["complete"] and stamp
