@@ -1,6 +1,7 @@
 """Lower bounds on the period of any plan for a failure situation.
 
-Every bound ignores memory (a relaxation) and holds for every peer assignment: the busiest live
+Every bound holds for every peer assignment, and each counts memory only where it says so (the
+terms with cap_s below; otherwise it is a relaxation without the cap): the busiest live
 worker of stage s must run at least n_s = ceil(D*M / (D - k_s)) micro-batches, where k_s
 workers of stage s are dead. Costs: c_s = F_s + I_s + W_s per micro-batch; with the fused
 backward the input gradient of a micro-batch is ready only after the whole B.
