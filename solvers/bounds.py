@@ -131,6 +131,9 @@ def all_bounds(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> lis
 
     bounds: list[Bound] = []
     dead = set(failed)
+    # own[u][j]: the longest cycle through a stage-u worker that runs its own M micro-batches,
+    # closing at stage j (the late-pipeline and drain bounds take it per pipeline).
+    own = [[max(cycles(u, j, M)) for j in range(u + 1)] for u in range(S)]
 
     def drain(j: int, t: int) -> list[Bound]:
         """(drain) The cycles closing at stage j in which the last gradients of r pipelines
@@ -142,8 +145,7 @@ def all_bounds(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> lis
         # Pipeline d's last gradient, from its live worker at a stage above t that runs its
         # own M micro-batches, reaches stage t no earlier than in that worker's cycle (the
         # worker at stage t itself would count its own work twice).
-        reach = {u: max(cycles(u, j, M)) for u in range(t + 1, S)}
-        per_pipeline = sorted((max((reach[u] for u in reach if (d, u) not in dead),
+        per_pipeline = sorted((max((own[u][j] for u in range(t + 1, S) if (d, u) not in dead),
                                    default=-math.inf) for d in range(D)), reverse=True)
         # Each extra one costs an input backward at stage t (the last of them then travels
         # on); at the closing stage also its weight gradient, before the all-reduce.
@@ -169,11 +171,12 @@ def all_bounds(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> lis
             # each of its live workers at a stage t >= s runs its M micro-batches in a cycle.
             # Which pipeline is late is not known: the least of them.
             late = (math.ceil(D / live) - 1) * fwd[s]
-            per_pipeline = [max((max(cycles(t, j, M)) for t in range(s, S)
-                                 if (d, t) not in dead), default=-math.inf) for d in range(D)]
-            bounds.append(Bound(late + min(per_pipeline),
-                                f"{live} live stage-{s} workers start {D} pipelines: one starts "
-                                f"{late:g} late, its gradients travel up to stage {j}"))
+            least = min(max((own[t][j] for t in range(s, S) if (d, t) not in dead),
+                            default=-math.inf) for d in range(D))
+            if least > -math.inf:  # else some pipeline has no live worker from stage s on
+                bounds.append(Bound(late + least,
+                                    f"{live} live stage-{s} workers start {D} pipelines: one "
+                                    f"starts {late:g} late, its gradients travel up to stage {j}"))
         for t in range(s + 1):
             bounds.extend(drain(t, s))
         if policy.stagger:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -194,15 +194,15 @@ def improve(spec: JobSpec, policy: Policy, start: Candidate, rounds: int = ROUND
     """The shortest of `start` and the plans of `rounds` backward and forward passes from it
     (see the module docstring); `start` itself when none is shorter."""
     schedule = start.simulation.schedule
-    assignment, keys = assignment_of(schedule), template_keys(spec, policy)
+    forward = ListSettings(assignment_of(schedule), budget_caps(spec, policy),
+                           template_keys(spec, policy), patient=True)
     caps = worker_caps(spec, policy)
     graph = op_graph(schedule)
     best, current = start, start.simulation
     for _ in range(rounds):
         mirrored, op_keys = backward_pass(current, graph, caps)
-        settings = ListSettings(assignment, budget_caps(spec, policy), keys, op_keys=op_keys,
-                                patient=True)
-        current = simulate(list_schedule(spec, policy, schedule.failed, settings))
+        current = simulate(list_schedule(spec, policy, schedule.failed,
+                                         replace(forward, op_keys=op_keys)))
         for sim in (mirrored, current):
             if sim.period < best.simulation.period - 1e-9:
                 best = Candidate(f"{start.name}, justified", sim)
