@@ -330,6 +330,13 @@ def heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Cand
 def heuristic_candidates(spec: JobSpec, policy: Policy,
                          failed: tuple[Worker, ...]) -> list[Candidate]:
     """Every distinct candidate (see `heuristic`), shortest first."""
+    return list(_candidates(spec, policy, tuple(failed)))
+
+
+@lru_cache(maxsize=8)
+def _candidates(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> tuple[Candidate, ...]:
+    """heuristic_candidates, cached: `auto` improves the first few, and the rest only where a
+    gap is left; a library's placement screening builds them for every placement first."""
     base = ListSettings(default_assignment(spec, failed), budget_caps(spec, policy),
                         template_keys(spec, policy))
     # With the I/W split, ZB-H1's order is 1F1B's with W deferred into the bubbles: it fits
@@ -368,7 +375,7 @@ def heuristic_candidates(spec: JobSpec, policy: Policy,
             continue
         seen.add(orders)
         found.append(Candidate(name, simulate(schedule)))
-    return _shortest_first(found)
+    return tuple(_shortest_first(found))
 
 
 def _shortest_first(found: list[Candidate]) -> list[Candidate]:

@@ -24,7 +24,7 @@ from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers.cp import cp_fits, cp_prove, cp_solution
 from recycle_planner.solvers.dp import dp_plan
 from recycle_planner.solvers.heuristic import Candidate, heuristic, heuristic_candidates
-from recycle_planner.solvers.improve import STARTS, justified
+from recycle_planner.solvers.improve import RETRY_ABOVE_GAP, STARTS, justified
 from recycle_planner.solvers.milp import milp_solution
 from recycle_planner.solvers.milp_model import estimated_pairs
 
@@ -72,8 +72,12 @@ def solve_cp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
 def solve_auto(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
     t0 = time.perf_counter()
-    found = best_of(settings, justified(spec, policy,
-                                        list(fast or fast_candidates(spec, policy, failed))))
+    improved = justified(spec, policy, list(fast or fast_candidates(spec, policy, failed)))
+    if failed and _gap(spec, policy, failed, min(c.simulation.period for c in improved)) \
+            > RETRY_ABOVE_GAP:  # the heuristic's other candidates as starts too
+        rest = heuristic_candidates(spec, policy, failed)[STARTS:]
+        improved += justified(spec, policy, rest) if rest else []
+    found = best_of(settings, improved)
     if _open_gap(spec, policy, failed, found) and cp_fits(spec, policy, failed):
         found = with_cp(spec, policy, failed, settings, found)
     if _open_gap(spec, policy, failed, found) and estimated_pairs(
@@ -83,6 +87,11 @@ def solve_auto(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                             "node_limit": settings.node_limit,
                             "seconds": round(time.perf_counter() - t0, 3)}
     return found
+
+
+def _gap(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], period: float) -> float:
+    """How far `period` is above the situation's analytic lower bound, as a share of it."""
+    return period / lower_bound(spec, policy, failed).value - 1
 
 
 def _open_gap(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], found: Solution) -> bool:

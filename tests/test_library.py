@@ -385,7 +385,7 @@ def test_a_plan_left_with_a_gap_is_compared_with_the_other_placements_improved(m
     assert chosen == ((0, 3),)
     assert plan.metrics.period == pytest.approx(41.8) and plan.metrics.optimal
     assert validate(plan) == []
-    monkeypatch.setattr(placement_module, "RETRY_ABOVE_GAP", math.inf)
+    monkeypatch.setattr(placement_module, "RETRY_ABOVE_GAP", math.inf)  # as before
     plan, chosen = placement_module.plan_best_placement(spec, Policy(), (1, 0, 0, 1), settings,
                                                         None)
     assert chosen == ((0,), (3,)) and plan.metrics.period == pytest.approx(42.6)
