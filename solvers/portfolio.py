@@ -6,9 +6,9 @@ heuristic's fault-free plan is returned); milp: the MILP warm-started from the b
 two; cp: the CP-SAT engine warm-started the same way, within its work limit (deterministic);
 auto: heuristic and dp, the improvement of their plans, then, while a gap to the analytic bound
 is left, the CP engine if the job is small enough for it and the MILP if its model fits the
-time budget, then, where the gap is still above improve.RETRY_ABOVE_GAP, the improvement of the
-heuristic's other candidates; it reports its budget. The shortest period wins; the first candidate wins
-ties; the best bound of any engine certifies the plan.
+time budget, then, where the gap is still above improve.RETRY_ABOVE_GAP, the improvement of
+the heuristic's other candidates; it reports its budget. The shortest period wins; the first
+candidate wins ties; the best bound of any engine certifies the plan.
 """
 
 from __future__ import annotations
