@@ -25,7 +25,7 @@ from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers.cp import cp_fits, cp_prove, cp_solution
 from recycle_planner.solvers.dp import dp_plan
 from recycle_planner.solvers.heuristic import Candidate, heuristic, heuristic_candidates
-from recycle_planner.solvers.improve import RETRY_ABOVE_GAP, STARTS, justified
+from recycle_planner.solvers.improve import RETRY_ABOVE_GAP, STARTS, UP_TO_OPS, justified
 from recycle_planner.solvers.milp import milp_solution
 from recycle_planner.solvers.milp_model import estimated_pairs
 
@@ -80,7 +80,8 @@ def solve_auto(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
     if _open_gap(spec, policy, failed, found) and estimated_pairs(
             spec, policy, failed) <= MILP_PAIRS_PER_SECOND * settings.time_limit:
         found = with_milp(spec, policy, failed, settings, found)
-    if failed and _gap(spec, policy, failed, found) > RETRY_ABOVE_GAP:
+    if failed and _gap(spec, policy, failed, found) > RETRY_ABOVE_GAP \
+            and found.simulation.schedule.n_ops <= UP_TO_OPS:  # else nothing is improved
         found = with_more_starts(spec, policy, failed, found)
     found.info["budget"] = {"time_limit": settings.time_limit, "work_limit": settings.cp_work,
                             "node_limit": settings.node_limit,
