@@ -330,6 +330,21 @@ def heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Cand
 def heuristic_candidates(spec: JobSpec, policy: Policy,
                          failed: tuple[Worker, ...]) -> list[Candidate]:
     """Every distinct candidate (see `heuristic`), shortest first."""
+    ops = spec.workers * spec.microbatches * (3 if policy.decouple else 2)
+    build = _candidates if ops <= CACHED_UP_TO_OPS else _candidates.__wrapped__
+    return list(build(spec, policy, tuple(failed)))
+
+
+CACHED_UP_TO_OPS = 50_000
+"""Jobs up to this many compute ops keep their last candidates (a few MB each); above it, at
+1,024 workers (200k ops), each entry would hold tens of MB, and the improvement does not run
+there (improve.UP_TO_OPS), so nothing asks for them twice."""
+
+
+@lru_cache(maxsize=4)
+def _candidates(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> tuple[Candidate, ...]:
+    """heuristic_candidates, cached: `auto` improves the first few, and the rest only where a
+    gap is left; a library's placement screening builds them for every placement first."""
     base = ListSettings(default_assignment(spec, failed), budget_caps(spec, policy),
                         template_keys(spec, policy))
     # With the I/W split, ZB-H1's order is 1F1B's with W deferred into the bubbles: it fits
@@ -368,7 +383,7 @@ def heuristic_candidates(spec: JobSpec, policy: Policy,
             continue
         seen.add(orders)
         found.append(Candidate(name, simulate(schedule)))
-    return _shortest_first(found)
+    return tuple(_shortest_first(found))
 
 
 def _shortest_first(found: list[Candidate]) -> list[Candidate]:

@@ -40,6 +40,13 @@ and the DP's, two rounds each, 2.40%; the same CPU."""
 STARTS = 3
 """How many of the heuristic's candidates (the shortest) the passes start from; starting from
 every one gave 2.14% for 1.8 times the CPU."""
+RETRY_ABOVE_GAP = 0.01
+"""Where the improved plan is still more than this share above its situation's proven lower
+bound, more starting points are improved: the heuristic's other candidates
+(portfolio.with_more_starts) and, in a library, the other placements of the holes
+(library/placement.py). On the 8x8x16 library 86 of 165 plans pay for them. Any gap (1e-6)
+instead: 8x8x16 1.043% -> 1.031% for 2.4 s more CPU, GPT 0.29% -> 0.26%, but its library
+then took 59.3 s wall (55.0 s at 1%), too close to its 60 s target."""
 UP_TO_OPS = 50_000
 """Plans with more ops than this are not improved: two rounds from one start took 8 s of CPU
 at 1,024 workers (200k ops; nothing shorter on a sample), which the 1,024-worker library's

@@ -1,4 +1,5 @@
 import json
+import math
 import os
 from itertools import combinations
 
@@ -12,6 +13,7 @@ from recycle_planner.job.policy import Policy
 from recycle_planner.job.situations import (counts_of, failure_sets, logical_failed, map_failure,
                                             packed, placements, situations)
 from recycle_planner.library import PlanLibrary, Settings, build_library
+from recycle_planner.library import placement as placement_module
 from recycle_planner.timing.validate import validate
 from recycle_planner.views.report import library_text, plot_library
 
@@ -370,3 +372,20 @@ def test_sigterm_to_plan_all_leaves_no_worker_and_no_partial_file(tmp_path):
     assert alive == []
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
     PlanLibrary.open(out)  # the index is whole
+
+
+def test_a_plan_left_with_a_gap_is_compared_with_the_other_placements_improved(monkeypatch):
+    """The screening ranks placements by their fast plans before the improvement; the
+    improvement shortens the other placement of this situation more (to its bound)."""
+    spec = make_spec(stages=4, pipelines=4, microbatches=8, backward_input=1.1,
+                     backward_weight=0.9, p2p=0.05, allreduce=4, optimizer=0.6)
+    settings = Settings(solver="auto", work_limit=0.2, time_limit=1, node_limit=1)
+    plan, chosen = placement_module.plan_best_placement(spec, Policy(), (1, 0, 0, 1), settings,
+                                                        None)
+    assert chosen == ((0, 3),)
+    assert plan.metrics.period == pytest.approx(41.8) and plan.metrics.optimal
+    assert validate(plan) == []
+    monkeypatch.setattr(placement_module, "RETRY_ABOVE_GAP", math.inf)  # as before
+    plan, chosen = placement_module.plan_best_placement(spec, Policy(), (1, 0, 0, 1), settings,
+                                                        None)
+    assert chosen == ((0,), (3,)) and plan.metrics.period == pytest.approx(42.6)
