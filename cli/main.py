@@ -12,7 +12,7 @@ from click.core import ParameterSource
 
 from recycle_planner import __version__
 from recycle_planner.errors import RecycleError
-from recycle_planner.job.policy import SCHEDULES
+from recycle_planner.job.policy import SCHEDULES, compute_ops
 from recycle_planner.library import Settings
 from recycle_planner.solvers.milp_backends import BACKENDS
 from recycle_planner.solvers.registry import PROVE_WORK, SOLVERS, SolverSettings, solver_help
@@ -276,8 +276,7 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     failed = check_failed(job, failed)
     expected = expected_seconds(job, policy, failed, settings)
     if expected > LONG_PLAN:  # say so before the silence, not after minutes of it
-        ops = job.workers * job.microbatches * (3 if policy.decouple else 2)
-        click.echo(f"planning {ops:,} ops per iteration"
+        click.echo(f"planning {compute_ops(job, policy):,} ops per iteration"
                    + (" (and the fault-free plan for reference)" if failed else "")
                    + f": expect about {duration(expected)} and "
                    f"{number(expected_memory(job, policy) / 2**30, 2)} GiB", err=True)

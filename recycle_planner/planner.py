@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Sequence
 
-from recycle_planner.job.policy import Policy
+from recycle_planner.job.policy import Policy, compute_ops
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import check_failed, format_workers
 from recycle_planner.solvers import Solution
@@ -27,7 +27,7 @@ BYTES_PER_OP = 2048
 
 
 def _ops(spec: JobSpec, policy: Policy) -> int:
-    return spec.workers * (spec.microbatches * (3 if policy.decouple else 2) + 2)
+    return compute_ops(spec, policy) + 2 * spec.workers  # and each worker's all-reduce and step
 
 
 def expected_seconds(spec: JobSpec, policy: Policy, failed: tuple,

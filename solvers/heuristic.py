@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from recycle_planner.job.policy import Policy, budget_caps
+from recycle_planner.job.policy import Policy, budget_caps, compute_ops
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.schedules.generators import fault_free
 from recycle_planner.schedules.ops import (B, COMPUTE_KINDS, F, I, W, OpSpace, Worker, worker_at,
@@ -330,8 +330,8 @@ def heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Cand
 def heuristic_candidates(spec: JobSpec, policy: Policy,
                          failed: tuple[Worker, ...]) -> list[Candidate]:
     """Every distinct candidate (see `heuristic`), shortest first."""
-    ops = spec.workers * spec.microbatches * (3 if policy.decouple else 2)
-    build = _candidates if ops <= CACHED_UP_TO_OPS else _candidates.__wrapped__
+    cached = compute_ops(spec, policy) <= CACHED_UP_TO_OPS
+    build = _candidates if cached else _candidates.__wrapped__
     return list(build(spec, policy, tuple(failed)))
 
 

@@ -75,12 +75,13 @@ def solve_auto(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
     t0 = time.perf_counter()
     found = best_of(settings, justified(spec, policy,
                                         list(fast or fast_candidates(spec, policy, failed))))
-    if _open_gap(spec, policy, failed, found) and cp_fits(spec, policy, failed):
+    analytic = lower_bound(spec, policy, failed).value
+    if _gap(analytic, found) > OPEN and cp_fits(spec, policy, failed):
         found = with_cp(spec, policy, failed, settings, found)
-    if _open_gap(spec, policy, failed, found) and estimated_pairs(
+    if _gap(analytic, found) > OPEN and estimated_pairs(
             spec, policy, failed) <= MILP_PAIRS_PER_SECOND * settings.time_limit:
         found = with_milp(spec, policy, failed, settings, found)
-    if failed and _gap(spec, policy, failed, found) > RETRY_ABOVE_GAP \
+    if failed and _gap(analytic, found) > RETRY_ABOVE_GAP \
             and found.simulation.schedule.n_ops <= UP_TO_OPS:  # else nothing is improved
         found = with_more_starts(spec, policy, failed, found)
     found.info["budget"] = {"time_limit": settings.time_limit, "work_limit": settings.cp_work,
@@ -89,15 +90,14 @@ def solve_auto(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
     return found
 
 
-def _gap(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], found: Solution) -> float:
-    """How far the plan is above every bound proven so far, as a share of the highest."""
-    proven = max(lower_bound(spec, policy, failed).value, found.bound or 0.0)
-    return found.simulation.period / proven - 1
+OPEN = 1e-6
+"""A gap above this share is open: the engines run only then."""
 
 
-def _open_gap(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], found: Solution) -> bool:
-    """Whether the plan is above every bound proven so far."""
-    return _gap(spec, policy, failed, found) > 1e-6
+def _gap(analytic: float, found: Solution) -> float:
+    """How far the plan is above every bound proven so far (the situation's analytic bound,
+    the engines' own), as a share of the highest."""
+    return found.simulation.period / max(analytic, found.bound or 0.0) - 1
 
 
 def with_more_starts(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],

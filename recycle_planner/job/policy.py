@@ -72,6 +72,12 @@ def natural_caps(spec: JobSpec, policy: Policy) -> tuple[int, ...]:
                  for c, lim in zip(_schedule_caps(spec, policy), limits))
 
 
+def compute_ops(spec: JobSpec, policy: Policy) -> int:
+    """A plan's compute ops per iteration (F, I and W with the split backward; F and B
+    without): the size every size threshold of the planner is measured in."""
+    return spec.workers * spec.microbatches * (3 if policy.decouple else 2)
+
+
 def budget_caps(spec: JobSpec, policy: Policy) -> tuple[int, ...]:
     """In-flight micro-batches per stage that re-routed plans may use: the memory model's limit,
     or, without one, the fault-free schedule's peak on its busiest worker (memory is provisioned

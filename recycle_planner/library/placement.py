@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from recycle_planner.job.policy import Policy
+from recycle_planner.job.policy import Policy, compute_ops
 from recycle_planner.job.situations import Placement, logical_failed, placements
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import check_failed
@@ -28,9 +28,8 @@ def plan_best_placement(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
     built twice), so that the engines' budget goes to one placement."""
     options = placements(counts, spec.pipelines, settings.max_placements)
     everyone, built = options, None
-    ops = spec.workers * spec.microbatches * (3 if policy.decouple else 2)
     fast = None
-    if len(options) > 1 and ops > SCREEN_ABOVE_OPS:
+    if len(options) > 1 and compute_ops(spec, policy) > SCREEN_ABOVE_OPS:
         periods = [simulate(list_schedule(spec, policy, logical_failed(p))).period for p in options]
         options = [options[min(range(len(options)), key=lambda i: (periods[i], i))]]
     elif len(options) > 1 and settings.solver in ("cp", "auto"):
