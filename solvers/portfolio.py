@@ -7,7 +7,8 @@ two; cp: the CP-SAT engine warm-started the same way, within its work limit (det
 auto: heuristic and dp, the improvement of their plans, then, while a gap to the analytic bound
 is left, the CP engine if the job is small enough for it and the MILP if its model fits the
 time budget, then, where the gap is still above improve.RETRY_ABOVE_GAP, the improvement of
-the heuristic's other candidates; it reports its budget. The shortest period wins; the first
+the heuristic's other candidates, and where any gap is left, the critical-path local search
+(critical.py) on the best plan; it reports its budget. The shortest period wins; the first
 candidate wins ties; the best bound of any engine certifies the plan.
 """
 
@@ -23,6 +24,7 @@ from recycle_planner.schedules.ops import Worker
 from recycle_planner.solvers import Solution
 from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers.cp import cp_fits, cp_prove, cp_solution
+from recycle_planner.solvers.critical import local_search
 from recycle_planner.solvers.dp import dp_plan
 from recycle_planner.solvers.heuristic import Candidate, heuristic, heuristic_candidates
 from recycle_planner.solvers.improve import RETRY_ABOVE_GAP, STARTS, UP_TO_OPS, justified
@@ -84,6 +86,9 @@ def solve_auto(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
     if failed and _gap(analytic, found) > RETRY_ABOVE_GAP \
             and found.simulation.schedule.n_ops <= UP_TO_OPS:  # else nothing is improved
         found = with_more_starts(spec, policy, failed, found)
+    if failed and _gap(analytic, found) > SWAP_ABOVE_GAP \
+            and found.simulation.schedule.n_ops <= UP_TO_OPS:
+        found = with_swaps(spec, policy, found)
     found.info["budget"] = {"time_limit": settings.time_limit, "work_limit": settings.cp_work,
                             "node_limit": settings.node_limit,
                             "seconds": round(time.perf_counter() - t0, 3)}
@@ -92,6 +97,9 @@ def solve_auto(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
 
 OPEN = 1e-6
 """A gap above this share is open: the engines run only then."""
+SWAP_ABOVE_GAP = OPEN
+"""Where the plan is still this far above its bound, the critical-path local search
+(critical.py) runs last."""
 
 
 def _gap(analytic: float, found: Solution) -> float:
@@ -117,6 +125,20 @@ def with_more_starts(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
     log.info("more starts: %s, period %.6g ms", better.name, better.simulation.period)
     info["candidates"][better.name] = better.simulation.period
     info["detail"] = better.name
+    return Solution(better.simulation, info, found.bound, found.bound_reason)
+
+
+def with_swaps(spec: JobSpec, policy: Policy, found: Solution) -> Solution:
+    """`found`, or the plan the critical-path local search reaches from it if shorter. Last,
+    because it only refines one plan: what it swaps is what the others left waiting."""
+    name = found.info.get("detail", "plan")
+    better = local_search(spec, policy, Candidate(name, found.simulation))
+    if better.simulation is found.simulation:
+        return found
+    log.info("critical-path swaps: period %.6g ms", better.simulation.period)
+    info = {**found.info, "detail": better.name,
+            "candidates": {**found.info.get("candidates", {}),
+                           better.name: better.simulation.period}}
     return Solution(better.simulation, info, found.bound, found.bound_reason)
 
 

@@ -43,7 +43,7 @@ SOLVERS: dict[str, SolverEntry] = {
     "cp": SolverEntry(solve_cp, "the constraint-programming engine (OR-Tools CP-SAT) with a "
                       "work limit, the same plan on every machine", ("work_limit", "prove")),
     "auto": SolverEntry(solve_auto, "the fast solvers, then the exact engines that fit the "
-                        "budget while a gap is left",
+                        "budget while a gap is left, then swaps on the plan's critical path",
                         ("time_limit", "backend", "node_limit", "work_limit")),
 }
 

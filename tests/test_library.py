@@ -14,6 +14,7 @@ from recycle_planner.job.situations import (counts_of, failure_sets, logical_fai
                                             packed, placements, situations)
 from recycle_planner.library import PlanLibrary, Settings, build_library
 from recycle_planner.library import placement as placement_module
+from recycle_planner.solvers import portfolio
 from recycle_planner.timing.validate import validate
 from recycle_planner.views.report import library_text, plot_library
 
@@ -380,6 +381,9 @@ def test_a_plan_left_with_a_gap_is_compared_with_the_other_placements_improved(m
     spec = make_spec(stages=4, pipelines=4, microbatches=8, backward_input=1.1,
                      backward_weight=0.9, p2p=0.05, allreduce=4, optimizer=0.6)
     settings = Settings(solver="auto", work_limit=0.2, time_limit=1, node_limit=1)
+    # This step alone: the critical-path swaps (the last step of `auto`) take the chosen
+    # placement's plan to 41.9, within the 1% that calls for the other placements.
+    monkeypatch.setattr(portfolio, "SWAP_ABOVE_GAP", math.inf)
     plan, chosen = placement_module.plan_best_placement(spec, Policy(), (1, 0, 0, 1), settings,
                                                         None)
     assert chosen == ((0, 3),)
