@@ -21,7 +21,7 @@ that deadlock are skipped. Deterministic: no randomness, ties in chain order.
 On the 8x8x16 library this took the mean gap from 1.04% to 0.92% (benchmarks/README.md).
 Tried and not kept: every adjacent pair on a chain (N1) instead of the block ends, and the walk
 into the cycle as well as the cycle: 0.934% instead of 0.938% on the same plans for 10 times
-the CPU (30 s against 2.7 s).
+the CPU (30 s against 2.7-4.0 s).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from recycle_planner.solvers.improve import worker_caps
 from recycle_planner.timing.simulate import DependencyGraph, Simulation, simulate
 
 MAX_EVALUATIONS = 200
-"""Simulations per search (one is about 3 ms at 8x8x16). Only a pathological case reaches it:
-on the 8x8x16 library's plans a search took 0.03 s on average."""
+"""Swaps tried per search (a simulation each, about 3 ms at 8x8x16). Only a pathological case
+reaches it: on the 8x8x16 library's plans a search took 0.03-0.04 s on average."""
 
 _TIE = 1e-9
 
@@ -53,8 +53,8 @@ def key(sim: Simulation) -> tuple[float, float]:
     compute = g.kind[:n] < COMPUTE_KINDS
     last = np.full(g.n_workers, -np.inf)
     np.maximum.at(last, g.workers[:n][compute], end[:n][compute])
-    live = g.first_of_worker >= 0
-    return sim.period, float(np.sum(last[live] - start[g.first_of_worker[live]]))
+    busy = np.isfinite(last)  # the live workers (each runs compute ops)
+    return sim.period, float(np.sum(last[busy] - start[g.first_of_worker[busy]]))
 
 
 def _shorter(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -84,8 +84,8 @@ def _node_times(sim: Simulation) -> tuple[np.ndarray, np.ndarray]:
 def critical_chains(sim: Simulation) -> list[list[tuple[int, bool]]]:
     """The critical chains, each in time order as (node, whether it waits for its worker's
     previous op): walking back along tight predecessors from each stage's optimizer step to the
-    cycle the walk closes (staggered; a cycle is cut where it enters a worker), or from the op
-    that ends last to the iteration's start (barrier)."""
+    cycle the walk closes (staggered; the cycle starts at an op that does not wait for its
+    worker), or from the op that ends last to the iteration's start (barrier)."""
     g = sim.graph
     start, end = _node_times(sim)
     period = sim.period
@@ -98,7 +98,11 @@ def critical_chains(sim: Simulation) -> list[list[tuple[int, bool]]]:
         data_pred[g.dst[e]] = g.src[e]
     worker_tight = np.zeros(g.n_nodes, dtype=bool)
     worker_tight[g.dst[tight & worker_edge]] = True
-    previous = {}  # a worker's first op <- its previous iteration's last (the step)
+    # A worker's first op <- its previous iteration's last (the step). Exact where every
+    # iteration is the one before shifted by the period; where the simulation settled into a
+    # longer pattern or did not settle, the link may not be found and the walk ends there
+    # (a shorter chain, fewer swaps; each swap is still judged by the simulator).
+    previous = {}
     if sim.steady_start is not None:
         for f, last in zip(g.first_of_worker.tolist(), g.last_of_worker.tolist()):
             if f >= 0 and abs(end[last] - period - start[f]) <= tol:
@@ -125,8 +129,10 @@ def critical_chains(sim: Simulation) -> list[list[tuple[int, bool]]]:
         nodes = list(walk)
         if x >= 0:  # staggered: only the cycle is critical (the way into it has slack)
             nodes = nodes[nodes.index(x):]
-            cut = next((i for i, y in enumerate(nodes) if not walk[y]), 0)
-            nodes = nodes[cut:] + nodes[:cut]  # (walking back) a worker is entered
+            # Start the chain (in time order) at an op that does not wait for its worker, so
+            # that no block is split between the chain's two ends.
+            cut = next((i for i, y in enumerate(nodes) if not walk[y]), len(nodes) - 1)
+            nodes = nodes[cut + 1:] + nodes[:cut + 1]
         chain = [(y, walk[y]) for y in reversed(nodes)]
         if not seen.issuperset(y for y, _ in chain):
             chains.append(chain)
@@ -151,7 +157,7 @@ def swaps(sim: Simulation) -> list[tuple[int, int]]:
             else:
                 blocks.append([y])
         for block in blocks:
-            for x in ({block[1], block[-1]} if len(block) > 1 else ()):
+            for x in (dict.fromkeys((block[1], block[-1])) if len(block) > 1 else ()):
                 y = int(g.wpred[x])
                 if x < g.n and g.kind[x] < COMPUTE_KINDS and g.kind[y] < COMPUTE_KINDS \
                         and _unit(g, x) != _unit(g, y):
@@ -187,11 +193,11 @@ def local_search(spec: JobSpec, policy: Policy, start: Candidate,
             order = current.schedule.orders[w]
             if not _fits(order, i, holds, caps[w]):
                 continue
+            evaluations += 1
             try:
                 sim = simulate(swapped(current.schedule, w, i))
-            except ScheduleError:  # the swap made a cycle of waits
-                continue
-            evaluations += 1
+            except ScheduleError:  # a cycle of waits (a safety net: with positive op costs a
+                continue           # swap of two ops that were tight in time makes none)
             k = key(sim)
             if _shorter(k, best_key):
                 current, best_key = sim, k
