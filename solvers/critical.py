@@ -31,10 +31,10 @@ import numpy as np
 from recycle_planner.errors import ScheduleError
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
-from recycle_planner.schedules.ops import B, COMPUTE_KINDS, F, OPT, W
+from recycle_planner.schedules.ops import COMPUTE_KINDS, OPT
 from recycle_planner.schedules.schedule import Schedule
 from recycle_planner.solvers.heuristic import Candidate
-from recycle_planner.solvers.improve import worker_caps
+from recycle_planner.solvers.improve import in_flight_change, worker_caps
 from recycle_planner.timing.simulate import DependencyGraph, Simulation, simulate
 
 MAX_EVALUATIONS = 200
@@ -213,8 +213,7 @@ def local_search(spec: JobSpec, policy: Policy, start: Candidate,
 
 def _holds(schedule: Schedule) -> np.ndarray:
     """Change of a worker's in-flight micro-batches per op id (F +1, W or fused B -1)."""
-    kind = schedule.space.decode(np.arange(schedule.space.size))[0]
-    return np.select([kind == F, (kind == W) | (kind == B)], [1, -1], 0)
+    return in_flight_change(schedule.space.decode(np.arange(schedule.space.size))[0])
 
 
 def _fits(order: np.ndarray, i: int, holds: np.ndarray, cap: int) -> bool:

@@ -78,9 +78,14 @@ def op_graph(schedule: Schedule) -> OpGraph:
     loc[ids] = np.arange(len(ids))
     kind, pipe, stage, mb = space.decode(ids)
     src, dst, latency = data_edges(schedule, ids, loc, kind, pipe, stage, mb)
-    holds = np.select([kind == F, (kind == W) | (kind == B)], [1, -1], 0)
-    return OpGraph(ids, workers, cost_table(schedule.spec)[kind, stage], holds, src, dst,
-                   latency)
+    return OpGraph(ids, workers, cost_table(schedule.spec)[kind, stage], in_flight_change(kind),
+                   src, dst, latency)
+
+
+def in_flight_change(kind: np.ndarray) -> np.ndarray:
+    """Each op's change of its worker's in-flight micro-batches, by its kind: a forward takes
+    one (+1), a weight gradient or fused backward frees one (-1), the rest 0."""
+    return np.select([kind == F, (kind == W) | (kind == B)], [1, -1], 0)
 
 
 def list_orders(graph: OpGraph, caps: list[int], key: np.ndarray,

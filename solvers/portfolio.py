@@ -83,12 +83,11 @@ def solve_auto(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
     if _gap(analytic, found) > OPEN and estimated_pairs(
             spec, policy, failed) <= MILP_PAIRS_PER_SECOND * settings.time_limit:
         found = with_milp(spec, policy, failed, settings, found)
-    if failed and _gap(analytic, found) > RETRY_ABOVE_GAP \
-            and found.simulation.schedule.n_ops <= UP_TO_OPS:  # else nothing is improved
-        found = with_more_starts(spec, policy, failed, found)
-    if failed and _gap(analytic, found) > SWAP_ABOVE_GAP \
-            and found.simulation.schedule.n_ops <= UP_TO_OPS:
-        found = with_swaps(spec, policy, found)
+    if failed and found.simulation.schedule.n_ops <= UP_TO_OPS:  # else nothing is improved
+        if _gap(analytic, found) > RETRY_ABOVE_GAP:
+            found = with_more_starts(spec, policy, failed, found)
+        if _gap(analytic, found) > SWAP_ABOVE_GAP:
+            found = with_swaps(spec, policy, found)
     found.info["budget"] = {"time_limit": settings.time_limit, "work_limit": settings.cp_work,
                             "node_limit": settings.node_limit,
                             "seconds": round(time.perf_counter() - t0, 3)}
@@ -118,27 +117,31 @@ def with_more_starts(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
     if not rest:
         return found
     better = min(justified(spec, policy, rest), key=lambda c: c.simulation.period)
-    info = {**found.info, "candidates": {**found.info.get("candidates", {}),
-                                         **{c.name: c.simulation.period for c in rest}}}
-    if better.simulation.period >= found.simulation.period - 1e-9:
-        return Solution(found.simulation, info, found.bound, found.bound_reason)
-    log.info("more starts: %s, period %.6g ms", better.name, better.simulation.period)
-    info["candidates"][better.name] = better.simulation.period
-    info["detail"] = better.name
-    return Solution(better.simulation, info, found.bound, found.bound_reason)
+    return _if_shorter(found, better, "more starts", tried=rest)
 
 
 def with_swaps(spec: JobSpec, policy: Policy, found: Solution) -> Solution:
     """`found`, or the plan the critical-path local search reaches from it if shorter. Last,
     because it only refines one plan: what it swaps is what the others left waiting."""
     name = found.info.get("detail", "plan")
-    better = local_search(spec, policy, Candidate(name, found.simulation))
-    if better.simulation is found.simulation:
+    return _if_shorter(found, local_search(spec, policy, Candidate(name, found.simulation)),
+                       "critical-path swaps")
+
+
+def _if_shorter(found: Solution, better: Candidate, step: str,
+                tried: Sequence[Candidate] = ()) -> Solution:
+    """`found` with the `tried` candidates' periods added to its report, and `better` in its
+    place (named in the report) if shorter; the bound stays `found`'s."""
+    shorter = better.simulation.period < found.simulation.period - 1e-9
+    if not tried and not shorter:
         return found
-    log.info("critical-path swaps: period %.6g ms", better.simulation.period)
-    info = {**found.info, "detail": better.name,
-            "candidates": {**found.info.get("candidates", {}),
-                           better.name: better.simulation.period}}
+    info = {**found.info, "candidates": {**found.info.get("candidates", {}),
+                                         **{c.name: c.simulation.period for c in tried}}}
+    if not shorter:
+        return Solution(found.simulation, info, found.bound, found.bound_reason)
+    log.info("%s: %s, period %.6g ms", step, better.name, better.simulation.period)
+    info["candidates"][better.name] = better.simulation.period
+    info["detail"] = better.name
     return Solution(better.simulation, info, found.bound, found.bound_reason)
 
 

@@ -14,21 +14,14 @@ from recycle_planner.solvers.heuristic import heuristic
 from recycle_planner.solvers.improve import improve
 from recycle_planner.timing.validate import validate
 
-from test_improve import assert_valid, unit_job
-from test_properties import make, situations
+from test_improve import assert_refines, assert_valid, unit_job
+from test_properties import situations
 
 
 @settings(max_examples=60, deadline=None)
 @given(situations(max_stages=4, max_pipelines=3, max_microbatches=6))
 def test_swapped_plans_keep_every_rule_and_never_get_longer(case):
-    spec, policy, failed = case
-    start = make(spec, policy, failed, heuristic)
-    better = local_search(spec, policy, start)
-    assert better.simulation.period <= start.simulation.period + 1e-9
-    assert better is start or better.name == f"{start.name}, swapped"
-    assert local_search(spec, policy, start).simulation.period == better.simulation.period
-    # Every op once, dependencies, memory within the cap, no deadlock: the validator's rules.
-    assert_valid(better.simulation, start.simulation.period)
+    assert_refines(local_search, "swapped", case)
 
 
 @pytest.mark.parametrize("stagger", [True, False])

@@ -28,17 +28,23 @@ def assert_valid(sim, reference):
     assert validate(finish_plan(sim, reference, {"name": "heuristic"})) == []
 
 
+def assert_refines(refine, suffix, case):
+    """`refine(spec, policy, start)` from the heuristic's plan keeps every rule, never gets
+    longer, names its plan `<start>, <suffix>` and gives the same plan every time."""
+    spec, policy, failed = case
+    start = make(spec, policy, failed, heuristic)
+    better = refine(spec, policy, start)
+    assert better.simulation.period <= start.simulation.period + 1e-9
+    assert better is start or better.name == f"{start.name}, {suffix}"
+    assert refine(spec, policy, start).simulation.period == better.simulation.period  # same
+    # Every op once, dependencies, memory within the cap, no deadlock: the validator's rules.
+    assert_valid(better.simulation, start.simulation.period)
+
+
 @settings(max_examples=60, deadline=None)
 @given(situations(max_stages=4, max_pipelines=3, max_microbatches=6))
 def test_improved_plans_keep_every_rule_and_never_get_longer(case):
-    spec, policy, failed = case
-    start = make(spec, policy, failed, heuristic)
-    better = improve(spec, policy, start)
-    assert better.simulation.period <= start.simulation.period + 1e-9
-    assert better is start or better.name == f"{start.name}, justified"
-    assert improve(spec, policy, start).simulation.period == better.simulation.period  # same
-    # Every op once, dependencies, memory within the cap, no deadlock: the validator's rules.
-    assert_valid(better.simulation, start.simulation.period)
+    assert_refines(improve, "justified", case)
 
 
 @settings(max_examples=40, deadline=None)
