@@ -80,10 +80,11 @@ def _settings(f):
         click.option("--resume", is_flag=True,
                      help="Start from the run folder's latest checkpoint."),
         click.option("--inject-fault", "faults", multiple=True,
-                     metavar="RANK:ITER:POINT[:ACTION]",
+                     metavar="RANK:ITER:POINT[:ACTION[:after-step=R,...]]",
                      help="Testing: kill (or hang, stall, take a host down) worker RANK at a "
                           "point of iteration ITER, e.g. 2:3:F1, 1:4:step, 0:5:I0:hang, "
-                          "2:3:F0:host-down. Repeatable."),
+                          "2:3:F0:host-down; 3:3:W3:kill:after-step=4,5 waits until ranks 4 "
+                          "and 5 have taken that iteration's step. Repeatable."),
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
     ]
     for option in reversed(options):

@@ -92,15 +92,16 @@ def test_cli_two_kills_and_a_rejoin_on_2x2(tmp_path):
 
 def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path):
     """3 stages x 2 pipelines. Worker 1:0 dies in its last weight gradient of iteration 3,
-    after stages 1 and 2 stepped (stage 0's backward is slowed so that they surely did): they
-    undo that step. Worker 1:1 dies while recovering from it. Later worker 0:2 hangs and is
-    killed after the heartbeat timeout. Three dead workers, each stage keeps one. Stages pass
+    once stages 1 and 2 have stepped (`after-step`: those steps run concurrently with the
+    weight gradient): stages 1 and 2 undo that step. Worker 1:1 dies while recovering from
+    it. Later worker 0:2 hangs and is killed after the heartbeat timeout. Three dead workers, each stage keeps one. Stages pass
     a dict of a float and an int64 tensor, and an LR warm-up scheduler is undone with the
     step."""
     lib = library(tmp_path / "lib", stages=3, pipelines=2, microbatches=4, max_failures=3)
     args = ["--stages", "3", "--library", str(lib), "--iterations", "8",
-            "--slow-backward", "0:0.01", "--boundary", "dict", "--warmup", "5"]
-    faults = [parse_fault(f) for f in ("3:3:W3", "4:3:recovery", "2:6:I0:hang")]
+            "--boundary", "dict", "--warmup", "5"]
+    faults = [parse_fault(f) for f in ("3:3:W3:kill:after-step=1,2,4,5", "4:3:recovery",
+                                       "2:6:I0:hang")]
     config = LaunchConfig(nproc=6, run_dir=str(tmp_path / "run"), faults=faults,
                           hang_timeout=3.0, heartbeat=0.1)
     result = launch(TINY, config, args)
@@ -108,6 +109,7 @@ def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path):
     assert [g["dead"] for g in gens] == [[], [[1, 0], [1, 1]], [[0, 2], [1, 0], [1, 1]]]
     first = gens[1]
     assert first["restart"] == 3 and first["steps"]["2"] == 4  # stage 2 undid its step
+    assert first["steps"]["1"] == 4 and first["steps"]["0"] == 3  # stage 0 had not stepped
     assert len(_events(result, "hang")) == 1
     assert [d["worker"] for d in result.recoveries] == ["1:0", "1:1", "0:2"]
     ref = reference(args[:2] + args[4:], 2, 4)

@@ -2,6 +2,7 @@
 routing of a re-routed plan, undo of an optimizer step, checkpoints, job loading."""
 
 import copy
+import threading
 from itertools import product
 
 import pytest
@@ -15,6 +16,7 @@ from conftest import EXAMPLES, make_spec
 torch = pytest.importorskip("torch")
 
 from recycle_planner.executor import protocol as P  # noqa: E402
+from recycle_planner.executor.agent import LaunchConfig  # noqa: E402
 from recycle_planner.executor.comm import BACKWARD, FORWARD, message_tag  # noqa: E402
 from recycle_planner.executor.faults import Fault, FaultInjector, parse_fault  # noqa: E402
 from recycle_planner.executor.job import Job, load_job  # noqa: E402
@@ -43,6 +45,51 @@ def test_faults_parse_and_fire_once_per_point():
     assert fired == [Fault(1, 2, "I0")]
     restarted = FaultInjector([Fault(1, 2, "I0")], rank=1, incarnation=1, announce=fired.append)
     assert not restarted.active
+
+
+def test_a_fault_after_steps_waits_for_them():
+    """`after-step`: the watched workers record their step of that iteration (and only of
+    that one); the fault fires once all have, or after the bounded wait, never before."""
+    fault = parse_fault("3:3:W3:kill:after-step=5,4,5")
+    assert fault == Fault(3, 3, "W3", "kill", (4, 5)) and str(fault) == \
+        "3:3:W3:kill:after-step=4,5" and Fault.from_dict(fault.to_dict()) == fault
+    assert Fault.from_dict({"rank": 1, "iteration": 2, "point": "F0"}).after_step == ()
+    for bad, why in (("3:3:W3:kill:after=4", "after-step=R"), ("3:3:W3:kill:after-step=",
+                     "after-step=R"), ("3:3:hold:kill:after-step=4", "does not apply"),
+                     ("3:3:W3:kill:after-step=3", "its own step")):
+        with pytest.raises(RecycleError, match=why):
+            parse_fault(bad)
+    with pytest.raises(RecycleError, match="rank 7 is outside"):
+        LaunchConfig(nproc=6, faults=[parse_fault("3:3:W3:kill:after-step=7")])
+    with pytest.raises(RecycleError, match="need a store"):
+        FaultInjector([fault], rank=4, incarnation=0, announce=print)
+    steps: set[tuple[int, int]] = set()
+
+    def injector(rank, wait=60.0):
+        return FaultInjector([fault], rank, 0, announce=print,
+                             stepped=lambda it: steps.add((it, rank)),
+                             have_stepped=lambda it, ranks: {(it, r) for r in ranks} <= steps,
+                             wait=wait)
+    watched = [injector(4), injector(5)]
+    assert all(w.active for w in watched) and not injector(2).active
+    for w in watched:
+        w.trigger(2, "step")
+        w.trigger(3, "W3")
+    assert steps == set()
+    victim = injector(3)
+    fired = []
+    victim.fire = lambda f: fired.append((f, set(steps)))
+    worker4 = threading.Timer(0.05, watched[0].trigger, (3, "step"))
+    worker5 = threading.Timer(0.15, watched[1].trigger, (3, "step"))
+    worker4.start(), worker5.start()
+    victim.trigger(3, "W3")
+    worker4.join(), worker5.join()
+    assert fired == [(fault, {(3, 4), (3, 5)})]
+    impatient = injector(3, wait=0.05)
+    impatient.fire = fired.append
+    steps.clear()
+    impatient.trigger(3, "W3")  # nobody steps: it fires after its wait
+    assert fired[-1] == fault
 
 
 def test_message_tags_are_unique():

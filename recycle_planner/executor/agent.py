@@ -107,8 +107,10 @@ class LaunchConfig:
         if self.nproc < 1:
             raise RecycleError(f"need at least one worker, got {self.nproc}")
         for f in self.faults:
-            if not 0 <= f.rank < self.nproc:
-                raise RecycleError(f"fault {f}: rank {f.rank} is outside 0..{self.nproc - 1}")
+            for rank in (f.rank, *f.after_step):
+                if not 0 <= rank < self.nproc:
+                    raise RecycleError(f"fault {f}: rank {rank} is outside "
+                                       f"0..{self.nproc - 1}")
         if not self.bucket_mb > 0:
             raise RecycleError(f"bucket_mb must be positive, got {self.bucket_mb}")
         if self.undo_copy not in UNDO_PLACES:

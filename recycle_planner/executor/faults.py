@@ -24,6 +24,13 @@ For tests, the demo and chaos drills, never for production training. A fault is 
   vanishes without closing a socket; `host-stop`: SIGSTOP the host agent and every worker it
   started; `host-kill`: SIGKILL them.
 
+A fifth field `after-step=R[,R...]` makes the fault wait (at most half the lease) until
+workers R have taken their stage's optimizer step of that iteration, for a fault that must
+land between one stage's step and another's (`3:3:W3:kill:after-step=4,5`: rank 3 dies in
+its last weight gradient once ranks 4 and 5 have stepped, so that their stages must undo the
+step). Those steps run concurrently with the fault's point, so without it only timing says
+which came first.
+
 Only incarnation 0 of a rank is hit: a worker restarted after its fault does not die again.
 Before dying, the worker writes the time into the store, so that the launcher can report the
 exact time from a kill to recovery.
@@ -49,63 +56,107 @@ _POINT = re.compile(r"(?:(?P<kind>[FIWB])(?P<index>\d+)"
                     r"|(?P<name>step|allreduce|optimizer|start|recovery|hold))")
 
 
+_AFTER = re.compile(r"after-step=(\d+(?:,\d+)*)")
+
+
 @dataclass(frozen=True)
 class Fault:
     rank: int
     iteration: int
     point: str
     action: str = "kill"
+    after_step: tuple[int, ...] = ()   # ranks whose step of `iteration` comes first
 
     def __str__(self) -> str:
         tail = "" if self.point == "hold" else f":{self.action}"
+        if self.after_step:
+            tail += ":after-step=" + ",".join(map(str, self.after_step))
         return f"{self.rank}:{self.iteration}:{self.point}{tail}"
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "iteration": self.iteration, "point": self.point,
-                "action": self.action}
+                "action": self.action, "after_step": list(self.after_step)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Fault":
         return cls(int(data["rank"]), int(data["iteration"]), str(data["point"]),
-                   str(data.get("action", "kill")))
+                   str(data.get("action", "kill")),
+                   tuple(int(r) for r in data.get("after_step", ())))
 
 
 def parse_fault(text: str) -> Fault:
     parts = text.strip().split(":")
-    if len(parts) not in (3, 4) or not parts[0].isdigit() or not parts[1].isdigit():
-        raise RecycleError(f"fault {text!r} is not RANK:ITERATION:POINT[:ACTION] (for example "
-                           f"1:2:F0 or 3:4:step:hang)")
+    if len(parts) not in (3, 4, 5) or not parts[0].isdigit() or not parts[1].isdigit():
+        raise RecycleError(f"fault {text!r} is not RANK:ITERATION:POINT[:ACTION[:after-step="
+                           f"R,...]] (for example 1:2:F0 or 3:4:step:hang)")
     point = parts[2]
     if not _POINT.fullmatch(point):
         raise RecycleError(f"fault {text!r}: point {point!r} is not F<n>, I<n>, W<n>, B<n>, "
                            f"step, allreduce, optimizer, start, recovery or hold")
-    action = parts[3] if len(parts) == 4 else "kill"
+    action = parts[3] if len(parts) >= 4 else "kill"
     if action not in ACTIONS:
         raise RecycleError(f"fault {text!r}: action {action!r} is not one of "
                            f"{', '.join(ACTIONS)}")
-    return Fault(int(parts[0]), int(parts[1]), point, action)
+    after: tuple[int, ...] = ()
+    if len(parts) == 5:
+        match = _AFTER.fullmatch(parts[4])
+        if not match:
+            raise RecycleError(f"fault {text!r}: {parts[4]!r} is not after-step=R[,R...] "
+                               f"(the ranks whose step of iteration {parts[1]} comes first)")
+        after = tuple(sorted({int(r) for r in match.group(1).split(",")}))
+        if point in ("recovery", "hold"):
+            raise RecycleError(f"fault {text!r}: after-step does not apply to point {point}")
+        if int(parts[0]) in after:
+            raise RecycleError(f"fault {text!r}: rank {parts[0]} cannot wait for its own step")
+    return Fault(int(parts[0]), int(parts[1]), point, action, after)
 
 
 class FaultInjector:
-    """The faults of one worker process. `due(iteration, point)` is called at each point; it is
-    a set lookup, so a worker without faults pays nothing measurable."""
+    """The faults of one worker process. `trigger(iteration, point)` is called at each point;
+    it is a dict lookup, so a worker without faults pays nothing measurable. `stepped` and
+    `have_stepped` talk through the launcher's store: the first records this worker's step
+    where another worker's fault waits for it (`after-step`), the second polls for the steps
+    a fault waits for, at most `wait` seconds."""
 
     def __init__(self, faults: Iterable[Fault], rank: int, incarnation: int,
-                 announce: Callable[[Fault], None]):
+                 announce: Callable[[Fault], None],
+                 stepped: Callable[[int], None] | None = None,
+                 have_stepped: Callable[[int, tuple[int, ...]], bool] | None = None,
+                 wait: float = 0.0):
+        faults = list(faults)
         mine = [f for f in faults if f.rank == rank] if incarnation == 0 else []
         self._at = {(f.iteration, f.point): f for f in mine if f.point != "recovery"}
         self._recovery = sorted((f for f in mine if f.point == "recovery"),
                                 key=lambda f: f.iteration)
+        self._watched = {f.iteration for f in faults if rank in f.after_step}
+        if (stepped is None or have_stepped is None) and any(f.after_step for f in faults):
+            raise RecycleError("faults with after-step need a store to record steps in")
         self._announce = announce
-        self.active = bool(mine)
+        self._stepped = stepped
+        self._have_stepped = have_stepped
+        self._wait = wait
+        self.active = bool(mine) or bool(self._watched)
 
     def at(self, iteration: int, point: str) -> Fault | None:
         return self._at.get((iteration, point))
 
     def trigger(self, iteration: int, point: str) -> None:
+        if point == "step" and iteration in self._watched:
+            self._stepped(iteration)
         fault = self._at.get((iteration, point))
         if fault is not None and fault.point != "hold":
+            if fault.after_step:
+                self._await_steps(fault)
             self.fire(fault)
+
+    def _await_steps(self, fault: Fault) -> None:
+        deadline = time.monotonic() + self._wait
+        while not self._have_stepped(fault.iteration, fault.after_step):
+            if time.monotonic() > deadline:
+                log.warning("fault %s: ranks %s had not stepped within %.1f s; firing anyway",
+                            fault, ",".join(map(str, fault.after_step)), self._wait)
+                return
+            time.sleep(0.005)
 
     def on_recovery(self, iteration: int) -> None:
         for fault in self._recovery:

@@ -50,6 +50,12 @@ def fault_key(rank: int, incarnation: int) -> str:
     return f"fault/{rank}/{incarnation}"
 
 
+def stepped_key(iteration: int, rank: int) -> str:
+    """That `rank` took its stage's step of `iteration`: set only where an injected fault
+    waits for it (`after-step`)."""
+    return f"stepped/{iteration}/{rank}"
+
+
 def iteration_key(iteration: int, rank: int) -> str:
     """When `rank` finished `iteration` (its latest attempt), and in which generation."""
     return f"it/{iteration}/{rank}"

@@ -109,7 +109,8 @@ class Worker:
         if config.resume and self.has_state:
             self._resume()
         self.faults = FaultInjector([Fault.from_dict(f) for f in config.faults], self.rank,
-                                    self.incarnation, self._announce_fault)
+                                    self.incarnation, self._announce_fault, self._stepped,
+                                    self._have_stepped, config.lease / 2)
         self.abort = threading.Event()
         self._lock = threading.Lock()
         self._watch_gen = -1
@@ -451,6 +452,12 @@ class Worker:
     def _announce_fault(self, fault: Fault) -> None:
         self.store.set(P.fault_key(self.rank, self.incarnation), P.dumps(
             {"t": time.time(), "fault": str(fault)}))
+
+    def _stepped(self, iteration: int) -> None:
+        self.store.set(P.stepped_key(iteration, self.rank), "1")
+
+    def _have_stepped(self, iteration: int, ranks: tuple[int, ...]) -> bool:
+        return self.store.check([P.stepped_key(iteration, r) for r in ranks])
 
 
 def _output_layout(module: torch.nn.Module, sample: Any, device: torch.device,
