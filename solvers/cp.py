@@ -16,7 +16,16 @@ The same problem as the MILP (milp.py), written the way CP-SAT reasons best abou
   meets it is proven at once.
 Only true symmetries are broken: the forwards of a pipeline's micro-batches start in index
 order at stage 0 (micro-batches are interchangeable), and interchangeable peers take the first
-failed stage's re-routed work in index order. Unlike the MILP, nothing fixes the order of
+failed stage's re-routed work in index order.
+
+Relaxed bounds: the same model with only some stages' workers as machines (no-overlap, memory
+cap, span) and every other op a mere delay of its cost is a relaxation: every schedule of the
+job is one of it, so its optimum (or its proven bound) is a lower bound on the period. Far
+fewer machines make it far easier to prove, and micro-batches whose paths meet the same
+machines become interchangeable: they are ordered where they first meet one. (4x2x8, unit
+costs, workers 0:1 and 1:2 dead, fused backward, barrier: kept to stages 1 and 2, the two
+workers that run all 16 micro-batches, "nothing under 55" takes 0.02 deterministic seconds;
+the whole model did not decide it in 400.) Unlike the MILP, nothing fixes the order of
 micro-batches on a worker, so CP-SAT's optimum is over every schedule (the tests compare it with
 exhaustive search).
 
@@ -41,7 +50,7 @@ from recycle_planner.job.policy import Policy, budget_caps
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker, worker_at, worker_index
 from recycle_planner.schedules.schedule import Schedule, with_collectives
-from recycle_planner.solvers.bounds import lower_bound
+from recycle_planner.solvers.bounds import busiest_load, lower_bound
 from recycle_planner.solvers.milp import MilpResult
 from recycle_planner.timing.simulate import Simulation, simulate
 
@@ -119,7 +128,8 @@ class CpModel:
     """Builds the CP-SAT model of one failure situation and decodes its solutions."""
 
     def __init__(self, spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
-                 warm: Simulation | None = None, below: float | None = None):
+                 warm: Simulation | None = None, below: float | None = None,
+                 machine_stages: frozenset[int] | None = None):
         from ortools.sat.python import cp_model
 
         self.spec, self.policy, self.failed = spec, policy, tuple(failed)
@@ -196,10 +206,12 @@ class CpModel:
                         self.start[u, k], self.dur[k][s], lit, ""))
                 self._held(held[w], u, rel, s, lit)
             m.AddExactlyOne(lits)
-        for w in self.live:
+        kept = set(self.live) if machine_stages is None else \
+            {w for w in self.live if worker_at(S, w)[1] in machine_stages}
+        for w in sorted(kept):
             m.AddNoOverlap(on[w])
         caps = budget_caps(spec, policy)
-        for w in self.live:
+        for w in sorted(kept):
             cap = caps[worker_at(S, w)[1]]
             if count[w] > cap:
                 m.AddCumulative(held[w], [1] * len(held[w]), cap)
@@ -216,10 +228,13 @@ class CpModel:
             if policy.decouple:
                 m.Add(st[u, W] >= st[u, I] + self.dur[I][s])
         # Symmetries: micro-batch labels within a pipeline, interchangeable peers.
-        for d in range(D):
-            for mb in range(M - 1):
-                m.Add(self.start[(d, 0, mb), F] <= self.start[(d, 0, mb + 1), F])
-        self._peer_symmetry()
+        if machine_stages is None:
+            for d in range(D):
+                for mb in range(M - 1):
+                    m.Add(self.start[(d, 0, mb), F] <= self.start[(d, 0, mb + 1), F])
+            self._peer_symmetry()
+        else:
+            self._relaxed_symmetry(kept)
         # All-reduce, optimizer, objective.
         rel = self.kinds[-1]
         self.t_ar = {}
@@ -234,6 +249,8 @@ class CpModel:
         self.first: dict[int, Any] = {}
         for w in self.live:
             s = worker_at(S, w)[1]
+            if policy.stagger and w not in kept:
+                continue  # relaxed: a mere delay has no span
             if policy.stagger:
                 f = m.NewIntVar(0, horizon, "")
                 self.first[w] = f
@@ -311,6 +328,25 @@ class CpModel:
                         self.model.Add(self.presence[u, cur] == 0)
                     else:
                         self.model.AddBoolOr(earlier).OnlyEnforceIf(self.presence[u, cur])
+
+    def _relaxed_symmetry(self, kept: set[int]) -> None:
+        """In a relaxation, micro-batches whose candidate machines agree at every stage are
+        interchangeable (a delay's worker does not matter): each class starts in index order
+        where it first meets a machine. Where every class lies within one pipeline,
+        interchangeable peers are broken as in the whole model (pipelines swap as blocks)."""
+        S, D, M = self.spec.stages, self.spec.pipelines, self.spec.microbatches
+        classes: dict[tuple, list[tuple[int, int]]] = {}
+        for d in range(D):
+            for mb in range(M):
+                key = tuple(frozenset(w if w in kept else -1 for w in self.cands[d, s, mb])
+                            for s in range(S))
+                classes.setdefault(key, []).append((d, mb))
+        for key, chains in classes.items():
+            at = next((s for s in range(S) if key[s] != frozenset({-1})), 0)
+            for (d0, m0), (d1, m1) in zip(chains, chains[1:]):
+                self.model.Add(self.start[(d0, at, m0), F] <= self.start[(d1, at, m1), F])
+        if all(len({d for d, _ in chains}) == 1 for chains in classes.values()):
+            self._peer_symmetry()
 
     def _hint(self, sim: Simulation) -> bool:
         """Hint every variable with the warm plan's values; False if it is not in the model
@@ -398,18 +434,20 @@ STATUS = {"OPTIMAL": "Optimal", "FEASIBLE": "Feasible (stopped at the work limit
 
 def run_cp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit: float,
            warm: Simulation | None = None, below: float | None = None,
-           workers: int = CP_WORKERS) -> CpResult:
+           workers: int = CP_WORKERS, machine_stages: frozenset[int] | None = None
+           ) -> CpResult:
     """Build, hint and solve the model within `work_limit` seconds of CP-SAT's deterministic
     time (the same answer on every machine).
 
     With `below`, only schedules shorter than it are sought: "Infeasible" then proves that none
-    exists, which makes `below` a lower bound."""
+    exists, which makes `below` a lower bound. With `machine_stages`, the relaxation that keeps
+    only those stages' workers as machines: its bound is the job's, its plan is not."""
     from ortools.sat.python import cp_model
 
     if work_limit <= 0:
         raise RecycleError(f"the CP engine's work limit must be positive, got {work_limit}")
     t0 = time.perf_counter()
-    model = CpModel(spec, policy, failed, warm, below)
+    model = CpModel(spec, policy, failed, warm, below, machine_stages)
     solver = cp_model.CpSolver()
     p = solver.parameters
     p.random_seed = CP_SEED
@@ -434,7 +472,7 @@ def run_cp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit
         bound = below
     if bound is not None and not model.exact and name != "INFEASIBLE":
         status += " (costs rounded down: the bound is a relaxation's)"
-    schedule = model.decode(solver) if has else None
+    schedule = model.decode(solver) if has and machine_stages is None else None
     gap = None
     if objective and bound is not None:
         gap = max(0.0, (objective - bound) / objective)
@@ -476,8 +514,47 @@ def close_gap(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], best: S
     return best, max(bound, low / scale), probes
 
 
+def relaxations(spec: JobSpec, failed: tuple[Worker, ...]) -> list[frozenset[int]]:
+    """The stage sets relaxed_bound keeps as machines, smallest first: the stage whose busiest
+    live worker has the most work, then the two such stages, and so on, up to RELAX_STAGES and
+    never every stage (that is the whole model)."""
+    n = busiest_load(spec, failed)
+    order = sorted(range(spec.stages),
+                   key=lambda s: (-n[s] * (spec.forward[s] + spec.backward[s]), s))
+    return [frozenset(order[:k]) for k in range(1, min(RELAX_STAGES, spec.stages - 1) + 1)]
+
+
+def relaxed_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], best: Simulation,
+                  bound: float, work: float) -> tuple[float, list[dict[str, Any]], float]:
+    """Raise `bound` with the relaxations' bounds (CpModel's machine_stages), smallest first,
+    sharing `work` as close_gap does; stops once the bound reaches the best plan's period.
+    Each asks for a relaxed schedule shorter than the best plan: "Infeasible" proves the plan
+    optimal, else the relaxation's own bound counts.
+    Returns the bound, each relaxation's report and the work spent."""
+    sets = relaxations(spec, failed)
+    reports: list[dict[str, Any]] = []
+    left = work
+    for i, stages in enumerate(sets):
+        if best.period <= bound * (1 + 1e-9) or left <= 1e-3:
+            break
+        res = run_cp(spec, policy, failed, left / (len(sets) - i), best, below=best.period,
+                     machine_stages=stages)
+        left -= res.work
+        reports.append({"stages": sorted(stages), "status": res.status, "bound": res.bound,
+                        "work": round(res.work, 3), "seconds": round(res.seconds, 3)})
+        if res.bound is not None and res.bound > bound:
+            bound = res.bound
+    return bound, reports, work - left
+
+
 # cp_solution's share of its work limit for the probes that close the gap, and their number;
-# prove mode (plan-all --prove) gives the probes more of its larger budget.
+# prove mode (plan-all --prove) gives the probes more of its larger budget. RELAX_SHARE of what
+# the minimisation leaves goes to the relaxed bounds, over at most RELAX_STAGES stages, where
+# that share is at least RELAX_FROM deterministic seconds: with less (auto's 1 second), none
+# proved anything on the GPT library and their models' builds cost 15 s of its 58.
+RELAX_SHARE = 0.25
+RELAX_STAGES = 3
+RELAX_FROM = 0.5
 PROBE_SHARE = 0.5
 PROBE_STEPS = 4
 PROVE_SHARE = 0.75
@@ -489,10 +566,11 @@ def cp_solution(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_
                 ) -> tuple[Simulation, dict[str, Any], float | None]:
     """The CP engine's plan (or the warm start when it found nothing shorter), its report and
     its proven bound: the engine minimises the period with part of the work limit (one
-    worker; where that leaves a gap and the budget is large, then eight interleaved workers
-    from its best plan: INTERLEAVE_FROM), then, while a gap is left, close_gap spends the
-    rest (`share`) on "is there a schedule under X?" probes (their infeasibility proofs are
-    the bounds the minimisation alone rarely raises)."""
+    worker); where that leaves a gap, the relaxations' bounds (relaxed_bound) take
+    RELAX_SHARE of the rest (when that is at least RELAX_FROM); where a gap is still left and
+    the budget is large, eight interleaved workers from its best plan (INTERLEAVE_FROM); then,
+    while a gap is left, close_gap spends the rest on "is there a schedule under X?" probes
+    (their infeasibility proofs are the bounds the minimisation alone rarely raises)."""
     res = run_cp(spec, policy, failed, work_limit * (1 - share), warm)
     best, info, bound = res.against(warm, engine="cp-sat", work_limit=work_limit,
                                     time_scale=res.scale)
@@ -500,6 +578,15 @@ def cp_solution(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_
         return best, info, bound
     left = work_limit - res.work
     start = max(bound or 0.0, lower_bound(spec, policy, failed).value)
+    if best.period > start * (1 + 1e-9) and left * RELAX_SHARE >= RELAX_FROM:
+        relaxed, info["relaxed"], spent = relaxed_bound(spec, policy, failed, best, start,
+                                                        left * RELAX_SHARE)
+        left -= spent
+        if relaxed > start:
+            bound = start = relaxed
+            info["best_bound"] = bound
+            kept = next(r["stages"] for r in info["relaxed"] if r["bound"] == relaxed)
+            info["bound_from"] = "stages " + ", ".join(map(str, kept)) + " alone as machines"
     if best.period > start * (1 + 1e-9) and work_limit * share >= INTERLEAVE_FROM:
         more = run_cp(spec, policy, failed, left * INTERLEAVE_SHARE, best,
                       workers=INTERLEAVED_WORKERS)
@@ -521,9 +608,16 @@ def cp_solution(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_
         if proven > start:
             bound = proven
             info["best_bound"] = bound
+            info["bound_from"] = f"no schedule under {proven:g}"
     if bound is not None:
         info["gap"] = max(0.0, (best.period - bound) / best.period)
     return best, info, bound
+
+
+def bound_reason(info: dict[str, Any], mode: str = "") -> str:
+    """Why the engine's bound holds, for the plan's lower-bound reason."""
+    how = [x for x in (mode, info.get("bound_from")) if x]
+    return "the CP engine's bound" + (f" ({'; '.join(how)})" if how else "")
 
 
 def cp_prove(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], work_limit: float,

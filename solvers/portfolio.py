@@ -23,7 +23,7 @@ from recycle_planner.job.spec import JobSpec
 from recycle_planner.schedules.ops import Worker
 from recycle_planner.solvers import Solution
 from recycle_planner.solvers.bounds import lower_bound
-from recycle_planner.solvers.cp import cp_fits, cp_prove, cp_solution
+from recycle_planner.solvers.cp import bound_reason, cp_fits, cp_prove, cp_solution
 from recycle_planner.solvers.critical import local_search
 from recycle_planner.solvers.dp import dp_plan
 from recycle_planner.solvers.heuristic import Candidate, heuristic, heuristic_candidates
@@ -177,7 +177,7 @@ def with_cp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
     and its bound either way."""
     engine = cp_prove if settings.prove else cp_solution
     sim, cp_info, bound = engine(spec, policy, failed, settings.cp_work, warm.simulation)
-    return _merge(warm, "cp", cp_info, sim, bound, "the CP engine's bound")
+    return _merge(warm, "cp", cp_info, sim, bound, bound_reason(cp_info))
 
 
 def _merge(warm: Solution, name: str, report: dict[str, Any], sim: Any, bound: float | None,

@@ -2,6 +2,7 @@
 the bounds it proves, `auto` and `--prove`."""
 
 import json
+from itertools import combinations
 
 import pytest
 
@@ -11,7 +12,7 @@ from recycle_planner.planner import finish_plan, plan_situation, solve
 from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers import cp as cp_module
 from recycle_planner.solvers.cp import (CP_WORKERS, INTERLEAVED_WORKERS, cp_prove, cp_solution,
-                                       intervals, run_cp, time_scale)
+                                       intervals, relaxations, run_cp, time_scale)
 from recycle_planner.solvers.exhaustive import exhaustive
 from recycle_planner.solvers.heuristic import heuristic
 from recycle_planner.solvers.milp import run_milp
@@ -97,10 +98,12 @@ def test_no_schedule_under_x_is_a_bound():
     assert res.status == "Infeasible" and res.bound == 50 and res.schedule is None
 
 
-def test_prove_mode_bisects_the_gap():
+def test_prove_mode_bisects_the_gap(monkeypatch):
     """3x2x4 with p2p, split, barrier: the fast plan is 26.2 above a bound of 25.6; prove mode
     finds a shorter plan (25.8), keeps a bound between the analytic one and the plan, and
-    records each "schedule under X?" probe it ran."""
+    records each "schedule under X?" probe it ran. (The relaxed bounds, off here, prove 25.8
+    before any probe.)"""
+    monkeypatch.setattr(cp_module, "RELAX_SHARE", 0.0)
     spec = make_spec(stages=3, pipelines=2, microbatches=4, p2p=0.2)
     failed = ((1, 1),)
     warm = warm_of(spec, SPLIT, failed)
@@ -143,7 +146,8 @@ def test_an_interleaved_pass_follows_where_a_gap_and_the_budget_are_left(monkeyp
     real = cp_module.run_cp
 
     def recording(*args, workers=CP_WORKERS, **kw):
-        seen.append(workers)
+        if kw.get("machine_stages") is None:  # not a relaxed bound
+            seen.append(workers)
         return real(*args, **{**kw, "workers": workers})
 
     monkeypatch.setattr(cp_module, "run_cp", recording)
@@ -244,3 +248,54 @@ def test_placement_screening_builds_the_fast_plans_once(monkeypatch):
     plan, chosen = placement_module.plan_best_placement(spec, Policy(), counts, settings, 20.0)
     assert len(calls) == len(options)  # once per placement, none for the chosen one's engine
     assert "cp" in plan.solver and chosen in options
+
+
+RELAXED = TINY + CROSS + [
+    # Stage 0 lives only in pipeline 1 and stage 1 only in pipeline 0: every micro-batch meets
+    # the same two machines, so the relaxation orders all of them as one class.
+    (dict(stages=2, pipelines=2, microbatches=2, p2p=0.25), BASELINE, ((0, 0), (1, 1))),
+    (dict(stages=3, pipelines=2, microbatches=2), Policy(), ((0, 1), (1, 2))),
+]
+
+
+@pytest.mark.parametrize("kw, policy, failed", RELAXED)
+def test_relaxations_never_exceed_the_optimum(kw, policy, failed):
+    """Keeping only some stages as machines is a relaxation: its optimum is at most the
+    job's (the whole model's, which the tests above check) for every set of stages; keeping every stage, its symmetry breaking (micro-batches
+    of one class ordered where they first meet a machine) keeps the optimum. No plan comes
+    out of a relaxation."""
+    spec = make_spec(**kw)
+    whole = run_cp(spec, policy, failed, 10)  # proven: against exhaustive search and the MILP
+    assert whole.status == "Optimal"
+    truth, S = whole.objective, spec.stages
+    for size in range(1, S + 1):
+        for stages in combinations(range(S), size):
+            res = run_cp(spec, policy, failed, 10, machine_stages=frozenset(stages))
+            assert res.status == "Optimal" and res.schedule is None, stages
+            assert res.objective <= truth + 1e-6, stages
+            if size == S:
+                assert res.objective == pytest.approx(truth, abs=1e-6)
+
+
+def test_a_relaxation_proves_what_the_whole_model_does_not():
+    """4x2x8 unit costs, workers 0:1 and 1:2 dead, fused backward, barrier: workers 1:1 and
+    0:2 each run all 16 micro-batches, the analytic bound is 54 and the plans are 55. The whole
+    model proves nothing in 400 deterministic seconds; kept to those two workers' stages it
+    proves 55 in well under one, so the plan is optimal."""
+    spec = make_spec(stages=4, pipelines=2, microbatches=8)
+    failed = ((0, 1), (1, 2))
+    warm = warm_of(spec, BASELINE, failed)
+    assert lower_bound(spec, BASELINE, failed).value == 54 and warm.period == 55
+    assert relaxations(spec, failed)[:2] == [frozenset({1}), frozenset({1, 2})]
+    res = run_cp(spec, BASELINE, failed, 1, warm, below=55, machine_stages=frozenset({1, 2}))
+    assert res.status == "Infeasible" and res.work < 1
+    sim, info, bound = cp_solution(spec, BASELINE, failed, 6, warm)
+    assert bound == 55 and sim.period == 55 and info["gap"] == 0
+    assert [r["stages"] for r in info["relaxed"]] == [[1], [1, 2]]
+    assert info["relaxed"][-1]["bound"] == 55 and "probes" not in info
+    # auto's budget (1 deterministic second) leaves the relaxations less than RELAX_FROM
+    assert "relaxed" not in cp_solution(spec, BASELINE, failed, 1, warm)[1]
+    plan = plan_situation(spec, BASELINE, failed, solver="cp", work_limit=6)
+    assert plan.metrics.optimal and plan.metrics.lower_bound == 55
+    assert plan.metrics.lower_bound_reason == \
+        "the CP engine's bound (stages 1, 2 alone as machines)"

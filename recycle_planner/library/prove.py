@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from recycle_planner.planner import finish_plan
 from recycle_planner.solvers.bounds import Bound
-from recycle_planner.solvers.cp import cp_prove
+from recycle_planner.solvers.cp import bound_reason, cp_prove
 from recycle_planner.timing.plan import Plan
 from recycle_planner.timing.simulate import simulate
 
@@ -16,7 +16,7 @@ def prove_plan(plan: Plan, reference: float, work: float) -> Plan:
     new, info, bound = cp_prove(plan.spec, plan.policy, plan.failed, work, sim)
     bounds = [Bound(plan.metrics.lower_bound, plan.metrics.lower_bound_reason or "")]
     if bound is not None:
-        bounds.append(Bound(bound, "the CP engine's bound (prove mode)"))
+        bounds.append(Bound(bound, bound_reason(info, "prove mode")))
     solver = dict(plan.solver, prove=info)
     if info["improved"]:
         solver["detail"] = "cp (prove)"
