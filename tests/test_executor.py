@@ -8,7 +8,6 @@ process start-up), so scenarios are combined: several failures per run."""
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -135,11 +134,10 @@ def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_pa
     faults = [parse_fault(f) for f in ("2:2:B1", "1:4:F0:stall")]
     config = LaunchConfig(nproc=4, run_dir=str(run), faults=faults, pg_timeout=60.0,
                           hang_timeout=1.0, on_demand=False)
-    t0 = time.time()
     with pytest.raises(TrainingStopped, match="beyond this library's threshold of 1") as info:
         launch(TINY, config, args)
     stopped = info.value.result
-    assert stopped.status == "stopped" and time.time() - t0 < 60
+    assert stopped.status == "stopped"
     assert [e["kind"] for e in stopped.events if e["kind"] in ("abort", "hang")] == \
         ["abort", "abort"]
     stall = _events(stopped, "death")[1]
