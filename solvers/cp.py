@@ -51,6 +51,7 @@ from recycle_planner.job.spec import JobSpec
 from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker, worker_at, worker_index
 from recycle_planner.schedules.schedule import Schedule, with_collectives
 from recycle_planner.solvers.bounds import busiest_load, lower_bound
+from recycle_planner.solvers.grid import model_scale
 from recycle_planner.solvers.milp import MilpResult
 from recycle_planner.timing.simulate import Simulation, simulate
 
@@ -72,7 +73,6 @@ INTERLEAVE_SHARE = 0.5
 CP_SEED = 0
 # The wall-time safety net is this many times the deterministic limit (in seconds) plus slack.
 WALL_FACTOR = 10.0
-MAX_SCALE_DIGITS = 4
 # `auto` runs the engine on jobs up to this many intervals: the GPT example (8x4x8, about
 # 1,100-1,600) but not the 8x8x16 job (4,100 and more), where on this machine a few seconds of
 # work neither shortened a plan nor raised a bound (benchmarks/README.md).
@@ -103,25 +103,6 @@ def intervals(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> int:
 def cp_fits(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> bool:
     """Whether `auto` should run the engine on this job."""
     return intervals(spec, policy, failed) <= CP_MAX_INTERVALS
-
-
-def time_scale(values: list[float]) -> tuple[int, bool]:
-    """The smallest power of ten that makes every value whole, and whether one exists (else
-    10^MAX_SCALE_DIGITS, with values rounded down)."""
-    for digits in range(MAX_SCALE_DIGITS + 1):
-        scale = 10 ** digits
-        if all(abs(v * scale - round(v * scale)) <= 1e-6 * max(1.0, abs(v * scale))
-               for v in values):
-            return scale, True
-    return 10 ** MAX_SCALE_DIGITS, False
-
-
-def model_scale(spec: JobSpec, policy: Policy) -> tuple[int, bool]:
-    """The engine's time scale for this job's costs, and whether it is exact (time_scale)."""
-    kinds = (F, I, W) if policy.decouple else (F, B)
-    costs = {F: spec.forward, I: spec.backward_input, W: spec.backward_weight, B: spec.backward}
-    return time_scale([c for k in kinds for c in costs[k]] + list(spec.p2p)
-                      + list(spec.allreduce) + list(spec.optimizer))
 
 
 class CpModel:

@@ -12,8 +12,9 @@ from recycle_planner.planner import finish_plan, plan_situation, solve
 from recycle_planner.solvers.bounds import lower_bound
 from recycle_planner.solvers import cp as cp_module
 from recycle_planner.solvers.cp import (CP_WORKERS, INTERLEAVED_WORKERS, cp_prove, cp_solution,
-                                       intervals, relaxations, run_cp, time_scale)
+                                       intervals, relaxations, run_cp)
 from recycle_planner.solvers.exhaustive import exhaustive
+from recycle_planner.solvers.grid import time_scale
 from recycle_planner.solvers.heuristic import heuristic
 from recycle_planner.solvers.milp import run_milp
 from recycle_planner.timing.simulate import simulate
