@@ -49,6 +49,8 @@ all r arrive after the r-th latest such cycle's arrival, and one of the D - k_t 
 ceil(r / (D - k_t)) of them: (ceil(r / (D - k_t)) - 1) more I_t before the last one travels on,
 or, when t = j, (ceil(r / (D - k_t)) - 1) more I_j + W_j before stage j's all-reduce. (GPT
 example, one dead stage-0 worker: 501.4 + 24 = 525.4, the CP engine's plan; stage 3: 513.9.)
+(crowded ends) Several workers of one stage that are nearly full at once crowd stage 0's first
+and last moments with the micro-batches at their ends: crowded_ends.py, counted above the others.
 These bounds are tight for 1F1B and ZB-H1 without failures (33 and 27 with unit costs, p = 4,
 m = 8).
 """
@@ -62,6 +64,7 @@ from recycle_planner.job.policy import Policy, budget_caps
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import dead_per_stage
 from recycle_planner.schedules.ops import Worker
+from recycle_planner.solvers.crowded_ends import crowded_ends
 
 
 @dataclass(frozen=True)
@@ -189,4 +192,7 @@ def all_bounds(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> lis
             bounds.append(Bound(head[s] + round_trip[s] + n[s] * (inp[s] + wgt[s]) + late_f[s]
                                 + tail[s],
                                 f"stage {s}'s first gradient plus its backwards"))
+    crowded = crowded_ends(spec, policy, failed, max(b.value for b in bounds))
+    if crowded is not None:
+        bounds.append(Bound(*crowded))
     return bounds
