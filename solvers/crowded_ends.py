@@ -28,8 +28,9 @@ dead workers may run any dead pipeline's micro-batches, so the candidates are kn
 assignment of the micro-batches at X's ends to stage-0 workers fits, no plan has period Z.
 Which workers are busiest is not known: at least D M - live (n_s - 1) of them run n_s or more
 (busiest_load), every other one its own M, and fewer micro-batches only loosen all of the
-above, so every choice of those workers is tried. Only one stage at a time is counted (the
-same micro-batch at two stages would be counted twice).
+above, so every choice of those workers is tried (up to swapping interchangeable ones). Only
+one stage at a time is counted (the same micro-batch at two stages would be counted twice).
+A search that runs out of nodes refutes nothing, so every limit here only weakens the bound.
 
 All of it is monotone in Z, so the bound is the largest Z on the cost grid (grid.py) above the
 other bounds for which this refutes every period below Z. (4x4x8, unit costs, worker 1:2 dead,
