@@ -60,10 +60,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from recycle_planner.job.policy import Policy, budget_caps
+from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import dead_per_stage
 from recycle_planner.schedules.ops import Worker
+from recycle_planner.solvers.chains import busiest_load, chains
 from recycle_planner.solvers.crowded_ends import crowded_ends
 
 
@@ -71,12 +72,6 @@ from recycle_planner.solvers.crowded_ends import crowded_ends
 class Bound:
     value: float
     reason: str
-
-
-def busiest_load(spec: JobSpec, failed: tuple[Worker, ...]) -> tuple[int, ...]:
-    """n_s: micro-batches on the busiest live stage-s worker under the most even split."""
-    D, M = spec.pipelines, spec.microbatches
-    return tuple(math.ceil(D * M / (D - k)) for k in dead_per_stage(spec, failed))
 
 
 def lower_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Bound:
@@ -89,23 +84,12 @@ def all_bounds(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> lis
     S, D, M = spec.stages, spec.pipelines, spec.microbatches
     n = busiest_load(spec, failed)
     k = dead_per_stage(spec, failed)
-    fwd, p2p = spec.forward, spec.p2p
-    if policy.decouple:
-        inp, wgt = spec.backward_input, spec.backward_weight
-    else:
-        inp, wgt = spec.backward, (0.0,) * S
-    tail = [spec.allreduce[s] + spec.optimizer[s] for s in range(S)]
-    caps = budget_caps(spec, policy)
+    c = chains(spec, policy)
+    fwd, inp, wgt, tail, caps = c.fwd, c.inp, c.wgt, c.tail, c.caps
+    head, up, round_trip = c.head, c.up, c.round_trip
     # Forwards that memory forces after a worker's first input backward (`cycles` counts the
     # weight gradients it forces after the last one).
     late_f = [max(0, n[s] - caps[s]) * fwd[s] for s in range(S)]
-    head = [sum(fwd[j] + p2p[j] for j in range(s)) for s in range(S)]
-    # Gradient chain: from the end of stage s's input backward to the end of stage 0's.
-    up = [sum(p2p[j + 1] + inp[j] for j in range(s)) for s in range(S)]
-    # Forward from the start of stage s's forward to the end of the last stage's forward, then
-    # gradients back to the start of stage s's input backward.
-    round_trip = [sum(fwd[j] for j in range(s, S)) + sum(p2p[j] for j in range(s, S - 1))
-                  + sum(inp[j] + p2p[j] for j in range(s + 1, S)) for s in range(S)]
     work = [n[s] * (fwd[s] + inp[s] + wgt[s]) for s in range(S)]
 
     def last_forward(s: int, count: int) -> float:

@@ -50,7 +50,8 @@ from recycle_planner.job.policy import Policy, budget_caps
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.schedules.ops import B, F, I, W, OpSpace, Worker, worker_at, worker_index
 from recycle_planner.schedules.schedule import Schedule, with_collectives
-from recycle_planner.solvers.bounds import busiest_load, lower_bound
+from recycle_planner.solvers.bounds import lower_bound
+from recycle_planner.solvers.chains import busiest_load
 from recycle_planner.solvers.grid import model_scale
 from recycle_planner.solvers.milp import MilpResult
 from recycle_planner.timing.simulate import Simulation, simulate

@@ -45,10 +45,10 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from recycle_planner.job.policy import Policy, budget_caps
+from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
-from recycle_planner.job.workers import dead_per_stage
 from recycle_planner.schedules.ops import Worker
+from recycle_planner.solvers.chains import busiest_load, chains
 from recycle_planner.solvers.grid import model_scale
 
 # Micro-batches counted at each end of a worker (fewer only weakens the bound).
@@ -113,23 +113,15 @@ class CrowdedEnds:
     """The refutation test for one situation (module docstring)."""
 
     def __init__(self, spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]):
-        S, D, M = spec.stages, spec.pipelines, spec.microbatches
+        S, D = spec.stages, spec.pipelines
         self.spec = spec
         self.dead = set(failed)
-        fwd, p2p = spec.forward, spec.p2p
-        if policy.decouple:
-            inp, wgt = spec.backward_input, spec.backward_weight
-        else:
-            inp, wgt = spec.backward, (0.0,) * S
-        self.fwd, self.inp, self.wgt = fwd, inp, wgt
-        self.caps = budget_caps(spec, policy)
-        self.tail0 = spec.allreduce[0] + spec.optimizer[0]
-        self.head = [sum(fwd[j] + p2p[j] for j in range(s)) for s in range(S)]
-        self.up = [sum(p2p[j + 1] + inp[j] for j in range(s)) for s in range(S)]
-        self.rho = [sum(fwd[j] for j in range(s + 1, S)) + sum(p2p[j] for j in range(s, S - 1))
-                    + sum(inp[j] + p2p[j] for j in range(s + 1, S)) for s in range(S)]
-        # n_s: the busiest live stage-s worker's micro-batches under the most even split.
-        self.n = [math.ceil(D * M / (D - k)) for k in dead_per_stage(spec, failed)]
+        c = chains(spec, policy)
+        self.fwd, self.inp, self.wgt, self.caps = c.fwd, c.inp, c.wgt, c.caps
+        self.tail0, self.head, self.up = c.tail[0], c.head, c.up
+        # From the end of stage s's forward to the start of its input backward.
+        self.rho = [c.round_trip[s] - c.fwd[s] for s in range(S)]
+        self.n = busiest_load(spec, failed)
         live0 = [d for d in range(D) if (d, 0) not in self.dead]
         self.index0 = {d: i for i, d in enumerate(live0)}
         self.live0 = len(live0)
@@ -194,8 +186,6 @@ class CrowdedEnds:
         return None
 
     def _refutes_at(self, s: int, z: float) -> bool:
-        if self.live0 == 0:
-            return False
         shapes = {c: self.ends(s, c, z) for c in {self.n[s], self.spec.microbatches}}
         if self.spread(s, shapes[self.n[s]]):
             return False
