@@ -94,7 +94,8 @@ def in_process(job_args: list[str], iterations: int, work: Path) -> list[dict]:
 
     from recycle_planner.executor.boundary import layout_of
     from recycle_planner.executor.faults import FaultInjector
-    from recycle_planner.executor.runtime import StageRuntime, compile_program
+    from recycle_planner.executor.runtime import StageRuntime, bind
+    from recycle_planner.programs import compile_program
     from recycle_planner.executor.state import StageState
 
     torch.set_num_threads(1)
@@ -115,8 +116,8 @@ def in_process(job_args: list[str], iterations: int, work: Path) -> list[dict]:
             runtime = StageRuntime(StageState(module, optimizer), job.loss_fn, job.data, s,
                                    spec.stages, D, M, torch.device("cpu"), *layouts[s])
             runtime.comm = _Done()
-            program = compile_program(hit.plan(), hit.mapping, (0, s),
-                                      list(range(D * spec.stages)))
+            program = bind(compile_program(hit.plan(), s, hit.mapping),
+                           list(range(D * spec.stages)))
             at_allreduce = dataclasses.replace(program, launch=next(
                 k for k, ins in enumerate(program.instrs) if ins.kind == "ALLREDUCE"))
             times: dict[str, dict[str, list[float]]] = {"launch op": {}, "ALLREDUCE": {}}

@@ -264,6 +264,7 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     from recycle_planner.job.spec import load_spec
     from recycle_planner.job.workers import check_failed, parse_worker
     from recycle_planner.planner import expected_memory, expected_seconds, plan_situation
+    from recycle_planner.programs import check_plan
     from recycle_planner.words import duration, number
 
     check_solver_options(solver)
@@ -282,6 +283,7 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
                    f"{number(expected_memory(job, policy) / 2**30, 2)} GiB", err=True)
     with Ticker("planning"):
         result = plan_situation(job, policy, failed, settings)
+        check_plan(result)  # once per plan, so that no launcher has to
     print_summary(result, as_json, err=is_stdout(output))
     if output is not None:
         write_plan(result, output)

@@ -19,7 +19,8 @@ from recycle_planner.executor.boundary import layout_of  # noqa: E402
 from recycle_planner.executor.buckets import GradBuckets, plan_buckets  # noqa: E402
 from recycle_planner.executor.comm import PeerFailure  # noqa: E402
 from recycle_planner.executor.faults import FaultInjector  # noqa: E402
-from recycle_planner.executor.runtime import StageRuntime, compile_program  # noqa: E402
+from recycle_planner.executor.runtime import StageRuntime, bind  # noqa: E402
+from recycle_planner.programs import compile_program  # noqa: E402
 from recycle_planner.executor.state import StageState  # noqa: E402
 
 S, D, M, WIDTH, BATCH = 2, 2, 4, 8, 3
@@ -95,7 +96,7 @@ def plan(request, tmp_path_factory):
 
 def _run(plan, s, events, bucket_mb, **comm):
     """Run iteration 0 of worker (0, s) and record its ops and stage collectives."""
-    program = compile_program(plan.plan(), plan.mapping, (0, s), list(range(D * S)))
+    program = bind(compile_program(plan.plan(), s, plan.mapping), list(range(D * S)))
     state = _stage(s)
     layout = layout_of(torch.zeros(BATCH, WIDTH))
     runtime = StageRuntime(state, torch.nn.functional.mse_loss, _data, s, S, D, M,

@@ -1,15 +1,15 @@
-"""The executor's pieces that need no second process: faults, tags, membership decisions,
+"""The executor's pieces that need no second process: faults, membership decisions,
 routing of a re-routed plan, undo of an optimizer step, checkpoints, job loading."""
 
 import copy
 import threading
-from itertools import product
 
 import pytest
 
 from recycle_planner.errors import FailureSetError, RecycleError
 from recycle_planner.job.policy import Policy
 from recycle_planner.library import PlanLibrary, Settings, build_library
+from recycle_planner.programs import compile_program
 
 from conftest import EXAMPLES, make_spec
 
@@ -17,10 +17,9 @@ torch = pytest.importorskip("torch")
 
 from recycle_planner.executor import protocol as P  # noqa: E402
 from recycle_planner.executor.agent import LaunchConfig  # noqa: E402
-from recycle_planner.executor.comm import BACKWARD, FORWARD, message_tag  # noqa: E402
 from recycle_planner.executor.faults import Fault, FaultInjector, parse_fault  # noqa: E402
 from recycle_planner.executor.job import Job, load_job  # noqa: E402
-from recycle_planner.executor.runtime import Program, compile_program  # noqa: E402
+from recycle_planner.executor.runtime import Program, bind  # noqa: E402
 from recycle_planner.executor.state import (StageState, latest_checkpoint,  # noqa: E402
                                             load_stage_checkpoint, write_manifest,
                                             write_stage_checkpoint)
@@ -92,15 +91,6 @@ def test_a_fault_after_steps_waits_for_them():
     assert fired[-1] == fault
 
 
-def test_message_tags_are_unique():
-    S, D, M = 3, 4, 5
-    tags = {message_tag(direction, s, p, m, it, S, D, M)
-            for direction, s, p, m, it in product((FORWARD, BACKWARD), range(S), range(D),
-                                                  range(M), range(2))}
-    assert len(tags) == 2 * S * D * M * 2
-    assert message_tag(FORWARD, 0, 0, 0, 2, S, D, M) == message_tag(FORWARD, 0, 0, 0, 0, S, D, M)
-
-
 def _lookup_ok(dead):
     return "plan.json.gz", 0.1
 
@@ -162,8 +152,7 @@ def test_every_message_of_a_rerouted_plan_has_exactly_one_receiver(library, dead
     S, D, M = 3, 3, 4
     members = [r for r in range(D * S) if P.worker_of(r, S) not in set(dead)]
     programs: dict[int, Program] = {
-        i: compile_program(plan, hit.mapping, P.worker_of(r, S), members)
-        for i, r in enumerate(members)}
+        i: bind(compile_program(plan, r, hit.mapping), members) for i, r in enumerate(members)}
     sends, recvs = [], []
     for i, prog in programs.items():
         for ins in prog.instrs:

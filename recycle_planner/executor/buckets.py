@@ -1,8 +1,8 @@
 """The stage's gradient all-reduce in buckets, each started as soon as its gradients are final.
 
 A worker's parameter gradients are final once its last gradient-producing op of the iteration
-(`launch_point`: its last W, or B when fused) has accumulated them. The stage's parameters are
-cut into buckets of about `bucket_mb` (`plan_buckets`, in reverse order of
+(its program's `launch`: its last W, or B when fused) has accumulated them. The stage's
+parameters are cut into buckets of about `bucket_mb` (`plan_buckets`, in reverse order of
 `module.parameters()`, the order a backward pass tends to finish them, as DDP does); during
 that op each bucket's asynchronous SUM all-reduce is started on the stage group as soon as it
 and every earlier bucket are complete, so the reduction overlaps the rest of the backward and
@@ -28,20 +28,6 @@ from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc,
                                                      stage_backward_weight)
 
 from recycle_planner.executor.comm import Comm, PeerFailure
-
-GRADIENT_KINDS = ("W", "B")
-
-
-def launch_point(instrs: Sequence[Any]) -> int:
-    """The index of the op during which the worker's gradients become final: its last W or B,
-    or its ALLREDUCE when it runs neither (its gradients are then all zeros)."""
-    last = None
-    for k, ins in enumerate(instrs):
-        if ins.kind in GRADIENT_KINDS:
-            last = k
-        elif ins.kind == "ALLREDUCE":
-            return k if last is None else last
-    raise ValueError("a program without an ALLREDUCE op")
 
 
 def plan_buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> tuple[tuple[int, ...], ...]:

@@ -17,9 +17,9 @@ wait-for chain in milliseconds. A hung peer keeps its connections open; the laun
 heartbeat timeout kills it, which turns the hang into a death. The group timeout (never torch's
 30-minute default) bounds anything else.
 
-Tags identify a message completely: iteration parity, direction, stage, pipeline and
-micro-batch, so that re-routed micro-batches of several pipelines can flow between the same two
-workers in any order.
+Tags identify a message completely (the program's tag, `programs.actions.message_tag`, plus
+the iteration's parity), so that re-routed micro-batches of several pipelines can flow between
+the same two workers in any order.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from recycle_planner.errors import RecycleError
 
 log = logging.getLogger(__name__)
 
-FORWARD, BACKWARD = 0, 1
 STATE_TAG = 1 << 30
 """Tags at or above this carry stage state to a newcomer, never activations."""
 ABORT_TAG = STATE_TAG - 1
@@ -49,17 +48,6 @@ ABORT_TAG = STATE_TAG - 1
 class PeerFailure(RuntimeError):
     """A collective or point-to-point operation failed: a peer died or the generation was
     abandoned. The worker leaves the generation and waits for the launcher's decision."""
-
-
-def message_tag(direction: int, stage: int, pipeline: int, microbatch: int, iteration: int,
-                stages: int, pipelines: int, microbatches: int) -> int:
-    """The tag of the activation (FORWARD, sent by `stage`) or gradient (BACKWARD, sent by
-    `stage`) of micro-batch `microbatch` of logical pipeline `pipeline`. Iteration parity keeps
-    two iterations' messages apart under the staggered optimizer."""
-    tag = (iteration % 2) * 2 + direction
-    tag = tag * stages + stage
-    tag = tag * pipelines + pipeline
-    return tag * microbatches + microbatch
 
 
 def _gloo_group(store: Any, rank: int, size: int, timeout: timedelta):

@@ -1,13 +1,11 @@
-"""One worker's ops of a plan, compiled once per generation, run through a dispatch table.
+"""One worker's program, bound to a generation once, run through a dispatch table.
 
-`compile_program` turns the plan's op list of the worker's *logical* slot into instructions
-that already name the peers (as ranks of the generation's group) and the tags of every message:
-the forward of micro-batch m of logical pipeline p receives from whichever worker runs
-F(p, s-1, m) in this plan and sends to whichever runs F(p, s+1, m), whether or not that is the
-worker's own pipeline (a re-routed micro-batch). `StageRuntime.run_iteration` then executes
-them: every op kind has one handler (`handlers`), and sends and receives are issued in the
-order of `issue.issue_order`, which NCCL cannot deadlock on (receives still posted early, so
-that data lands while the worker computes); sends never block.
+The planner compiles the worker's program (`recycle_planner.programs`: its ops, the physical
+ranks it receives from and sends to, every message in an order NCCL cannot deadlock on, with
+receives posted early so that data lands while the worker computes); `bind` only renames the
+peers as ranks of the generation's group and gives every message its tags. Then
+`StageRuntime.run_iteration` executes it: every op kind has one handler (`handlers`), sends
+and receives are issued in the program's order; sends never block.
 
 Backward passes reuse torch's pipelining helpers: `stage_backward_input` (I: the gradient of
 the stage input, sent upstream at once, keeping what W needs), `stage_backward_weight` (W: the
@@ -35,17 +33,13 @@ from torch.distributed.pipelining._backward import (stage_backward, stage_backwa
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.boundary import (Layout, agreed_at_start, call, fit, flat, pack,
                                                prefix, unpack)
-from recycle_planner.executor.buckets import GradBuckets, launch_point
-from recycle_planner.executor.comm import BACKWARD, FORWARD, Comm, PeerFailure, message_tag
+from recycle_planner import programs
+from recycle_planner.executor.buckets import GradBuckets
+from recycle_planner.executor.comm import Comm, PeerFailure
 from recycle_planner.executor.config import BUCKET_MB
 from recycle_planner.executor.faults import FaultInjector
-from recycle_planner.executor.issue import POST, SEND, Issue, issue_order
-from recycle_planner.executor.protocol import rank_of
 from recycle_planner.executor.shapes import DynamicDims
 from recycle_planner.executor.state import StageState
-from recycle_planner.job.situations import Mapping
-from recycle_planner.schedules.ops import B, F, I, KIND_CODES
-from recycle_planner.timing.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +55,17 @@ POINTS = {"ALLREDUCE": "allreduce", "OPTIMIZER": "optimizer"}
 """Fault-injection point names of the collectives (compute ops are named F0, I2, ...)."""
 
 
+POST, RUN, SEND = "recv", "run", "send"
+
+
+class Issue(NamedTuple):
+    """One step of a worker's iteration: post the receive of instruction `instr`, run it, or
+    send its output."""
+
+    kind: str
+    instr: int
+
+
 class Instr(NamedTuple):
     kind: str
     pipeline: int
@@ -70,8 +75,6 @@ class Instr(NamedTuple):
     dst: int | None            # group rank to send to
     send_tags: tuple[int, int]
     point: str                 # fault-injection point name, e.g. "F2"
-    recv_key: tuple[float, int] | None = None  # the received message's place in issue order
-    send_key: tuple[float, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -83,73 +86,54 @@ class Program:
     launch: int                 # the op during which the gradient all-reduce starts
 
 
-def runners(plan: Plan, stage: int) -> dict[tuple[int, int], int]:
-    """(pipeline, micro-batch) -> logical pipeline of the worker that runs its ops at `stage`."""
-    out: dict[tuple[int, int], int] = {}
-    for q in range(plan.spec.pipelines):
-        for op in plan.schedule.ops((q, stage)):
-            if op.kind == "F":
-                out[(op.pipeline, op.microbatch)] = q
-    return out
+COLLECTIVES = {programs.AllReduce: "ALLREDUCE", programs.Optimizer: "OPTIMIZER"}
 
 
-def compile_program(plan: Plan, mapping: Mapping, worker: tuple[int, int],
-                    members: list[int]) -> Program:
-    """The instructions of physical `worker` = (pipeline, stage) in `plan`; `members` are the
-    generation's global ranks (a rank's index there is its group rank)."""
-    spec = plan.spec
-    S, D, M = spec.stages, spec.pipelines, spec.microbatches
-    s = worker[1]
-    logical = mapping.logical_of_physical[s][worker[0]]
+def bind(program: programs.Program, members: list[int]) -> Program:
+    """`program` (the planner's, in physical ranks) in the generation's terms: one instruction
+    per op, peers as ranks of the generation's group (a global rank's index in `members`),
+    tags that keep two consecutive iterations apart."""
     group_rank = {r: i for i, r in enumerate(members)}
-    before = runners(plan, s - 1) if s > 0 else {}
-    after = runners(plan, s + 1) if s < S - 1 else {}
+    stride = program.tag_stride
+    ops = [a for a in program.actions if not isinstance(a, programs.Message)]
+    op_of = {(a.consumes, a.pipeline, a.microbatch, a.chunk): k for k, a in enumerate(ops)
+             if isinstance(a, programs.Compute) and a.consumes}
+    messages: dict[tuple[bool, int], programs.Message] = {}  # (received?, op) -> message
+    issues, launch, k, launch_action = [], -1, 0, program.launch
+    for j, action in enumerate(program.actions):
+        if isinstance(action, programs.Message):
+            op = op_of[(action.what, action.pipeline, action.microbatch, action.chunk)]
+            received = isinstance(action, programs.Recv)
+            messages[received, op] = action
+            issues.append(Issue(POST if received else SEND, op))
+            continue
+        if j == launch_action:
+            launch = k
+        issues.append(Issue(RUN, k))
+        k += 1
 
-    def peer(table: dict, stage: int, p: int, m: int) -> int:
-        q = table[(p, m)]
-        rank = rank_of(mapping.to_physical((q, stage)), S)
-        if rank not in group_rank:
-            raise RecycleError(f"the plan sends micro-batch {m} of pipeline {p} to logical "
-                               f"worker {q}:{stage}, whose physical worker is not alive")
-        return group_rank[rank]
+    def peer(message: programs.Message | None) -> int | None:
+        if message is None:
+            return None
+        if message.peer not in group_rank:
+            raise RecycleError(f"rank {program.rank}'s program exchanges {message.what}s with "
+                               f"rank {message.peer}, which is not a member of the generation")
+        return group_rank[message.peer]
 
-    def tags(direction: int, stage: int, p: int, m: int) -> tuple[int, int]:
-        return tuple(message_tag(direction, stage, p, m, it, S, D, M) for it in (0, 1))
+    def tags(message: programs.Message | None) -> tuple[int, int]:
+        return (0, 0) if message is None else (message.tag, message.tag + stride)
 
-    space, end = plan.schedule.space, plan.timing.end
-
-    def key(stage: int, p: int, m: int, kinds: tuple[int, ...], tag: int) -> tuple[float, int]:
-        """When the plan sends the output of the op of micro-batch (p, m) at `stage`."""
-        times = [float(end[space.compute(kind, p, stage, m)]) for kind in kinds]
-        return min(t for t in times if t == t), tag  # the one of `kinds` that is scheduled
-
-    none = (0, 0)
-    instrs: list[Instr] = []
-    counts: dict[str, int] = {}
-    for op in plan.schedule.ops((logical, s)):
-        p, m = op.pipeline, op.microbatch
-        src = dst = rkey = skey = None
-        rtags = stags = none
-        if op.kind == "F":
-            if s > 0:
-                src, rtags = peer(before, s - 1, p, m), tags(FORWARD, s - 1, p, m)
-                rkey = key(s - 1, p, m, (F,), rtags[0])
-            if s < S - 1:
-                dst, stags = peer(after, s + 1, p, m), tags(FORWARD, s, p, m)
-                skey = key(s, p, m, (F,), stags[0])
-        elif op.kind in ("I", "B"):
-            if s < S - 1:
-                src, rtags = peer(after, s + 1, p, m), tags(BACKWARD, s + 1, p, m)
-                rkey = key(s + 1, p, m, (I, B), rtags[0])
-            if s > 0:
-                dst, stags = peer(before, s - 1, p, m), tags(BACKWARD, s, p, m)
-                skey = key(s, p, m, (KIND_CODES[op.kind],), stags[0])
-        index = counts.get(op.kind, 0)
-        counts[op.kind] = index + 1
-        point = POINTS.get(op.kind) or f"{op.kind}{index}"
-        instrs.append(Instr(op.kind, p, m, src, rtags, dst, stags, point, rkey, skey))
-    return Program(tuple(instrs), issue_order(instrs), logical, plan.policy.stagger,
-                   launch_point(instrs))
+    instrs, counts = [], {}
+    for k, op in enumerate(ops):
+        kind = COLLECTIVES.get(type(op)) or op.kind
+        recv, send = messages.get((True, k)), messages.get((False, k))
+        index = counts.get(kind, 0)
+        counts[kind] = index + 1
+        compute = isinstance(op, programs.Compute)
+        instrs.append(Instr(kind, op.pipeline if compute else program.plays,
+                            op.microbatch if compute else None, peer(recv), tags(recv),
+                            peer(send), tags(send), POINTS.get(kind) or f"{kind}{index}"))
+    return Program(tuple(instrs), tuple(issues), program.plays, not program.barrier, launch)
 
 
 class StageRuntime:

@@ -51,14 +51,14 @@ from recycle_planner.executor.config import (CONFIG_ERROR, COORDINATOR_LOST, STA
                                              WorkerConfig)
 from recycle_planner.executor.faults import Fault, FaultInjector
 from recycle_planner.executor.job import Job, load_job
-from recycle_planner.executor.nccl_check import replay
-from recycle_planner.executor.runtime import StageRuntime, compile_program, new_op_times
+from recycle_planner.executor.runtime import StageRuntime, bind, new_op_times
 from recycle_planner.executor.shapes import input_layout, output_layout
 from recycle_planner.executor.state import (StageState, latest_checkpoint,
                                             load_stage_checkpoint, write_manifest,
                                             write_stage_checkpoint)
 from recycle_planner.job.workers import format_workers
 from recycle_planner.library import PlanLibrary
+from recycle_planner.programs import compile_program
 
 log = logging.getLogger(__name__)
 
@@ -304,16 +304,9 @@ class Worker:
         key = str(hit.file)
         if key not in self._plans:
             self._plans[key] = hit.plan()
-        plan = self._plans[key]
-        members = list(decision.members)
-        program = compile_program(plan, hit.mapping, (self.d, self.s), members)
-        if self.config.backend == "nccl":  # the order is safe by construction: prove it here
-            programs = {i: compile_program(plan, hit.mapping, P.worker_of(r, self.S), members)
-                        for i, r in enumerate(members)}
-            bad = replay(programs, {i: r % self.S for i, r in enumerate(members)})
-            if bad:
-                raise RecycleError(f"plan {hit.file.name} cannot run on NCCL: {bad[0]}")
-        return program
+        # Only this worker's program; the library checked the plan's order on NCCL once.
+        return bind(compile_program(self._plans[key], self.rank, hit.mapping),
+                    list(decision.members))
 
     def _record_losses(self, gen: int, iteration: int, losses: dict) -> None:
         if losses:

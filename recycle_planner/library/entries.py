@@ -16,6 +16,7 @@ from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import dead_per_stage
 from recycle_planner.library.placement import plan_best_placement
 from recycle_planner.library.prove import prove_plan
+from recycle_planner.programs.nccl import check_plan
 from recycle_planner.timing.metrics import Metrics
 from recycle_planner.timing.plan import Plan
 
@@ -124,8 +125,10 @@ def build_entry(args: tuple) -> dict[str, Any]:
 def store_plan(spec: JobSpec, plan: Plan, placement: Placement, folder: Path, name: str,
                shash: str, settings_hash: str | None, made: str | None = None,
                proved: float | None = None) -> LibraryEntry:
-    """Write `plan` (compact, atomically) as `folder/name`; its index entry, with the file's
+    """Check that its programs are safe on NCCL (once per plan: workers trust the library),
+    write `plan` (compact, atomically) as `folder/name`; its index entry, with the file's
     SHA-256."""
+    check_plan(plan)
     counts = tuple(dead_per_stage(spec, plan.failed))
     plan = Plan(plan.schedule, plan.timing, plan.metrics, plan.solver,
                 mapping={"placement": [list(g) for g in placement]})

@@ -1,0 +1,27 @@
+"""Per-rank programs: what each rank of a plan runs, in which order, with whom it communicates.
+
+Any launcher can run a plan from here (torchtitan, Megatron-LM, a loop over
+`torch.distributed`); recycle-planner's own executor runs the same programs. No torch needed.
+
+    from recycle_planner.library import PlanLibrary
+    from recycle_planner.programs import compile_program
+
+    hit = PlanLibrary.open("plans/").lookup([(1, 3)])     # physical dead workers
+    program = compile_program(hit.plan(), rank=5, mapping=hit.mapping)
+    for action in program.actions: ...                   # Recv, Compute, Send, AllReduce, Optimizer
+
+The package, one module per idea: `actions.py` (the typed actions and `Program`, with
+`to_json`/`from_json`), `compile.py` (a rank's program from a plan, in time proportional to
+its own ops), `order.py` (the issue order that is safe on NCCL, and why), `nccl.py` (the
+replay under NCCL's rules that every stored plan passes) and `files.py` (the program files
+`recycle-planner program` writes, checked like plan files).
+"""
+
+from recycle_planner.programs.actions import (AllReduce, Compute, Message, Optimizer, Program,
+                                              Recv, Send)
+from recycle_planner.programs.compile import compile_all, compile_program, plan_index
+from recycle_planner.programs.nccl import check_plan, check_programs, replay
+
+__all__ = ["AllReduce", "Compute", "Message", "Optimizer", "Program", "Recv", "Send",
+           "check_plan", "check_programs", "compile_all", "compile_program", "plan_index",
+           "replay"]
