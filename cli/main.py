@@ -564,9 +564,11 @@ def report(library: Path, output: Path | None, as_json: bool) -> None:
 
 
 from recycle_planner.cli.executor import coordinator, launch, profile  # noqa: E402
+from recycle_planner.cli.program import program  # noqa: E402
 from recycle_planner.cli.whatif import simulate_trace  # noqa: E402
 
 main.add_command(simulate_trace)
+main.add_command(program)
 main.add_command(launch)
 main.add_command(coordinator)
 main.add_command(profile)

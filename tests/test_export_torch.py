@@ -5,9 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from recycle_planner.files.export_torch import export_torch_csv, torch_rows
+from recycle_planner.errors import RecycleError
+from recycle_planner.files.export_torch import (export_torch_comms_csv, export_torch_csv,
+                                                torch_comms_rows, torch_rows)
 from recycle_planner.job.policy import Policy
 from recycle_planner.planner import plan_situation
+from recycle_planner.programs import compile_all
 
 from conftest import make_spec
 
@@ -23,18 +26,38 @@ def test_rows_are_one_per_stage_in_execution_order():
     ]
 
 
+def test_comms_rows_are_the_programs_order_and_failure_plans_are_refused():
+    plan = plan_situation(make_spec(stages=2, pipelines=2, microbatches=2),
+                          Policy("1f1b", decouple=False, stagger=False))
+    programs = compile_all(plan)
+    assert torch_comms_rows([programs[2], programs[3]]) == [
+        ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0RECV_B1", "0B0", "0B1",
+         "0REDUCE_GRAD"],
+        ["1RECV_F0", "1RECV_F1", "1F0", "1B0", "1SEND_B0", "1F1", "1B1", "1SEND_B1",
+         "1REDUCE_GRAD"]]
+    failed = compile_all(plan_situation(make_spec(stages=2, pipelines=2, microbatches=2),
+                                        Policy(), [(1, 1)]))
+    with pytest.raises(RecycleError, match="another pipeline's: torch's format cannot"):
+        torch_comms_rows([failed[0], failed[1]])
+
+
 @pytest.mark.torch
 def test_torch_runtime_loads_and_runs_exported_csvs(tmp_path):
-    """torch's own _PipelineScheduleRuntime._load_csv accepts our CSVs (fused 1F1B and ZB-H1
-    with I/W) and, on a 2-rank gloo run, gives the same losses and gradients as one process."""
+    """torch's own _PipelineScheduleRuntime._load_csv accepts our CSVs, compute-only and with
+    the programs' communication (fused 1F1B and ZB-H1 with I/W), and, on a 2-rank gloo run,
+    gives the same losses and gradients as one process."""
     torch = pytest.importorskip("torch")
     spec = make_spec(stages=2, pipelines=1, microbatches=4)
     csvs = []
     for name, policy in (("1f1b", Policy("1f1b", False, False)), ("zbh1", Policy("zb-h1"))):
         path = tmp_path / f"{name}.csv"
-        export_torch_csv(plan_situation(spec, policy), path)
-        csvs.append(str(path))
+        plan = plan_situation(spec, policy)
+        export_torch_csv(plan, path)
+        programs = compile_all(plan)
+        export_torch_comms_csv([programs[0], programs[1]], tmp_path / f"{name}.comms.csv")
+        csvs += [str(path), str(tmp_path / f"{name}.comms.csv")]
     assert "1I0" in (tmp_path / "zbh1.csv").read_text()
+    assert "0RECV_B0" in (tmp_path / "zbh1.comms.csv").read_text()
     procs = [subprocess.Popen([sys.executable, str(HELPER), str(r), "2", str(tmp_path / "store"),
                                str(tmp_path), *csvs]) for r in range(2)]
     assert [p.wait(timeout=240) for p in procs] == [0, 0]

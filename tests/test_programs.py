@@ -179,5 +179,6 @@ def test_tags_name_every_message_of_two_iterations_apart():
 
 
 def test_programs_need_no_torch():
-    code = "import sys, recycle_planner.programs; assert 'torch' not in sys.modules"
+    code = ("import sys, recycle_planner.programs, recycle_planner.programs.files, "
+            "recycle_planner.cli.program; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,12 +1,21 @@
-"""Export a fault-free plan to torch.distributed.pipelining's compute-only CSV.
+"""Export a fault-free plan to torch.distributed.pipelining's CSVs.
 
 One row per pipeline-stage rank, one cell per action in execution order (`0F1` = stage 0
-forward of micro-batch 1; I, W and B as in torch). torch's
-`_PipelineScheduleRuntime._load_csv(path, format="compute_only")` reads it and adds the sends
-and receives itself. torch runs one pipeline, so one pipeline of the plan is exported; torch's
-data-parallel wrapper handles the gradient all-reduce, so ALLREDUCE and OPTIMIZER are left out.
-A plan with dead workers re-routes micro-batches across pipelines, which torch's runtime cannot
-express: those plans need recycle-planner's own executor.
+forward of micro-batch 1; I, W and B as in torch). Two formats, as torch's
+`_PipelineScheduleRuntime._load_csv(path, format=...)` reads them: `compute_only` (torch adds
+the sends and receives itself) and `compute_comms` (`torch_comms_rows`: the programs' own
+order, receives and sends included, `1RECV_F2`, `1SEND_B2`, with `1REDUCE_GRAD` where the
+program waits for the stage's all-reduce). torch runs one pipeline, so one pipeline of the plan
+is exported; torch's data-parallel wrapper (FSDP, replicate) does the gradient all-reduce at
+REDUCE_GRAD, and the optimizer step stays the training loop's.
+
+A plan with dead workers cannot be written in torch's format, whatever the columns: its
+actions name a stage and a micro-batch but no pipeline, a stage lives on exactly one rank of
+the pipeline group (`_validate_schedule` refuses a stage on two ranks), and every stage runs
+exactly the schedule's micro-batch count. A re-routed micro-batch is another pipeline's,
+computed on a peer that belongs to a different pipeline group and that runs more than M
+micro-batches of its stage; its activation crosses from one pipeline's rank to another's. Those
+plans run from recycle-planner's programs (`recycle_planner.programs`).
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ from recycle_planner.errors import RecycleError
 from recycle_planner.io import atomic_write
 from recycle_planner.job.workers import format_workers
 from recycle_planner.schedules.ops import COLLECTIVE_NAMES
+from recycle_planner.programs.actions import (ACTIVATION, AllReduce, Compute, Message, Program,
+                                              Recv)
 from recycle_planner.timing.plan import Plan
 
 
@@ -38,4 +49,36 @@ def torch_rows(plan: Plan, pipeline: int = 0) -> list[list[str]]:
 
 def export_torch_csv(plan: Plan, path: str | Path, pipeline: int = 0) -> None:
     rows = torch_rows(plan, pipeline)
+    atomic_write(path, lambda fh: csv.writer(fh, lineterminator="\n").writerows(rows))
+
+
+def torch_comms_rows(pipeline: list[Program]) -> list[list[str]]:
+    """torch's compute_comms rows of one pipeline's programs (one per stage, in stage order):
+    each program's actions in its own order."""
+    ranks = {p.rank for p in pipeline}
+    rows = []
+    for program in pipeline:
+        row, s = [], program.stage
+        for a in program.actions:
+            if isinstance(a, (Message, Compute)) and a.pipeline != program.pipeline:
+                raise RecycleError(f"rank {program.rank} runs micro-batch {a.microbatch} of "
+                                   f"pipeline {a.pipeline}, another pipeline's: torch's format "
+                                   f"cannot express it")
+            if isinstance(a, Message):
+                if a.peer not in ranks:
+                    raise RecycleError(f"rank {program.rank} exchanges micro-batch {a.microbatch} "
+                                       f"with rank {a.peer}, outside its pipeline: torch's "
+                                       f"format cannot express it")
+                way = "RECV" if isinstance(a, Recv) else "SEND"
+                row.append(f"{s}{way}_{'F' if a.what == ACTIVATION else 'B'}{a.microbatch}")
+            elif isinstance(a, Compute):
+                row.append(f"{s}{a.kind}{a.microbatch}")
+            elif isinstance(a, AllReduce):
+                row.append(f"{s}REDUCE_GRAD")
+        rows.append(row)
+    return rows
+
+
+def export_torch_comms_csv(pipeline: list[Program], path: str | Path) -> None:
+    rows = torch_comms_rows(pipeline)
     atomic_write(path, lambda fh: csv.writer(fh, lineterminator="\n").writerows(rows))

@@ -2,7 +2,8 @@
 
 Run as: python torch_csv_worker.py RANK WORLD STORE_FILE OUT_DIR CSV [CSV ...]
 Each rank holds one stage (a Linear layer) of a 2-stage MLP and runs every CSV with
-_PipelineScheduleRuntime; rank WORLD-1 writes the losses and every rank its gradients.
+_PipelineScheduleRuntime (a CSV whose name ends in .comms.csv in torch's compute_comms format,
+the others compute_only); rank WORLD-1 writes the losses and every rank its gradients.
 """
 
 import json
@@ -40,7 +41,8 @@ def main():
         stage = PipelineStage(parts[rank], rank, world, torch.device("cpu"))
         sched = _PipelineScheduleRuntime([stage], n_microbatches=n_mb,
                                          loss_fn=torch.nn.functional.mse_loss)
-        sched._load_csv(path, format="compute_only")
+        sched._load_csv(path, format="compute_comms" if path.endswith(".comms.csv")
+                        else "compute_only")
         losses = []
         if rank == 0:
             sched.step(x)
