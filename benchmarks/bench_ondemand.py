@@ -40,8 +40,8 @@ from common import machine
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 
-from recycle_planner.executor import protocol as P  # noqa: E402
-from recycle_planner.executor.runtime import compile_program  # noqa: E402
+from recycle_planner.executor.control import protocol as P  # noqa: E402
+from recycle_planner.programs import compile_program  # noqa: E402
 from recycle_planner.files.planfile import read_plan, write_plan  # noqa: E402
 from recycle_planner.job.policy import Policy  # noqa: E402
 from recycle_planner.job.spec import JobSpec, load_spec  # noqa: E402
@@ -81,8 +81,7 @@ def latency_once(lib: PlanLibrary, reader: PlanLibrary, dead: list) -> dict:
     loaded = hit.plan()
     t4 = time.perf_counter()
     members = sorted(steps)
-    worker = P.worker_of(members[-1], spec.stages)
-    compile_program(loaded, hit.mapping, worker, members)
+    compile_program(loaded, members[-1], hit.mapping)
     t5 = time.perf_counter()
     times.update(plan_s=t1 - t0, add_s=t2 - t1, lookup_s=t3 - t2, load_s=t4 - t3,
                  compile_s=t5 - t4, total_s=t5 - t0, ops=plan.schedule.n_ops,

@@ -129,7 +129,7 @@ def test_the_executor_runs_these_programs_in_their_order(library):
     """The executor's runtime only renames the peers as ranks of the generation's group and
     adds the iteration's parity to the tags: its steps are the program's actions, one by one."""
     pytest.importorskip("torch")
-    from recycle_planner.executor.runtime import POST, RUN, bind
+    from recycle_planner.executor.data.runtime import POST, RUN, bind
 
     for dead, hit, plan, programs in situations(library):
         members = sorted(programs)

@@ -31,15 +31,15 @@ from torch.distributed.pipelining._backward import (stage_backward, stage_backwa
                                                      stage_backward_weight)
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor.boundary import (Layout, agreed_at_start, call, fit, flat, pack,
-                                               prefix, unpack)
 from recycle_planner import programs
-from recycle_planner.executor.buckets import GradBuckets
-from recycle_planner.executor.comm import Comm, PeerFailure
 from recycle_planner.executor.config import BUCKET_MB
+from recycle_planner.executor.data.boundary import (Layout, agreed_at_start, call, fit, flat, pack,
+                                                    prefix, unpack)
+from recycle_planner.executor.data.buckets import GradBuckets
+from recycle_planner.executor.data.comm import Comm, PeerFailure
+from recycle_planner.executor.data.shapes import DynamicDims
+from recycle_planner.executor.data.state import StageState
 from recycle_planner.executor.faults import FaultInjector
-from recycle_planner.executor.shapes import DynamicDims
-from recycle_planner.executor.state import StageState
 
 log = logging.getLogger(__name__)
 
