@@ -48,7 +48,8 @@ def program(source: Path, fail: tuple[str, ...], output: Path, as_json: bool) ->
     from recycle_planner.job.workers import parse_worker
     from recycle_planner.library import PlanLibrary
     from recycle_planner.library.hashing import file_sha256
-    from recycle_planner.programs import check_programs, compile_all
+    from recycle_planner.programs import rank_orders
+    from recycle_planner.programs.check import require_safe
     from recycle_planner.programs.files import torch_csv, write_programs
 
     check_writable(output, folder=True)
@@ -64,10 +65,11 @@ def program(source: Path, fail: tuple[str, ...], output: Path, as_json: bool) ->
         plan = read_plan(source)
         mapping, file, dead = None, source, list(plan.failed)
     t1 = time.perf_counter()
-    programs = compile_all(plan, mapping)
+    orders = rank_orders(plan, mapping)
     t2 = time.perf_counter()
-    check_programs(programs)  # a library built by an older version was never checked
+    require_safe(orders)  # a library built by an older version was never checked
     t3 = time.perf_counter()
+    programs = {rank: order.program() for rank, order in orders.items()}
     spec = plan.spec
     output.mkdir(parents=True, exist_ok=True)
     csvs = []

@@ -16,7 +16,7 @@ from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import dead_per_stage
 from recycle_planner.library.placement import plan_best_placement
 from recycle_planner.library.prove import prove_plan
-from recycle_planner.programs.nccl import check_plan
+from recycle_planner.programs.check import check_plan
 from recycle_planner.timing.metrics import Metrics
 from recycle_planner.timing.plan import Plan
 

@@ -12,16 +12,18 @@ Any launcher can run a plan from here (torchtitan, Megatron-LM, a loop over
 
 The package, one module per idea: `actions.py` (the typed actions and `Program`, with
 `to_json`/`from_json`), `compile.py` (a rank's program from a plan, in time proportional to
-its own ops), `order.py` (the issue order that is safe on NCCL, and why), `nccl.py` (the
-replay under NCCL's rules that every stored plan passes) and `files.py` (the program files
-`recycle-planner program` writes, checked like plan files).
+its own ops), `order.py` (the issue order that is safe on NCCL, and why), `nccl.py` (NCCL's
+rules as replay models), `check.py` (the check every stored plan passes, fast) and `files.py`
+(the program files `recycle-planner program` writes, checked like plan files).
 """
 
 from recycle_planner.programs.actions import (AllReduce, Compute, Message, Optimizer, Program,
                                               Recv, Send)
-from recycle_planner.programs.compile import compile_all, compile_program, plan_index
-from recycle_planner.programs.nccl import check_plan, check_programs, replay
+from recycle_planner.programs.check import check_orders, check_plan
+from recycle_planner.programs.compile import (RankOrder, compile_all, compile_program,
+                                              plan_index, rank_order, rank_orders)
+from recycle_planner.programs.nccl import replay
 
-__all__ = ["AllReduce", "Compute", "Message", "Optimizer", "Program", "Recv", "Send",
-           "check_plan", "check_programs", "compile_all", "compile_program", "plan_index",
-           "replay"]
+__all__ = ["AllReduce", "Compute", "Message", "Optimizer", "Program", "RankOrder", "Recv",
+           "Send", "check_orders", "check_plan", "compile_all", "compile_program", "plan_index",
+           "rank_order", "rank_orders", "replay"]

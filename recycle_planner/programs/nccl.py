@@ -28,8 +28,9 @@ and completes as said. The rules, each a `MODELS` level that adds to the one bef
   communicators then never overlap.
 
 Adding rules only adds dependencies, and an item once ready stays ready, so an order that
-completes under `serial` completes under the other two: `check_plan` replays `serial` with the
-scalar sum, once per plan, when the library stores a plan and when `plan` writes one. Under
+completes under `serial` completes under the other two: `check.check_plan` replays `serial`
+with the scalar sum (in numpy, by events), once per plan, when the library stores a plan and
+when `plan` writes one. Under
 `serial` the GPU runs kernels in issue order, so the replay covers kernels that do not fit side
 by side; with several hardware queues NCCL's own rule applies (kernels of communicators used
 concurrently must all fit, or be issued in one order on every rank), which per-pair
@@ -38,49 +39,16 @@ communicators share with every pipeline runtime.
 
 from __future__ import annotations
 
-import gc
 from collections import defaultdict
-from contextlib import contextmanager
 from typing import Mapping
 
-from recycle_planner.errors import RecycleError
 from recycle_planner.programs.actions import AllReduce, Compute, Program, Recv, Send
-from recycle_planner.timing.plan import Plan
 
 MODELS = ("fifo", "streams", "serial")
 RUN, P2P, COLL = 0, 1, 2
 STAGE, SCALARS, BARRIER = -1, -2, -3  # what a collective item is (an action index otherwise)
 COLLECTIVE_NAMES = {STAGE: "the stage all-reduce", SCALARS: "the clipping sum",
                     BARRIER: "the barrier"}
-
-
-def check_plan(plan: Plan) -> None:
-    """Raise a `RecycleError` (one line) if the programs of `plan` can deadlock or mix up
-    messages on NCCL, under the strictest model, with the clipping sum."""
-    from recycle_planner.programs.compile import compile_all  # compile imports the plan types
-
-    with _quiet_collector():
-        check_programs(compile_all(plan))
-
-
-def check_programs(programs: Mapping[int, Program]) -> None:
-    """`check_plan` for programs already compiled (every live rank's, by rank)."""
-    with _quiet_collector():
-        bad = replay(programs, "serial", scalars=True)
-    if bad:
-        raise RecycleError(f"the plan cannot run on NCCL: {bad[0]}")
-
-
-@contextmanager
-def _quiet_collector():
-    """Hundreds of thousands of small acyclic objects: the cyclic collector would cost 40%."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 class _Net:

@@ -10,53 +10,41 @@ The rule here: every message has a key, the plan's time at which it is sent (the
 that produces it) with its tag as tie-break, computed identically by its sender and its
 receiver. Each rank issues all its messages, sends and receives together, in key order; a
 receive as early as that order allows (so that data lands while the rank computes), a send
-right after its op has run. Why no execution can deadlock, even the most serial one NCCL allows
-(one operation at a time per rank, in issue order; `nccl.py` lists the rules): take the pending
-message with the least key. Everything its sender and its receiver issued before it is a
-message with a smaller key (done, by choice of the least) or a compute whose input is such a
-message or is local (done); a collective is issued only after the rank's last gradient op,
-which every message of that iteration precedes. So both ends reach the message and it
-completes: every wait points back in the plan's time, and the waits cannot form a cycle.
-`nccl.check_plan` replays it under NCCL's rules on every plan the library stores.
+right after its op has run. Why nothing can deadlock, even when a rank runs one operation at a
+time in issue order (the most serial execution NCCL allows; `nccl.py` lists the rules): take
+the pending message with the least key. Everything its sender and its receiver issued before
+it is a message with a smaller key (complete, by choice of the least) or a compute whose input
+is such a message or is local (complete), so both ends reach it and it completes. Every wait
+points back in the plan's time. The stage's all-reduce and the optimizer's collectives come
+after a rank's last op of the iteration; `nccl.check_plan` replays them with the messages on
+every plan the library stores.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import numpy as np
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.programs.actions import Action, Recv, Send
+
+RUN, RECV, SEND = 0, 1, 2  # the steps of an issue order
 
 
-def issue_order(ops: Sequence[tuple[Action, Recv | None, Send | None]]) -> tuple[Action, ...]:
-    """The actions of one iteration: each op of `ops` (in the plan's order, with the message it
-    receives and the one it sends, if any) with its messages placed in key order."""
-    messages = sorted([(recv.key, k, recv) for k, (_, recv, _) in enumerate(ops) if recv]
-                      + [(send.key, k, send) for k, (_, _, send) in enumerate(ops) if send],
-                      key=lambda m: m[0])
-    out: list[Action] = []
-    posted: set[int] = set()
-    nxt = 0
-
-    def advance(ran: int) -> int:
-        """Issue messages in key order up to the first send of an op that has not run."""
-        i = nxt
-        while i < len(messages):
-            _, k, message = messages[i]
-            if isinstance(message, Send) and k > ran:
-                break
-            out.append(message)
-            if isinstance(message, Recv):
-                posted.add(k)
-            i += 1
-        return i
-
-    nxt = advance(-1)
-    for k, (action, recv, _) in enumerate(ops):
-        if recv is not None and k not in posted:
-            raise RecycleError(f"{action} receives a message the plan sends after a message "
-                               f"this rank sends later: the plan's times contradict its op "
-                               f"order")
-        out.append(action)
-        nxt = advance(k)
-    return tuple(out)
+def issue_order(ops: int, op: np.ndarray, sends: np.ndarray, time: np.ndarray,
+                tag: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The issue order of a rank with `ops` ops (run in their order) and messages `op`
+    (the op each feeds or comes from), `sends` (True: a send), `time` and `tag` (the key):
+    per step, RUN, RECV or SEND, and its op (for a RUN) or message (otherwise) index."""
+    by_key = np.lexsort((tag, time))
+    # A message goes out after the latest op whose send is at or before it in key order.
+    after = np.maximum.accumulate(np.where(sends[by_key], op[by_key], -1)) if len(op) else op
+    late = ~sends[by_key] & (after >= op[by_key])
+    if late.any():
+        k = int(op[by_key][late][0])
+        raise RecycleError(f"op {k} receives a message the plan sends after a message this "
+                           f"rank sends later: the plan's times contradict its op order")
+    major = np.concatenate([np.arange(ops), after])
+    minor = np.concatenate([np.zeros(ops, np.int64), np.ones(len(op), np.int64)])
+    index = np.concatenate([np.arange(ops), by_key])
+    order = np.lexsort((np.arange(len(major)), minor, major))
+    step = np.concatenate([np.full(ops, RUN), np.where(sends[by_key], SEND, RECV)])[order]
+    return step, index[order]
