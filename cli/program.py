@@ -69,7 +69,7 @@ def program(source: Path, fail: tuple[str, ...], output: Path, as_json: bool) ->
     t2 = time.perf_counter()
     require_safe(orders)  # a library built by an older version was never checked
     t3 = time.perf_counter()
-    programs = {rank: order.program() for rank, order in orders.items()}
+    programs = orders.programs()
     spec = plan.spec
     output.mkdir(parents=True, exist_ok=True)
     csvs = []

@@ -6,7 +6,7 @@ item-by-item replay on every one of them."""
 
 from dataclasses import replace
 
-from recycle_planner.programs import (AllReduce, Compute, Optimizer, Program, RankOrder, Recv,
+from recycle_planner.programs import (AllReduce, Compute, Optimizer, Program, Orders, Recv,
                                       Send, check_orders, replay)
 
 ACT, GRAD = "activation", "gradient"
@@ -34,7 +34,7 @@ def B(mb, stage=0):
 
 def same_verdict_fast(programs, scalars):
     serial = replay({p.rank: p for p in programs}, "serial", scalars=scalars)
-    fast = check_orders({p.rank: RankOrder.from_program(p) for p in programs}, scalars=scalars)
+    fast = check_orders(Orders.of_programs(programs), scalars=scalars)
     assert bool(fast) == bool(serial), (fast, serial)
     assert [line.split(":")[0] for line in fast] == [line.split(":")[0] for line in serial]
 
@@ -65,7 +65,7 @@ def test_per_pair_fifo_messages_are_matched_by_order_not_by_tag():
     a = program(0, 0, F(0), F(1), message(Send, ACT, 0, 1), message(Send, ACT, 1, 1))
     b = program(1, 1, message(Recv, ACT, 1, 0), message(Recv, ACT, 0, 0), F(1, 1), F(0, 1))
     for found in (replay({0: a, 1: b}, "fifo"),
-                  check_orders({p.rank: RankOrder.from_program(p) for p in (a, b)})):
+                  check_orders(Orders.of_programs((a, b)))):
         assert found[0].startswith("mismatch: rank 1 receives RECV activation (p0 mb1) from "
                                    "rank 0 of iteration 0, but rank 0 sends SEND activation "
                                    "(p0 mb0)")

@@ -14,7 +14,7 @@ from recycle_planner.errors import PlanFileError, RecycleError
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import load_spec
 from recycle_planner.library import PlanLibrary, Settings, build_library
-from recycle_planner.programs import (Compute, Message, Program, RankOrder, Recv, Send,
+from recycle_planner.programs import (Compute, Message, Program, Orders, Recv, Send,
                                       check_orders, compile_all, compile_program, rank_orders,
                                       replay)
 from recycle_planner.programs.actions import BACKWARD, FORWARD, message_tag
@@ -81,7 +81,7 @@ def test_every_plan_is_safe_on_nccl_and_the_old_order_deadlocks(library):
         assert check_orders(rank_orders(plan, hit.mapping)) == []  # the fast check agrees
         old = {r: prefetched(p) for r, p in programs.items()}
         assert replay(old, "fifo")[0].startswith("deadlock"), hit.file
-        assert check_orders({r: RankOrder.from_program(p) for r, p in old.items()})[
+        assert check_orders(Orders.of_programs(old.values()))[
             0].startswith("deadlock"), hit.file
         assert compile_all(plan, hit.mapping) == programs  # a rank alone compiles the same
         count += 1
@@ -126,7 +126,7 @@ def test_the_replay_sees_messages_received_in_another_order(library):
     actions.insert(i, actions.pop(j))
     programs[rank] = replace(programs[rank], actions=tuple(actions))
     assert replay(programs, "fifo")[0].startswith("mismatch")
-    assert check_orders({r: RankOrder.from_program(p) for r, p in programs.items()})[
+    assert check_orders(Orders.of_programs(programs.values()))[
         0].startswith("mismatch")
 
 

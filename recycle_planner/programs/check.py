@@ -14,12 +14,11 @@ on every plan of the example libraries and on every hand-made order of tests/tes
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import numpy as np
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.programs.compile import RankOrder, rank_orders
+from recycle_planner.programs.actions import Program
+from recycle_planner.programs.compile import Orders, rank_orders
 from recycle_planner.programs.order import RECV, RUN, SEND
 from recycle_planner.schedules.ops import AR, B, OPT, W
 from recycle_planner.timing.plan import Plan
@@ -35,63 +34,77 @@ def check_plan(plan: Plan) -> None:
     require_safe(rank_orders(plan))
 
 
-def require_safe(orders: Mapping[int, RankOrder]) -> None:
+def require_safe(orders: Orders) -> None:
     bad = check_orders(orders)
     if bad:
         raise RecycleError(f"the plan cannot run on NCCL: {bad[0]}")
 
 
-def check_orders(orders: Mapping[int, RankOrder], iterations: int = 2,
-                 scalars: bool = True) -> list[str]:
-    """Problems of `orders` (every live rank's, by rank) over `iterations` consecutive
-    iterations; empty: safe."""
-    ranks = sorted(orders)
-    events = [_events(orders[r], iterations, scalars) for r in ranks]
-    rank = np.repeat(np.arange(len(ranks)), [len(e[0]) for e in events])
-    kind, where, it, peer, tag = (np.concatenate([e[i] for e in events]) for i in range(5))
-    name = _Names(orders, ranks, rank, where, it)
-    problems = [f"rank {r}'s ALLREDUCE is over ranks {list(orders[r].ranks)}, without it"
-                for r in ranks if r not in orders[r].ranks]
+def check_orders(orders: Orders, iterations: int = 2, scalars: bool = True) -> list[str]:
+    """Problems of `orders` (every live rank's) over `iterations` consecutive iterations;
+    empty: safe."""
+    rank, kind, where, it = _events(orders, iterations, scalars)
+    ranks = np.asarray(orders.ranks)
+    me = ranks[rank]
+    name = _Names(orders, me, where, it)
+    problems = [f"rank {r}'s ALLREDUCE is over ranks {list(group)}, without it"
+                for r, group in zip(orders.ranks, orders.groups) if r not in group]
+    at = np.maximum(where, 0)
+    peer = np.where(where < 0, -1, orders.peer[at] if len(orders.peer) else -1)
+    tag = np.where(where < 0, -1, orders.tag[at] if len(orders.tag) else -1)
     event = np.full(len(kind), -1, dtype=np.int64)
-    count = _match(ranks, rank, kind, peer, tag, it, event, name, problems)
+    count = _match(me, kind, peer, tag, it, event, name, problems)
     if problems:
         return problems
-    participants = [2] * count + _collectives(orders, ranks, rank, kind, where, event, count)
-    return _rounds(rank, event, np.asarray(participants), name)
+    participants = np.concatenate([np.full(count, 2), _collectives(
+        orders, rank, kind, where, event, count)])
+    return _rounds(rank, len(ranks), event, participants, name)
 
 
-def _events(order: RankOrder, iterations: int, scalars: bool):
-    """One rank's events over `iterations`, in issue order: kind (SEND, RECV or COLL), host
-    position (or a collective's code), iteration, and a message's peer and tag."""
-    run = order.step == RUN
-    grads = np.flatnonzero(run & ((order.kind == W) | (order.kind == B)))
-    allreduce = np.flatnonzero(run & (order.kind == AR))
+def _events(orders: Orders, iterations: int, scalars: bool):
+    """Every rank's events over `iterations`, rank by rank in issue order: its index in
+    `orders.ranks`, kind (SEND, RECV or COLL), flat position of its step (or a collective's
+    code), iteration."""
+    n = len(orders.step)
+    owner = np.repeat(np.arange(len(orders.ranks)), np.diff(orders.start))
+    run = orders.step == RUN
     position = [np.flatnonzero(~run).astype(float)]
     code = [np.flatnonzero(~run)]
-    if len(order.ranks) > 1 and len(allreduce):  # started after the last gradient op
-        position.append(np.array([(grads[-1] if len(grads) else allreduce[0]) + 0.5]))
-        code.append(np.array([STAGE]))
+    owners = [owner[code[0]]]
+    multi = np.array([len(g) > 1 for g in orders.groups], dtype=bool)
+    last = np.full(len(orders.ranks), -1)  # per rank: its last W or B, else its ALLREDUCE
+    np.maximum.at(last, owner[run & (orders.kind == AR)],
+                  np.flatnonzero(run & (orders.kind == AR)))
+    grads = np.full(len(orders.ranks), -1)
+    np.maximum.at(grads, owner[run & ((orders.kind == W) | (orders.kind == B))],
+                  np.flatnonzero(run & ((orders.kind == W) | (orders.kind == B))))
+    launch = np.where(grads >= 0, grads, last)
+    started = np.flatnonzero(multi & (launch >= 0))  # after the last gradient op
+    collectives = [(launch[started] + 0.5, STAGE, started)]
     if scalars:  # summed and read by the host before the step
-        position.append(np.flatnonzero(run & (order.kind == OPT)) - 0.5)
-        code.append(np.full(len(position[-1]), SCALARS))
-    if order.barrier:
-        position.append(np.array([len(run) + 0.5]))
-        code.append(np.array([BARRIER]))
-    by = np.argsort(np.concatenate(position), kind="stable")
-    where = np.concatenate(code)[by]
-    at = np.maximum(where, 0)
-    kind = np.where(where < 0, COLL, order.step[at])
-    peer = np.where(where < 0, -1, order.peer[at])
-    tag = np.where(where < 0, -1, order.tag[at])
-    return (*(np.tile(column, iterations) for column in (kind, where)),
-            np.repeat(np.arange(iterations), len(where)),
-            *(np.tile(column, iterations) for column in (peer, tag)))
+        steps = np.flatnonzero(run & (orders.kind == OPT))
+        collectives.append((steps - 0.5, SCALARS, owner[steps]))
+    if orders.barrier:
+        collectives.append((orders.start[1:] - 0.5, BARRIER, np.arange(len(orders.ranks))))
+    for at, which, who in collectives:
+        position.append(np.asarray(at, dtype=float))
+        code.append(np.full(len(at), which))
+        owners.append(who)
+    owner, position, code = (np.concatenate(c) for c in (owners, position, code))
+    once = np.lexsort((position, owner))
+    owner, code = owner[once], code[once]
+    events = len(owner)
+    rank = np.tile(owner, iterations)
+    it = np.repeat(np.arange(iterations), events)
+    by = np.lexsort((np.arange(len(rank)), it, rank))  # each rank's iterations in turn
+    where = np.tile(code, iterations)[by]
+    kind = np.where(where < 0, COLL, orders.step[np.maximum(where, 0)] if n else COLL)
+    return rank[by], kind, where, it[by]
 
 
-def _match(ranks, rank, kind, peer, tag, it, event, name, problems) -> int:
+def _match(me, kind, peer, tag, it, event, name, problems) -> int:
     """Number the messages: the n-th send from a to b and the n-th receive at b from a are one
     event (the events are in issue order within each rank, so a stable sort keeps n)."""
-    me = np.asarray(ranks)[rank]
     out = np.flatnonzero(kind == SEND)
     into = np.flatnonzero(kind == RECV)
     out = out[np.lexsort((out, peer[out], me[out]))]
@@ -120,29 +133,33 @@ def _match(ranks, rank, kind, peer, tag, it, event, name, problems) -> int:
     return len(out)
 
 
-def _collectives(orders, ranks, rank, kind, where, event, first: int) -> list[int]:
+def _collectives(orders: Orders, rank, kind, where, event, first: int) -> np.ndarray:
     """Number the collectives: the n-th of each communicator on every member is one event;
     its participants."""
-    everyone = tuple(ranks)
-    keys: dict[tuple, int] = {}
-    participants: list[int] = []
-    seen: dict[tuple, int] = {}
-    for i in np.flatnonzero(kind == COLL).tolist():
-        r = ranks[rank[i]]
-        code = int(where[i])
-        members = orders[r].ranks if code == STAGE else everyone
-        n = seen[r, code] = seen.get((r, code), -1) + 1
-        key = (code, members, n)
-        if key not in keys:
-            keys[key] = first + len(participants)
-            participants.append(len(members))
-        event[i] = keys[key]
-    return participants
+    coll = np.flatnonzero(kind == COLL)
+    groups = {group: i for i, group in enumerate(dict.fromkeys(orders.groups))}
+    everyone = len(groups)
+    code = where[coll]
+    members = np.where(code == STAGE, np.array([groups[g] for g in orders.groups])[rank[coll]]
+                       if len(coll) else 0, everyone)
+    # n: how many collectives of this communicator the rank had before (events are in order)
+    by = np.lexsort((coll, code, rank[coll]))
+    same = np.r_[False, (rank[coll][by][1:] == rank[coll][by][:-1])
+                 & (code[by][1:] == code[by][:-1])]
+    run_start = np.flatnonzero(~same)
+    n = np.arange(len(by)) - np.repeat(run_start, np.diff(np.r_[run_start, len(by)]))
+    nth = np.empty(len(by), dtype=np.int64)
+    nth[by] = n
+    keys, event[coll] = np.unique(np.stack([code, members, nth], axis=1), axis=0,
+                                  return_inverse=True)
+    event[coll] += first
+    sizes = {i: len(g) for g, i in groups.items()}
+    return np.array([sizes[k[1]] if k[0] == STAGE else len(orders.ranks) for k in keys.tolist()],
+                    dtype=np.int64)
 
 
-def _rounds(rank, event, participants, name) -> list[str]:
+def _rounds(rank, ranks: int, event, participants, name) -> list[str]:
     """Move every rank past its next event while all the event's participants are there."""
-    ranks = int(rank.max()) + 1 if len(rank) else 0
     ends = np.cumsum(np.bincount(rank, minlength=ranks))
     heads = ends - np.bincount(rank, minlength=ranks)
     while True:
@@ -150,7 +167,7 @@ def _rounds(rank, event, participants, name) -> list[str]:
         if not len(live):
             return []
         at = event[heads[live]]
-        found, inverse, counts = np.unique(at, return_inverse=True, return_counts=True)
+        _, inverse, counts = np.unique(at, return_inverse=True, return_counts=True)
         ready = counts[inverse] == participants[at]
         if not ready.any():
             stuck = [name(int(heads[r]), rank_too=True) for r in live[:6]]
@@ -162,18 +179,19 @@ def _rounds(rank, event, participants, name) -> list[str]:
 class _Names:
     """Readable names of events, for the one line that reports a problem."""
 
-    def __init__(self, orders, ranks, rank, where, it):
-        self.orders, self.ranks, self.rank, self.where, self.it = orders, ranks, rank, where, it
-        self.programs: dict[int, object] = {}
+    def __init__(self, orders: Orders, me, where, it):
+        self.orders, self.me, self.where, self.it = orders, me, where, it
+        self.programs: dict[int, Program] = {}
 
     def __call__(self, i: int, rank_too: bool = False) -> str:
-        r = self.ranks[self.rank[i]]
+        r = int(self.me[i])
         k = int(self.where[i])
         if k < 0:
             label = NAMES[k]
         else:
             if r not in self.programs:
                 self.programs[r] = self.orders[r].program()
-            label = str(self.programs[r].actions[k])
+            first = int(self.orders.start[self.orders.ranks.index(r)])
+            label = str(self.programs[r].actions[k - first])
         text = f"{label} of iteration {self.it[i]}"
         return f"rank {r} waits at {text}" if rank_too else text

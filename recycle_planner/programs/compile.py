@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 
@@ -26,19 +27,18 @@ from recycle_planner.programs.actions import (ACTIVATION, BACKWARD, FORWARD, GRA
                                               AllReduce, Compute, Optimizer, Program, Recv, Send,
                                               message_tag)
 from recycle_planner.programs.order import RECV, RUN, SEND, issue_order
-from recycle_planner.schedules.ops import (AR, B, F, I, KIND_CODES, KIND_NAMES, OPT, worker_at,
-                                          worker_index)
+from recycle_planner.schedules.ops import (AR, B, F, I, KIND_CODES, KIND_NAMES, OPT)
 from recycle_planner.timing.plan import Plan
 
 
 @dataclass(frozen=True, eq=False)
 class PlanIndex:
     """`runner[unit]`: the logical worker index that runs F of each micro-batch unit
-    ((pipeline * S + stage) * M + microbatch; -1: nobody); `dead`: the plan's dead logical
-    workers."""
+    ((pipeline * S + stage) * M + microbatch; -1: nobody); `alive[w]`: whether logical worker
+    index w is alive in the plan."""
 
     runner: np.ndarray
-    dead: frozenset[tuple[int, int]]
+    alive: np.ndarray
 
 
 _INDEXES: "weakref.WeakKeyDictionary[Plan, PlanIndex]" = weakref.WeakKeyDictionary()
@@ -53,7 +53,8 @@ def plan_index(plan: Plan) -> PlanIndex:
         forward = ids < space.per_kind  # F's ids are the units themselves (kind 0)
         runner = np.full(space.per_kind, -1, dtype=np.int64)
         runner[ids[forward]] = workers[forward]
-        index = _INDEXES[plan] = PlanIndex(runner, frozenset(plan.failed))
+        alive = np.array([len(order) > 0 for order in plan.schedule.orders])
+        index = _INDEXES[plan] = PlanIndex(runner, alive)
     return index
 
 
@@ -118,86 +119,141 @@ class RankOrder:
                    ranks, *columns)
 
 
-def rank_order(plan: Plan, rank: int, mapping: Mapping | None = None) -> RankOrder:
-    """The program of physical `rank` (pipeline-major: pipeline * stages + stage) in `plan`, as
-    arrays. `mapping` (a library lookup's) says which logical worker each physical one plays;
-    without it the plan's workers are the physical ones. A dead rank has no program."""
+@dataclass(frozen=True, eq=False)
+class Orders:
+    """Several ranks' programs as flat arrays: rank after rank (`ranks`, ascending), each in
+    issue order from `start[i]` to `start[i + 1]` (the columns of `RankOrder`); `groups[i]` is
+    rank i's stage's live ranks. What the NCCL check reads; `[rank]` is one rank's."""
+
+    ranks: tuple[int, ...]
+    start: np.ndarray
+    shape: tuple[int, int, int]
+    barrier: bool
+    plays: tuple[int, ...]
+    groups: tuple[tuple[int, ...], ...]
+    step: np.ndarray
+    kind: np.ndarray
+    op_pipeline: np.ndarray
+    op_microbatch: np.ndarray
+    peer: np.ndarray
+    time: np.ndarray
+    tag: np.ndarray
+
+    COLUMNS = ("step", "kind", "op_pipeline", "op_microbatch", "peer", "time", "tag")
+
+    def __getitem__(self, rank: int) -> RankOrder:
+        i = self.ranks.index(rank)
+        part = slice(int(self.start[i]), int(self.start[i + 1]))
+        S = self.shape[0]
+        return RankOrder(rank, rank // S, rank % S, self.plays[i], self.shape, self.barrier,
+                         self.groups[i], *(getattr(self, c)[part] for c in self.COLUMNS))
+
+    def programs(self) -> dict[int, Program]:
+        return {rank: self[rank].program() for rank in self.ranks}
+
+    @classmethod
+    def of_programs(cls, programs: Iterable[Program]) -> "Orders":
+        """The orders of programs made or edited by hand."""
+        orders = sorted((RankOrder.from_program(p) for p in programs), key=lambda o: o.rank)
+        first = orders[0]
+        return cls(tuple(o.rank for o in orders),
+                   np.cumsum([0] + [len(o.step) for o in orders]), first.shape,
+                   first.barrier, tuple(o.plays for o in orders),
+                   tuple(o.ranks for o in orders),
+                   *(np.concatenate([getattr(o, c) for o in orders]) for c in cls.COLUMNS))
+
+
+def compile_orders(plan: Plan, ranks, mapping: Mapping | None = None) -> Orders:
+    """The programs of physical `ranks` (pipeline-major: pipeline * stages + stage) in `plan`,
+    as arrays, in time proportional to their own ops. `mapping` (a library lookup's) says which
+    logical worker each physical one plays; without it the plan's workers are the physical
+    ones. A dead rank has no program."""
     spec = plan.spec
     S, D, M = spec.stages, spec.pipelines, spec.microbatches
-    if not 0 <= rank < S * D:
-        raise RecycleError(f"rank {rank} is outside the job's {S * D} ranks")
-    rows = (mapping or identity(plan)).logical_of_physical
-    d, s = worker_at(S, rank)
-    logical = rows[s][d]
+    ranks = np.array(sorted(ranks), dtype=np.int64)
+    outside = ranks[(ranks < 0) | (ranks >= S * D)]
+    if len(outside):
+        raise RecycleError(f"rank {outside[0]} is outside the job's {S * D} ranks")
+    rows = np.asarray((mapping or identity(plan)).logical_of_physical, dtype=np.int64)
     index = plan_index(plan)
-    if (logical, s) in index.dead:
-        raise RecycleError(f"rank {rank} (worker {d}:{s}) is dead in this plan: it has no "
+    d, s = ranks // S, ranks % S
+    worker = rows[s, d] * S + s
+    dead = ranks[~index.alive[worker]]
+    if len(dead):
+        r = int(dead[0])
+        raise RecycleError(f"rank {r} (worker {r // S}:{r % S}) is dead in this plan: it has no "
                            f"program")
+    physical = np.empty((S, D), dtype=np.int64)  # the rank of each logical worker
+    physical[np.arange(S)[:, None], rows] = np.arange(D)[None, :] * S + np.arange(S)[:, None]
+    own = [plan.schedule.orders[w] for w in worker.tolist()]
+    lengths = np.array([len(o) for o in own], dtype=np.int64)
+    op_rank = np.repeat(ranks, lengths)
+    op = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    stage = op_rank % S
     space, end = plan.schedule.space, plan.timing.end
-    kind, p, _, m = space.decode(plan.schedule.orders[worker_index(S, logical, s)])
+    kind, p, _, m = space.decode(np.concatenate(own) if own else np.zeros(0, np.int64))
     forward, backward = kind == F, (kind == I) | (kind == B)
-    physical = np.full((S, D), -1, dtype=np.int64)  # rank of each logical worker, two stages
-    for t in (s - 1, s + 1):
-        if 0 <= t < S:
-            physical[t, list(rows[t])] = np.arange(D) * S + t
 
-    def peers(stage: np.ndarray, pp: np.ndarray, mm: np.ndarray) -> np.ndarray:
-        w = index.runner[(pp * S + stage) * M + mm]
-        out = physical[stage, w // S]
-        if (w < 0).any() or (out < 0).any():  # a valid plan never does this
-            raise RecycleError(f"rank {rank}'s plan names no live worker for a neighbour")
-        return out
+    def peers(at: np.ndarray, pp: np.ndarray, mm: np.ndarray) -> np.ndarray:
+        w = index.runner[(pp * S + at) * M + mm]
+        if (w < 0).any() or not index.alive[w].all():  # a valid plan never does this
+            raise RecycleError("the plan names no live worker for a neighbour of a rank")
+        return physical[at, w // S]
 
     # What each op receives (from stage s-1 for F, s+1 for I and B) and sends (the other way).
-    recv = np.flatnonzero((forward & (s > 0)) | (backward & (s < S - 1)))
-    send = np.flatnonzero((forward & (s < S - 1)) | (backward & (s > 0)))
-    fr = forward[recv]
-    source = np.where(fr, s - 1, s + 1)
-    pr, mr = p[recv], m[recv]
+    recv = np.flatnonzero((forward & (stage > 0)) | (backward & (stage < S - 1)))
+    send = np.flatnonzero((forward & (stage < S - 1)) | (backward & (stage > 0)))
+    fr, sr, pr, mr = forward[recv], stage[recv], p[recv], m[recv]
+    source = np.where(fr, sr - 1, sr + 1)
     made = np.where(fr, end[space.compute(F, pr, source, mr)],
                     np.fmin(end[space.compute(I, pr, source, mr)],
                             end[space.compute(B, pr, source, mr)]))
-    fs = forward[send]
-    ps, ms = p[send], m[send]
-    ids = space.compute(kind[send], ps, s, ms)
-    op = np.concatenate([recv, send])
-    time = np.concatenate([made, end[ids]])
+    fs, ss, ps, ms = forward[send], stage[send], p[send], m[send]
+    message = np.concatenate([recv, send])  # the op of each message
+    sends = np.arange(len(message)) >= len(recv)
+    time = np.concatenate([made, end[space.compute(kind[send], ps, ss, ms)]])
     tag = np.concatenate([message_tag(np.where(fr, FORWARD, BACKWARD), source, pr, mr, S, D, M),
-                          message_tag(np.where(fs, FORWARD, BACKWARD), s, ps, ms, S, D, M)])
-    peer = np.concatenate([peers(source, pr, mr), peers(np.where(fs, s + 1, s - 1), ps, ms)])
-    sends = np.arange(len(op)) >= len(recv)
-    step, which = issue_order(len(kind), op, sends, time, tag)
-    message = step != RUN
-    mine = which[message]
-    at = which.copy()
-    at[message] = op[mine]
-    ranks = tuple(worker_index(S, q, s) for q in range(D) if (rows[s][q], s) not in index.dead)
-    return RankOrder(rank, d, s, logical, (S, D, M), not plan.policy.stagger, ranks, step,
-                     kind[at], p[at], m[at], _scatter(message, peer[mine], -1),
-                     _scatter(message, time[mine], 0.0), _scatter(message, tag[mine], -1))
+                          message_tag(np.where(fs, FORWARD, BACKWARD), ss, ps, ms, S, D, M)])
+    peer = np.concatenate([peers(source, pr, mr), peers(np.where(fs, ss + 1, ss - 1), ps, ms)])
+    order = issue_order(op_rank, op, op_rank[message], op[message], sends, time, tag)
+    n = len(kind)
+    is_message = order >= n
+    msg = np.where(is_message, order - n, 0)
+    at = np.where(is_message, message[msg] if len(message) else 0, order)
+    step = np.where(is_message, np.where(sends[msg] if len(message) else False, SEND, RECV),
+                    RUN)
+
+    def column(values: np.ndarray, fill) -> np.ndarray:
+        return np.where(is_message, values[msg] if len(values) else fill, fill)
+
+    counts = np.bincount(np.searchsorted(ranks, op_rank[at]), minlength=len(ranks))
+    groups = {t: tuple((np.flatnonzero(index.alive[rows[t] * S + t]) * S + t).tolist())
+              for t in set(s.tolist())}  # each stage's live ranks
+    return Orders(tuple(ranks.tolist()), np.concatenate([[0], np.cumsum(counts)]), (S, D, M),
+                  not plan.policy.stagger, tuple(rows[s, d].tolist()),
+                  tuple(groups[t] for t in s.tolist()), step, kind[at], p[at], m[at],
+                  column(peer, -1), column(time, 0.0), column(tag, -1))
 
 
-def _scatter(where: np.ndarray, values: np.ndarray, fill) -> np.ndarray:
-    out = np.full(len(where), fill, dtype=np.asarray(fill).dtype if not len(values)
-                  else values.dtype)
-    out[where] = values
-    return out
+def rank_order(plan: Plan, rank: int, mapping: Mapping | None = None) -> RankOrder:
+    """One rank's program as arrays (see `compile_orders`)."""
+    return compile_orders(plan, [rank], mapping)[rank]
 
 
 def compile_program(plan: Plan, rank: int, mapping: Mapping | None = None) -> Program:
-    """The `Program` of physical `rank` in `plan` (see `rank_order`)."""
+    """The `Program` of physical `rank` in `plan` (see `compile_orders`)."""
     return rank_order(plan, rank, mapping).program()
 
 
-def rank_orders(plan: Plan, mapping: Mapping | None = None) -> dict[int, RankOrder]:
-    """The order of every live rank of `plan`, by rank."""
-    rows = (mapping or identity(plan)).logical_of_physical
-    S, dead = plan.spec.stages, plan_index(plan).dead
-    return {r: rank_order(plan, r, mapping) for r in sorted(
-        worker_index(S, d, s) for s, row in enumerate(rows) for d, logical in enumerate(row)
-        if (logical, s) not in dead)}
+def rank_orders(plan: Plan, mapping: Mapping | None = None) -> Orders:
+    """The orders of every live rank of `plan`."""
+    S = plan.spec.stages
+    rows = np.asarray((mapping or identity(plan)).logical_of_physical, dtype=np.int64)
+    alive = plan_index(plan).alive[rows * S + np.arange(S)[:, None]]  # (stage, pipeline)
+    stage, pipeline = np.nonzero(alive)
+    return compile_orders(plan, pipeline * S + stage, mapping)
 
 
 def compile_all(plan: Plan, mapping: Mapping | None = None) -> dict[int, Program]:
     """The program of every live rank of `plan`, by rank."""
-    return {r: order.program() for r, order in rank_orders(plan, mapping).items()}
+    return rank_orders(plan, mapping).programs()

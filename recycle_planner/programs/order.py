@@ -29,22 +29,27 @@ from recycle_planner.errors import RecycleError
 RUN, RECV, SEND = 0, 1, 2  # the steps of an issue order
 
 
-def issue_order(ops: int, op: np.ndarray, sends: np.ndarray, time: np.ndarray,
-                tag: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The issue order of a rank with `ops` ops (run in their order) and messages `op`
-    (the op each feeds or comes from), `sends` (True: a send), `time` and `tag` (the key):
-    per step, RUN, RECV or SEND, and its op (for a RUN) or message (otherwise) index."""
-    by_key = np.lexsort((tag, time))
-    # A message goes out after the latest op whose send is at or before it in key order.
-    after = np.maximum.accumulate(np.where(sends[by_key], op[by_key], -1)) if len(op) else op
-    late = ~sends[by_key] & (after >= op[by_key])
+def issue_order(op_rank: np.ndarray, op: np.ndarray, msg_rank: np.ndarray, msg_op: np.ndarray,
+                sends: np.ndarray, time: np.ndarray, tag: np.ndarray) -> np.ndarray:
+    """The issue order of several ranks' ops and messages, as a permutation of the ops followed
+    by the messages: rank by rank, each rank's ops (`op_rank`, `op`: their place in the rank's
+    plan order) in that order, and its messages (`msg_rank`; `msg_op`: the op each feeds or
+    comes from; `sends`: True for a send; `time` and `tag`: the key) placed in key order."""
+    by_key = np.lexsort((tag, time, msg_rank))
+    ranks, ops = msg_rank[by_key], msg_op[by_key]
+    # A message goes out after the latest op whose send is at or before it in key order: a
+    # prefix maximum within each rank (offset by rank so that ranks do not mix).
+    span = int(op.max(initial=0)) + 2
+    base = ranks * span
+    after = np.maximum.accumulate(base + np.where(sends[by_key], ops, -1) + 1) - base - 1 \
+        if len(ops) else ops
+    late = ~sends[by_key] & (after >= ops)
     if late.any():
-        k = int(op[by_key][late][0])
-        raise RecycleError(f"op {k} receives a message the plan sends after a message this "
-                           f"rank sends later: the plan's times contradict its op order")
-    major = np.concatenate([np.arange(ops), after])
-    minor = np.concatenate([np.zeros(ops, np.int64), np.ones(len(op), np.int64)])
-    index = np.concatenate([np.arange(ops), by_key])
-    order = np.lexsort((np.arange(len(major)), minor, major))
-    step = np.concatenate([np.full(ops, RUN), np.where(sends[by_key], SEND, RECV)])[order]
-    return step, index[order]
+        raise RecycleError(f"rank {int(ranks[late][0])}'s op {int(ops[late][0])} receives a "
+                           f"message the plan sends after a message this rank sends later: "
+                           f"the plan's times contradict its op order")
+    rank = np.concatenate([op_rank, ranks])
+    major = np.concatenate([op, after])
+    minor = np.concatenate([np.zeros(len(op), np.int64), np.ones(len(ops), np.int64)])
+    order = np.lexsort((np.arange(len(rank)), minor, major, rank))
+    return np.concatenate([np.arange(len(op)), len(op) + by_key])[order]
