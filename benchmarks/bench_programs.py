@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from common import machine
@@ -43,6 +45,15 @@ from recycle_planner.programs.compile import _INDEXES  # noqa: E402
 DEAD = [(1, 3)]
 
 
+@contextmanager
+def timed(out: dict, key: str):
+    """Wall and CPU seconds of the block (the machine is shared: CPU is the steadier figure)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    yield
+    out[key + "_s"] = time.perf_counter() - wall
+    out[key + "_cpu_s"] = time.process_time() - cpu
+
+
 def jobs() -> dict[str, JobSpec]:
     large = load_spec(ROOT / "examples" / "large.toml")
     data = large.to_dict()
@@ -59,39 +70,37 @@ def compile_figures(ranks: int) -> dict:
         bind = None
     out = {}
     for name, spec in jobs().items():
+        row: dict = {"workers": spec.workers}
         with tempfile.TemporaryDirectory() as tmp:
-            t0 = time.perf_counter()
-            plan, _ = plan_on_demand(spec, Policy(), dead_per_stage(spec, DEAD), None)
-            planned = time.perf_counter() - t0
+            with timed(row, "plan"):
+                plan, _ = plan_on_demand(spec, Policy(), dead_per_stage(spec, DEAD), None)
             path = Path(tmp) / "plan.json.gz"
             write_plan(plan, path, compact=True)
-            t0 = time.perf_counter()
-            loaded = read_plan(path)
-            load = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            plan_index(loaded)
-            index = time.perf_counter() - t0
+            with timed(row, "load"):
+                loaded = read_plan(path)
+            with timed(row, "index"):
+                plan_index(loaded)
             live = [r for r in range(spec.workers) if (r // spec.stages, r % spec.stages)
                     not in set(plan.failed)]
             sample = live[:: max(1, len(live) // ranks)][:ranks]
-            own, actions = [], []
+            own, cpu, actions = [], [], []
             for rank in sample:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 program = rank_order(loaded, rank).program()
                 if bind is not None:
                     bind(program, live)
                 own.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
                 actions.append(len(program.actions))
             _INDEXES.pop(loaded, None)
-            t0 = time.perf_counter()
-            check_plan(loaded)
-            check = time.perf_counter() - t0
-        out[name] = {"workers": spec.workers, "ops": plan.schedule.n_ops,
-                     "plan_s": planned, "load_s": load, "index_s": index,
-                     "own_median_s": statistics.median(own), "own_max_s": max(own),
-                     "actions_median": statistics.median(actions), "sampled": len(sample),
-                     "bind": bind is not None, "check_s": check}
-        print(name, json.dumps(out[name]), flush=True)
+            with timed(row, "check"):
+                check_plan(loaded)
+        row.update(ops=plan.schedule.n_ops, own_median_s=statistics.median(own),
+                   own_max_s=max(own), own_median_cpu_s=statistics.median(cpu),
+                   own_max_cpu_s=max(cpu), actions_median=statistics.median(actions),
+                   sampled=len(sample), bind=bind is not None)
+        out[name] = row
+        print(name, json.dumps(row), flush=True)
     return out
 
 
@@ -103,14 +112,18 @@ def files_figures() -> dict:
                               "-o", str(plan)], check=True, capture_output=True)
         folder = Path(tmp) / "programs"
         t0 = time.perf_counter()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         done = subprocess.run(cli + ["program", str(plan), "-o", str(folder), "--json"],
                               check=True, capture_output=True, text=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         wall = time.perf_counter() - t0
+        cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
         summary = json.loads(done.stdout)
         sizes = sorted(p.stat().st_size for p in folder.glob("rank-*.json"))
-        out = {"wall_s": wall, **summary, "manifest_bytes": (folder / "programs.json").stat().
-               st_size, "rank_file_bytes": {"min": sizes[0], "median": sizes[len(sizes) // 2],
-                                            "max": sizes[-1]}}
+        out = {"wall_s": wall, "cpu_s": cpu, **summary,
+               "manifest_bytes": (folder / "programs.json").stat().st_size,
+               "rank_file_bytes": {"min": sizes[0], "median": sizes[len(sizes) // 2],
+                                   "max": sizes[-1]}}
     print(json.dumps(out, indent=2))
     return out
 
