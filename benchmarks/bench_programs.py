@@ -39,7 +39,7 @@ from recycle_planner.job.policy import Policy  # noqa: E402
 from recycle_planner.job.spec import JobSpec, load_spec  # noqa: E402
 from recycle_planner.job.workers import dead_per_stage  # noqa: E402
 from recycle_planner.library.ondemand import plan_on_demand  # noqa: E402
-from recycle_planner.programs import check_plan, plan_index, rank_order  # noqa: E402
+from recycle_planner.programs import check_plan, compile_program, plan_index  # noqa: E402
 from recycle_planner.programs.compile import _INDEXES  # noqa: E402
 
 DEAD = [(1, 3)]
@@ -86,7 +86,7 @@ def compile_figures(ranks: int) -> dict:
             own, cpu, actions = [], [], []
             for rank in sample:
                 t0, c0 = time.perf_counter(), time.process_time()
-                program = rank_order(loaded, rank).program()
+                program = compile_program(loaded, rank)
                 if bind is not None:
                     bind(program, live)
                 own.append(time.perf_counter() - t0)

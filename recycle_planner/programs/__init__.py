@@ -20,11 +20,10 @@ rules as replay models), `check.py` (the check every stored plan passes, fast) a
 from recycle_planner.programs.actions import (AllReduce, Compute, Message, Optimizer, Program,
                                               Recv, Send)
 from recycle_planner.programs.check import check_orders, check_plan
-from recycle_planner.programs.compile import (Orders, RankOrder, compile_all, compile_orders,
-                                              compile_program, plan_index, rank_order,
-                                              rank_orders)
+from recycle_planner.programs.compile import (Orders, compile_all, compile_orders,
+                                              compile_program, plan_index, rank_orders)
 from recycle_planner.programs.nccl import replay
 
-__all__ = ["AllReduce", "Compute", "Message", "Optimizer", "Orders", "Program", "RankOrder",
-           "Recv", "Send", "check_orders", "check_plan", "compile_all", "compile_orders",
-           "compile_program", "plan_index", "rank_order", "rank_orders", "replay"]
+__all__ = ["AllReduce", "Compute", "Message", "Optimizer", "Orders", "Program", "Recv", "Send",
+           "check_orders", "check_plan", "compile_all", "compile_orders", "compile_program",
+           "plan_index", "rank_orders", "replay"]

@@ -190,7 +190,7 @@ class _Names:
             label = NAMES[k]
         else:
             if r not in self.programs:
-                self.programs[r] = self.orders[r].program()
+                self.programs[r] = self.orders.program(r)
             first = int(self.orders.start[self.orders.ranks.index(r)])
             label = str(self.programs[r].actions[k - first])
         text = f"{label} of iteration {self.it[i]}"

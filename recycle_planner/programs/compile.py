@@ -9,8 +9,9 @@ F(p, s+1, m), whether or not that is the rank's own pipeline (a re-routed micro-
 
 Who runs what is a table over every micro-batch of every stage (`PlanIndex`), built once per
 plan with numpy and kept with the plan (a weak reference: it goes when the plan goes). A rank's
-compile then reads only its own ops and two rows of the mapping, as arrays (`RankOrder`, what
-the NCCL check replays); `Program` objects are made from them for whoever wants them.
+compile then reads only its own ops and the mapping, as arrays (`Orders`, what the NCCL check
+replays, for one rank or all at once); `Program` objects are made from them for whoever wants
+them.
 """
 
 from __future__ import annotations
@@ -64,70 +65,17 @@ def identity(plan: Plan) -> Mapping:
 
 
 @dataclass(frozen=True, eq=False)
-class RankOrder:
-    """One rank's program as arrays, one entry per step in issue order: `step` (RUN, RECV,
-    SEND), the op it runs or whose message it is (`kind` code, `pipeline`, `microbatch`; -1 for
-    the collectives), and for a message its `peer` (physical rank), `time` and `tag`."""
-
-    rank: int
-    pipeline: int
-    stage: int
-    plays: int
-    shape: tuple[int, int, int]   # stages, pipelines, microbatches
-    barrier: bool
-    ranks: tuple[int, ...]        # the stage's live ranks
-    step: np.ndarray
-    kind: np.ndarray
-    op_pipeline: np.ndarray
-    op_microbatch: np.ndarray
-    peer: np.ndarray
-    time: np.ndarray
-    tag: np.ndarray
-
-    def program(self) -> Program:
-        actions: list[Action] = []
-        columns = (self.step.tolist(), self.kind.tolist(), self.op_pipeline.tolist(),
-                   self.op_microbatch.tolist(), self.peer.tolist(), self.time.tolist(),
-                   self.tag.tolist())
-        for step, kind, p, m, peer, time, tag in zip(*columns):
-            if step == RUN:
-                actions.append(AllReduce(self.ranks) if kind == AR else Optimizer()
-                               if kind == OPT else Compute(KIND_NAMES[kind], self.stage, p, m))
-            else:
-                what = ACTIVATION if kind == F else GRADIENT
-                actions.append((Recv if step == RECV else Send)(what, p, m, peer, time, tag))
-        return Program(self.rank, self.pipeline, self.stage, self.plays, *self.shape,
-                       self.barrier, tuple(actions))
-
-    @classmethod
-    def from_program(cls, program: Program) -> "RankOrder":
-        """The arrays of a program made or edited by hand (the checks read arrays)."""
-        rows = []
-        for a in program.actions:
-            if isinstance(a, Compute):
-                rows.append((RUN, KIND_CODES[a.kind], a.pipeline, a.microbatch, -1, 0.0, -1))
-            elif isinstance(a, (AllReduce, Optimizer)):
-                rows.append((RUN, AR if isinstance(a, AllReduce) else OPT, -1, -1, -1, 0.0, -1))
-            else:
-                rows.append((RECV if isinstance(a, Recv) else SEND,
-                             F if a.what == ACTIVATION else I, a.pipeline, a.microbatch, a.peer,
-                             a.time, a.tag))
-        ranks = next((a.ranks for a in program.actions if isinstance(a, AllReduce)), ())
-        columns = [np.array(c) for c in zip(*rows)] if rows else [np.zeros(0, np.int64)] * 7
-        return cls(program.rank, program.pipeline, program.stage, program.plays,
-                   (program.stages, program.pipelines, program.microbatches), program.barrier,
-                   ranks, *columns)
-
-
-@dataclass(frozen=True, eq=False)
 class Orders:
-    """Several ranks' programs as flat arrays: rank after rank (`ranks`, ascending), each in
-    issue order from `start[i]` to `start[i + 1]` (the columns of `RankOrder`); `groups[i]` is
-    rank i's stage's live ranks. What the NCCL check reads; `[rank]` is one rank's."""
+    """Several ranks' programs as flat arrays, rank after rank (`ranks`, ascending), each in
+    issue order from `start[i]` to `start[i + 1]`: per step, `step` (RUN, RECV, SEND), the op it
+    runs or whose message it is (`kind` code, `op_pipeline`, `op_microbatch`; -1 for the
+    collectives), and for a message its `peer` (physical rank), `time` and `tag`. `plays[i]`
+    is rank i's logical pipeline, `groups[i]` its stage's live ranks. What the NCCL check reads;
+    `program(rank)` is one rank's `Program`."""
 
     ranks: tuple[int, ...]
     start: np.ndarray
-    shape: tuple[int, int, int]
+    shape: tuple[int, int, int]   # stages, pipelines, microbatches
     barrier: bool
     plays: tuple[int, ...]
     groups: tuple[tuple[int, ...], ...]
@@ -139,28 +87,51 @@ class Orders:
     time: np.ndarray
     tag: np.ndarray
 
-    COLUMNS = ("step", "kind", "op_pipeline", "op_microbatch", "peer", "time", "tag")
-
-    def __getitem__(self, rank: int) -> RankOrder:
+    def program(self, rank: int) -> Program:
         i = self.ranks.index(rank)
         part = slice(int(self.start[i]), int(self.start[i + 1]))
         S = self.shape[0]
-        return RankOrder(rank, rank // S, rank % S, self.plays[i], self.shape, self.barrier,
-                         self.groups[i], *(getattr(self, c)[part] for c in self.COLUMNS))
+        actions: list[Action] = []
+        columns = (self.step[part].tolist(), self.kind[part].tolist(),
+                   self.op_pipeline[part].tolist(), self.op_microbatch[part].tolist(),
+                   self.peer[part].tolist(), self.time[part].tolist(), self.tag[part].tolist())
+        for step, kind, p, m, peer, time, tag in zip(*columns):
+            if step == RUN:
+                actions.append(AllReduce(self.groups[i]) if kind == AR else Optimizer()
+                               if kind == OPT else Compute(KIND_NAMES[kind], rank % S, p, m))
+            else:
+                what = ACTIVATION if kind == F else GRADIENT
+                actions.append((Recv if step == RECV else Send)(what, p, m, peer, time, tag))
+        return Program(rank, rank // S, rank % S, self.plays[i], *self.shape, self.barrier,
+                       tuple(actions))
 
     def programs(self) -> dict[int, Program]:
-        return {rank: self[rank].program() for rank in self.ranks}
+        return {rank: self.program(rank) for rank in self.ranks}
 
     @classmethod
     def of_programs(cls, programs: Iterable[Program]) -> "Orders":
-        """The orders of programs made or edited by hand."""
-        orders = sorted((RankOrder.from_program(p) for p in programs), key=lambda o: o.rank)
-        first = orders[0]
-        return cls(tuple(o.rank for o in orders),
-                   np.cumsum([0] + [len(o.step) for o in orders]), first.shape,
-                   first.barrier, tuple(o.plays for o in orders),
-                   tuple(o.ranks for o in orders),
-                   *(np.concatenate([getattr(o, c) for o in orders]) for c in cls.COLUMNS))
+        """The orders of programs made or edited by hand (the checks read arrays)."""
+        programs = sorted(programs, key=lambda p: p.rank)
+        rows = []
+        for program in programs:
+            for a in program.actions:
+                if isinstance(a, Compute):
+                    rows.append((RUN, KIND_CODES[a.kind], a.pipeline, a.microbatch, -1, 0.0, -1))
+                elif isinstance(a, (AllReduce, Optimizer)):
+                    code = AR if isinstance(a, AllReduce) else OPT
+                    rows.append((RUN, code, -1, -1, -1, 0.0, -1))
+                else:
+                    rows.append((RECV if isinstance(a, Recv) else SEND,
+                                 F if a.what == ACTIVATION else I, a.pipeline, a.microbatch,
+                                 a.peer, a.time, a.tag))
+        first = programs[0]
+        return cls(tuple(p.rank for p in programs),
+                   np.cumsum([0] + [len(p.actions) for p in programs]),
+                   (first.stages, first.pipelines, first.microbatches), first.barrier,
+                   tuple(p.plays for p in programs),
+                   tuple(next((a.ranks for a in p.actions if isinstance(a, AllReduce)), ())
+                         for p in programs),
+                   *(np.array(column) for column in zip(*rows)))
 
 
 def compile_orders(plan: Plan, ranks, mapping: Mapping | None = None) -> Orders:
@@ -235,14 +206,9 @@ def compile_orders(plan: Plan, ranks, mapping: Mapping | None = None) -> Orders:
                   column(peer, -1), column(time, 0.0), column(tag, -1))
 
 
-def rank_order(plan: Plan, rank: int, mapping: Mapping | None = None) -> RankOrder:
-    """One rank's program as arrays (see `compile_orders`)."""
-    return compile_orders(plan, [rank], mapping)[rank]
-
-
 def compile_program(plan: Plan, rank: int, mapping: Mapping | None = None) -> Program:
     """The `Program` of physical `rank` in `plan` (see `compile_orders`)."""
-    return rank_order(plan, rank, mapping).program()
+    return compile_orders(plan, [rank], mapping).program(rank)
 
 
 def rank_orders(plan: Plan, mapping: Mapping | None = None) -> Orders:
