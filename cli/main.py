@@ -31,6 +31,7 @@ Typical session:
   recycle-planner export-torch ff.json -o schedule.csv
   recycle-planner plan-all examples/gpt.toml --max-failures 2 -o plans/
   recycle-planner lookup plans/ --fail 3:1 --fail 0:5
+  recycle-planner program plans/ --fail 3:1 --fail 0:5 -o programs/
   recycle-planner report plans/ -o degradation.png
 """
 

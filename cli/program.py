@@ -21,8 +21,8 @@ Examples:
   recycle-planner program fail.json -o programs/          # a plan file (its dead workers)
 
 A rank reads programs/programs.json and its own rank-NNNN.json (ranks are pipeline-major:
-pipeline * stages + stage); recycle_planner.programs.files.read_program checks both. See the
-README's "Using the plans from your own launcher".
+pipeline * stages + stage); recycle_planner.programs.files.read_program checks both. See
+docs/programs.md, "Using the plans from your own launcher".
 """
 
 
@@ -39,7 +39,7 @@ def program(source: Path, fail: tuple[str, ...], output: Path, as_json: bool) ->
     """Write the program of every live rank: its compute, the ranks it receives from and sends
     to in an order that is safe on NCCL, its stage's all-reduce and optimizer step.
 
-    SOURCE is a plan library (with the dead workers as --fail) or a plan file (whose dead
+    LIBRARY|PLAN is a plan library (with the dead workers as --fail) or a plan file (whose dead
     workers are the physical ones). The plan is replayed under NCCL's rules first.
     """
     from recycle_planner.files.export_torch import export_torch_comms_csv

@@ -32,7 +32,10 @@ echo
 echo "== a launcher looks up the workers that are actually dead"
 "$RP" lookup "$OUT/gpt-plans" --fail 2:5 --fail 0:1
 echo
-echo "plans, pictures, the plan library and the torch CSV are in $OUT/"
+echo "== ... or takes every rank's program: its compute, peers and message order (docs/programs.md)"
+"$RP" program "$OUT/gpt-plans" --fail 2:5 --fail 0:1 -o "$OUT/gpt-programs"
+echo
+echo "plans, pictures, the plan library, per-rank programs and the torch CSV are in $OUT/"
 
 echo
 echo "== the executor: measure the tiny MLP of examples/tiny_mlp.py on this machine"
