@@ -129,7 +129,8 @@ def main():
     ranks = [entry["rank"] for entry in manifest["ranks"]]
     job = manifest["job"]
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(run_rank, args=(args.programs, ranks, args.steps, out), nprocs=len(ranks))
+        mp.start_processes(run_rank, args=(args.programs, ranks, args.steps, out),
+                           nprocs=len(ranks), start_method="fork")
         params, grads = one_process(job["stages"], job["pipelines"] * job["microbatches"],
                                     args.steps)
         worst = 0.0

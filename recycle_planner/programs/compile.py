@@ -154,16 +154,39 @@ def compile_orders(plan: Plan, ranks, mapping: Mapping | None = None) -> Orders:
         r = int(dead[0])
         raise RecycleError(f"rank {r} (worker {r // S}:{r % S}) is dead in this plan: it has no "
                            f"program")
-    physical = np.empty((S, D), dtype=np.int64)  # the rank of each logical worker
-    physical[np.arange(S)[:, None], rows] = np.arange(D)[None, :] * S + np.arange(S)[:, None]
     own = [plan.schedule.orders[w] for w in worker.tolist()]
     lengths = np.array([len(o) for o in own], dtype=np.int64)
     op_rank = np.repeat(ranks, lengths)
     op = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    stage = op_rank % S
+    kind, p, _, m = plan.schedule.space.decode(np.concatenate(own) if own else
+                                               np.zeros(0, np.int64))
+    message, sends, time, tag, peer = _messages(plan, index, rows, op_rank % S, kind, p, m)
+    order = issue_order(op_rank, op, op_rank[message], op[message], sends, time, tag)
+    is_message = order >= len(kind)
+    msg = np.where(is_message, order - len(kind), len(message))  # past the end: a RUN step
+    at = np.where(is_message, np.append(message, 0)[msg], order)
+
+    def column(values: np.ndarray, fill) -> np.ndarray:
+        return np.append(values, fill)[msg]
+
+    counts = np.bincount(np.searchsorted(ranks, op_rank[at]), minlength=len(ranks))
+    groups = {t: tuple((np.flatnonzero(index.alive[rows[t] * S + t]) * S + t).tolist())
+              for t in set(s.tolist())}  # each stage's live ranks
+    return Orders(tuple(ranks.tolist()), np.concatenate([[0], np.cumsum(counts)]), (S, D, M),
+                  not plan.policy.stagger, tuple(rows[s, d].tolist()),
+                  tuple(groups[t] for t in s.tolist()), column(np.where(sends, SEND, RECV), RUN),
+                  kind[at], p[at], m[at], column(peer, -1), column(time, 0.0), column(tag, -1))
+
+
+def _messages(plan: Plan, index: PlanIndex, rows: np.ndarray, stage: np.ndarray,
+              kind: np.ndarray, p: np.ndarray, m: np.ndarray):
+    """The messages of ops (their `stage`, `kind`, pipeline `p`, micro-batch `m`): each op's
+    receive (from stage s-1 for F, s+1 for I and B) and send (the other way). Per message: the
+    index of its op, whether it is a send, its key (time, tag) and its peer's rank."""
+    S, D, M = plan.spec.stages, plan.spec.pipelines, plan.spec.microbatches
     space, end = plan.schedule.space, plan.timing.end
-    kind, p, _, m = space.decode(np.concatenate(own) if own else np.zeros(0, np.int64))
-    forward, backward = kind == F, (kind == I) | (kind == B)
+    physical = np.empty((S, D), dtype=np.int64)  # the rank of each logical worker
+    physical[np.arange(S)[:, None], rows] = np.arange(D)[None, :] * S + np.arange(S)[:, None]
 
     def peers(at: np.ndarray, pp: np.ndarray, mm: np.ndarray) -> np.ndarray:
         w = index.runner[(pp * S + at) * M + mm]
@@ -171,39 +194,21 @@ def compile_orders(plan: Plan, ranks, mapping: Mapping | None = None) -> Orders:
             raise RecycleError("the plan names no live worker for a neighbour of a rank")
         return physical[at, w // S]
 
-    # What each op receives (from stage s-1 for F, s+1 for I and B) and sends (the other way).
+    forward, backward = kind == F, (kind == I) | (kind == B)
     recv = np.flatnonzero((forward & (stage > 0)) | (backward & (stage < S - 1)))
     send = np.flatnonzero((forward & (stage < S - 1)) | (backward & (stage > 0)))
-    fr, sr, pr, mr = forward[recv], stage[recv], p[recv], m[recv]
-    source = np.where(fr, sr - 1, sr + 1)
+    fr, pr, mr = forward[recv], p[recv], m[recv]
+    source = np.where(fr, stage[recv] - 1, stage[recv] + 1)
     made = np.where(fr, end[space.compute(F, pr, source, mr)],
                     np.fmin(end[space.compute(I, pr, source, mr)],
                             end[space.compute(B, pr, source, mr)]))
     fs, ss, ps, ms = forward[send], stage[send], p[send], m[send]
-    message = np.concatenate([recv, send])  # the op of each message
-    sends = np.arange(len(message)) >= len(recv)
     time = np.concatenate([made, end[space.compute(kind[send], ps, ss, ms)]])
     tag = np.concatenate([message_tag(np.where(fr, FORWARD, BACKWARD), source, pr, mr, S, D, M),
                           message_tag(np.where(fs, FORWARD, BACKWARD), ss, ps, ms, S, D, M)])
     peer = np.concatenate([peers(source, pr, mr), peers(np.where(fs, ss + 1, ss - 1), ps, ms)])
-    order = issue_order(op_rank, op, op_rank[message], op[message], sends, time, tag)
-    n = len(kind)
-    is_message = order >= n
-    msg = np.where(is_message, order - n, 0)
-    at = np.where(is_message, message[msg] if len(message) else 0, order)
-    step = np.where(is_message, np.where(sends[msg] if len(message) else False, SEND, RECV),
-                    RUN)
-
-    def column(values: np.ndarray, fill) -> np.ndarray:
-        return np.where(is_message, values[msg] if len(values) else fill, fill)
-
-    counts = np.bincount(np.searchsorted(ranks, op_rank[at]), minlength=len(ranks))
-    groups = {t: tuple((np.flatnonzero(index.alive[rows[t] * S + t]) * S + t).tolist())
-              for t in set(s.tolist())}  # each stage's live ranks
-    return Orders(tuple(ranks.tolist()), np.concatenate([[0], np.cumsum(counts)]), (S, D, M),
-                  not plan.policy.stagger, tuple(rows[s, d].tolist()),
-                  tuple(groups[t] for t in s.tolist()), step, kind[at], p[at], m[at],
-                  column(peer, -1), column(time, 0.0), column(tag, -1))
+    sends = np.arange(len(recv) + len(send)) >= len(recv)
+    return np.concatenate([recv, send]), sends, time, tag, peer
 
 
 def compile_program(plan: Plan, rank: int, mapping: Mapping | None = None) -> Program:
