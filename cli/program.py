@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from recycle_planner.cli.progress import Ticker
 from recycle_planner.errors import RecycleError
 
 log = logging.getLogger("recycle_planner.programs")
@@ -43,49 +44,42 @@ def program(source: Path, fail: tuple[str, ...], output: Path, as_json: bool) ->
     workers are the physical ones). The plan is replayed under NCCL's rules first.
     """
     from recycle_planner.files.export_torch import export_torch_comms_csv
-    from recycle_planner.files.planfile import read_plan
     from recycle_planner.io import check_writable
-    from recycle_planner.job.workers import parse_worker
-    from recycle_planner.library import PlanLibrary
     from recycle_planner.library.hashing import file_sha256
     from recycle_planner.programs import rank_orders
     from recycle_planner.programs.check import require_safe
     from recycle_planner.programs.files import torch_csv, write_programs
 
     check_writable(output, folder=True)
-    t0 = time.perf_counter()
-    if source.is_dir():
-        hit = PlanLibrary.open(source).lookup([parse_worker(f) for f in fail])
-        plan, mapping, file, dead = hit.plan(), hit.mapping, hit.file, sorted(
-            parse_worker(f) for f in fail)
-    else:
-        if fail:
-            raise RecycleError(f"{source}: a plan file names its own dead workers: drop --fail "
-                               f"or give a library")
-        plan = read_plan(source)
-        mapping, file, dead = None, source, list(plan.failed)
-    t1 = time.perf_counter()
-    orders = rank_orders(plan, mapping)
-    t2 = time.perf_counter()
-    require_safe(orders)  # a library built by an older version was never checked
-    t3 = time.perf_counter()
-    programs = orders.programs()
-    spec = plan.spec
-    output.mkdir(parents=True, exist_ok=True)
-    csvs = []
-    if not plan.failed:
-        for d in range(spec.pipelines):
-            name = torch_csv(d)
-            export_torch_comms_csv([programs[d * spec.stages + s] for s in range(spec.stages)],
-                                   output / name)
-            csvs.append(name)
-    header = {"job": spec.to_dict(), "policy": plan.policy.to_dict(),
-              "dead": [list(w) for w in dead],
-              "plan": {"file": str(file), "sha256": file_sha256(Path(file)),
-                       "period": plan.metrics.period},
-              "nccl_check": "serial", "torch_csv": csvs}
-    manifest = write_programs(output, programs, header)
-    t4 = time.perf_counter()
+    with Ticker("writing programs"):
+        t0 = time.perf_counter()
+        log.info("reading the plan")
+        plan, mapping, file, dead = _plan(source, fail)
+        t1 = time.perf_counter()
+        log.info("compiling every rank's program")
+        orders = rank_orders(plan, mapping)
+        t2 = time.perf_counter()
+        log.info("replaying them under NCCL's rules")
+        require_safe(orders)  # a library built by an older version was never checked
+        t3 = time.perf_counter()
+        log.info("writing %d program files", len(orders.ranks))
+        programs = orders.programs()
+        spec = plan.spec
+        output.mkdir(parents=True, exist_ok=True)
+        csvs = []
+        if not plan.failed:
+            for d in range(spec.pipelines):
+                name = torch_csv(d)
+                export_torch_comms_csv([programs[d * spec.stages + s]
+                                        for s in range(spec.stages)], output / name)
+                csvs.append(name)
+        header = {"job": spec.to_dict(), "policy": plan.policy.to_dict(),
+                  "dead": [list(w) for w in dead],
+                  "plan": {"file": str(file), "sha256": file_sha256(Path(file)),
+                           "period": plan.metrics.period},
+                  "nccl_check": "serial", "torch_csv": csvs}
+        manifest = write_programs(output, programs, header)
+        t4 = time.perf_counter()
     size = sum((output / r["file"]).stat().st_size for r in manifest["ranks"])
     summary = {"format": "recycle-programs-summary", "version": 1, "folder": str(output),
                "ranks": len(programs), "bytes": size, "torch_csv": csvs,
@@ -100,3 +94,21 @@ def program(source: Path, fail: tuple[str, ...], output: Path, as_json: bool) ->
                f"{t4 - t3:.2f} s)")
     if csvs:
         click.echo(f"fault-free: torch compute_comms CSVs {csvs[0]} .. {csvs[-1]}")
+
+
+def _plan(source: Path, fail: tuple[str, ...]):
+    """The plan of a library's dead set (physical `fail`) or of a plan file, with its mapping,
+    file and physical dead workers."""
+    from recycle_planner.files.planfile import read_plan
+    from recycle_planner.job.workers import parse_worker
+    from recycle_planner.library import PlanLibrary
+
+    if source.is_dir():
+        dead = sorted(parse_worker(f) for f in fail)
+        hit = PlanLibrary.open(source).lookup(dead)
+        return hit.plan(), hit.mapping, hit.file, dead
+    if fail:
+        raise RecycleError(f"{source}: a plan file names its own dead workers: drop --fail or "
+                           f"give a library")
+    plan = read_plan(source)
+    return plan, None, source, list(plan.failed)
