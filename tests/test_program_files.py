@@ -11,7 +11,7 @@ from recycle_planner.cli.main import main
 from recycle_planner.errors import PlanFileError
 from recycle_planner.job.policy import Policy
 from recycle_planner.library import PlanLibrary, Settings, build_library
-from recycle_planner.programs import compile_program
+from recycle_planner.programs import compile_program, lookup_program
 from recycle_planner.programs.files import MANIFEST, read_manifest, read_program
 
 from conftest import make_spec
@@ -49,6 +49,7 @@ def test_every_live_rank_gets_its_program_and_the_manifest_says_what_was_written
     assert manifest["torch_csv"] == [] and manifest["nccl_check"] == "serial"
     hit = PlanLibrary.open(library).lookup([(1, 1)])
     assert manifest["plan"]["file"] == str(hit.file)
+    assert lookup_program(PlanLibrary.open(library), [(1, 1)], 5) == read_program(out, 5)
     for rank in (0, 1, 2, 3, 5):
         assert read_program(out, rank) == compile_program(hit.plan(), rank, hit.mapping)
     with pytest.raises(PlanFileError, match="rank 4 has no program"):

@@ -4,10 +4,9 @@ Any launcher can run a plan from here (torchtitan, Megatron-LM, a loop over
 `torch.distributed`); recycle-planner's own executor runs the same programs. No torch needed.
 
     from recycle_planner.library import PlanLibrary
-    from recycle_planner.programs import compile_program
+    from recycle_planner.programs import lookup_program
 
-    hit = PlanLibrary.open("plans/").lookup([(1, 3)])     # physical dead workers
-    program = compile_program(hit.plan(), rank=5, mapping=hit.mapping)
+    program = lookup_program(PlanLibrary.open("plans/"), [(1, 3)], rank=5)  # dead: physical
     for action in program.actions: ...                   # Recv, Compute, Send, AllReduce, Optimizer
 
 The package, one module per idea: `actions.py` (the typed actions and `Program`, with
@@ -21,9 +20,10 @@ from recycle_planner.programs.actions import (AllReduce, Compute, Message, Optim
                                               Recv, Send)
 from recycle_planner.programs.check import check_orders, check_plan
 from recycle_planner.programs.compile import (Orders, compile_all, compile_orders,
-                                              compile_program, plan_index, rank_orders)
+                                              compile_program, lookup_program, plan_index,
+                                              rank_orders)
 from recycle_planner.programs.nccl import replay
 
 __all__ = ["AllReduce", "Compute", "Message", "Optimizer", "Orders", "Program", "Recv", "Send",
            "check_orders", "check_plan", "compile_all", "compile_orders", "compile_program",
-           "plan_index", "rank_orders", "replay"]
+           "lookup_program", "plan_index", "rank_orders", "replay"]

@@ -216,6 +216,14 @@ def compile_program(plan: Plan, rank: int, mapping: Mapping | None = None) -> Pr
     return compile_orders(plan, [rank], mapping).program(rank)
 
 
+def lookup_program(library, dead, rank: int) -> Program:
+    """The program of physical `rank` when the physical workers `dead` are dead, from a
+    `PlanLibrary` (its lookup: the plan and the mapping). A launcher with many ranks in one
+    process reads the plan once and calls `compile_program` for each."""
+    hit = library.lookup(dead)
+    return compile_program(hit.plan(), rank, hit.mapping)
+
+
 def rank_orders(plan: Plan, mapping: Mapping | None = None) -> Orders:
     """The orders of every live rank of `plan`."""
     S = plan.spec.stages
