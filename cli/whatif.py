@@ -43,7 +43,8 @@ Examples:
 @click.option("--duration", metavar="DURATION",
               help="Length of the trace [default: 7d when sampling, the last event of a trace "
                    "file].")
-@click.option("--seed", default=0, show_default=True, type=number("seed"), help="Seed of the sampling.")
+@click.option("--seed", default=0, show_default=True, type=number("seed"),
+              help="Seed of the sampling.")
 @click.option("--distribution", type=click.Choice(DISTRIBUTIONS), default="exponential",
               show_default=True, help="Distribution of the times between failures.")
 @click.option("--shape", default=0.7, show_default=True, type=number("shape"),
@@ -134,8 +135,10 @@ def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str
         check_writable(output, folder=True)
     job = load_spec(spec)
     lib = PlanLibrary.open(library, spec=job)
-    if not lib.index.get("complete", True):
-        raise RecycleError(f"{library}: the plan library is incomplete: run plan-all again")
+    problems = lib.problems()
+    if problems:
+        raise RecycleError(f"{library}: the plan library is incomplete ({problems[0]}): run "
+                           f"plan-all again")
     costs = Costs(detect=parse_duration(detect, "--detect"),
                   switch=parse_duration(switch, "--switch"),
                   reconfigure=parse_duration(reconfigure, "--reconfigure"),
