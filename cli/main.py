@@ -351,15 +351,30 @@ def print_summary(p, as_json: bool, err: bool = False) -> None:
     click.echo(json.dumps(summary_dict(p), indent=2) if as_json else plan_summary(p), err=err)
 
 
-def broken(plan_file: Path, p, what: str) -> str | None:
-    """The one-line refusal for a plan that breaks a rule (None when it keeps them all)."""
+def broken(plan_file: Path, p, what: str | None) -> str | None:
+    """The one-line refusal for a plan that breaks a rule (None when it keeps them all), after
+    `what` was refused."""
     from recycle_planner.timing.validate import validate
 
     problems = validate(p)
     if not problems:
         return None
-    return (f"{plan_file}: {what}, the plan breaks {plural(len(problems), 'rule')}, first "
-            f"{problems[0]} (see 'recycle-planner validate')")
+    return (f"{plan_file}: {f'{what}, ' if what else ''}the plan breaks "
+            f"{plural(len(problems), 'rule')}, first {problems[0]} (see 'recycle-planner "
+            f"validate')")
+
+
+def critical_path_heading(m) -> str:
+    """The critical path ends at the iteration time, which is longer than the headline period
+    when iterations overlap: say so where both numbers meet."""
+    from recycle_planner.words import number
+
+    heading = (f"critical path of the first iteration, from an idle start to its end at the "
+               f"iteration time, {number(m.iteration_time)} ms")
+    if m.period < m.iteration_time - 1e-9:
+        heading += (f"\n(the period, {number(m.period)} ms, is shorter: each stage starts its "
+                    f"next iteration before the last stages finish this one)")
+    return heading + ":"
 
 
 @main.command(epilog=SHOW_EPILOG)
@@ -375,7 +390,8 @@ def broken(plan_file: Path, p, what: str) -> str | None:
               help="Print the summary (and the critical path) as JSON, without the timeline.")
 def show(plan_file: Path, width: int, max_workers: int, critical_path: bool,
          as_json: bool) -> None:
-    """Print a plan's summary, a text timeline of one iteration and its critical path."""
+    """Print a plan's summary, a text timeline of one iteration and its critical path. A plan
+    that breaks a rule is shown, then named on stderr with exit status 1."""
     import json
 
     from recycle_planner.files.planfile import read_plan
@@ -384,15 +400,12 @@ def show(plan_file: Path, width: int, max_workers: int, critical_path: bool,
 
     p = read_plan(plan_file)
     chain = None
-    if critical_path and p.schedule.n_ops <= 20_000:
+    problem = broken(plan_file, p, "no critical path" if critical_path else None)
+    if critical_path and problem is None and p.schedule.n_ops <= 20_000:
         from recycle_planner.timing.dag import critical_path as chain_of
         from recycle_planner.timing.dag import plan_graph
 
-        problem = broken(plan_file, p, "no critical path")
-        if problem is None:  # an op listed twice or out of order has no critical path
-            chain = chain_of(plan_graph(p.schedule))
-    else:
-        problem = None
+        chain = chain_of(plan_graph(p.schedule))
     if as_json:
         out = summary_dict(p)
         if chain is not None:
@@ -409,7 +422,7 @@ def show(plan_file: Path, width: int, max_workers: int, critical_path: bool,
             from recycle_planner.timing.dag import describe_critical_path
 
             click.echo()
-            click.echo("critical path (first iteration, from an idle start):")
+            click.echo(critical_path_heading(p.metrics))
             click.echo(describe_critical_path(chain))
     if problem is not None:
         click.echo(f"error: {problem}", err=True)
@@ -426,7 +439,9 @@ def show(plan_file: Path, width: int, max_workers: int, critical_path: bool,
 @click.option("--max-workers", default=48, show_default=True, type=number("max_workers"),
               help="Rows per plan at most (pipelines with failures first).")
 def gantt(plan_file: Path, output: Path, compare: Path | None, max_workers: int) -> None:
-    """Draw a plan as a Gantt chart: one row per worker, grouped by pipeline."""
+    """Draw a plan as a Gantt chart: one row per worker, grouped by pipeline. A plan that
+    breaks a rule is refused (exit status 2; 'recycle-planner validate' lists them)."""
+    from recycle_planner.errors import PlanFileError
     from recycle_planner.files.planfile import read_plan
     from recycle_planner.views.gantt import draw_gantt
 
@@ -437,6 +452,10 @@ def gantt(plan_file: Path, output: Path, compare: Path | None, max_workers: int)
         if plans[1].schedule.spec != plans[0].schedule.spec:
             log.warning("%s and %s are plans of different jobs: the comparison is of shapes "
                         "only", plan_file, compare)
+    for path, p in zip((plan_file, compare), plans):
+        problem = broken(path, p, "not drawn")
+        if problem is not None:
+            raise PlanFileError(problem)
     draw_gantt(plans, output, max_workers=max_workers)
     wrote(output)
 

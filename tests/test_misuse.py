@@ -140,3 +140,48 @@ def test_a_closed_pipe_ends_quietly_like_a_unix_tool(tmp_path):
         proc = closed_pipe_run(*args)
         assert proc.returncode == 141, (args, proc.stderr)
         assert "error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def edited(tmp_path, plan, name, change):
+    data = json.loads(plan.read_text())
+    change(data["workers"][0]["ops"])
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_plan_with_an_op_moved_is_named_by_show_and_refused_by_gantt(tmp_path):
+    plan = tmp_path / "p.json"
+    assert run("plan", SMALL, "--fail", "1:2", "-o", plan).exit_code == 0
+
+    def move(ops):
+        ops[5]["start"] += 100
+        ops[5]["end"] += 100
+
+    moved = edited(tmp_path, plan, "moved.json", move)
+    for extra in ([], ["--no-critical-path"], ["--json"], ["--json", "--no-critical-path"]):
+        r = run("show", moved, *extra)
+        assert r.exit_code == 1, (extra, r.output)
+        assert r.stderr.startswith(f"error: {moved}: ") and "the plan breaks 3 rules" in r.stderr
+    one_line_error(run("gantt", moved, "-o", tmp_path / "g.png"), "not drawn", "overlap")
+    one_line_error(run("gantt", plan, "--compare", moved, "-o", tmp_path / "g.png"), "moved.json")
+    assert not (tmp_path / "g.png").exists()
+
+    def far(ops):
+        ops[-1]["end"] = 1e308
+
+    r = run("show", edited(tmp_path, plan, "far.json", far))
+    assert r.exit_code == 1
+    assert "(no timeline: the ops span 1e+308 ms, more than 100 times the plan's iteration " \
+           "time of 50 ms)" in r.stdout
+
+
+def test_the_critical_path_says_why_it_ends_after_the_period(tmp_path):
+    """The chain ends at the iteration time, which the staggered optimizer makes longer than
+    the headline period: both are named where they meet."""
+    plan = tmp_path / "p.json"
+    assert run("plan", SMALL, "--fail", "1:2", "-o", plan).exit_code == 0
+    out = run("show", plan).stdout
+    assert "iteration time  50 ms   (first op to last step; the next iteration starts" in out
+    assert "critical path of the first iteration, from an idle start to its end at the " \
+           "iteration time, 50 ms\n(the period, 49 ms, is shorter" in out
