@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from recycle_planner.cli.options import number
 from recycle_planner.cli.progress import Ticker
 from recycle_planner.executor.config import BUCKET_MB, UNDO_COPY, UNDO_PLACES
 from recycle_planner.library.ondemand import (ON_DEMAND_BUDGET, REFINE_BUDGET, REFINE_MARGIN,
@@ -30,7 +31,7 @@ def _settings(f):
         click.option("--on-demand/--no-on-demand", default=True, show_default=True,
                      help="Plan a failure set the library lacks at once (--no-on-demand: "
                           "stop with a checkpoint beyond the library's threshold)."),
-        click.option("--plan-budget", type=click.FloatRange(min=0), default=ON_DEMAND_BUDGET,
+        click.option("--plan-budget", type=number("plan_budget"), default=ON_DEMAND_BUDGET,
                      show_default=True, metavar="SECONDS",
                      help="Time for such a plan: one list-scheduling pass always, the whole "
                           "heuristic when it fits."),
@@ -38,10 +39,10 @@ def _settings(f):
                      show_default=True,
                      help="Which plans in use a background process improves (the survivors "
                           "switch at an iteration boundary when it is better by the margin)."),
-        click.option("--refine-budget", type=click.FloatRange(min=0), default=REFINE_BUDGET,
+        click.option("--refine-budget", type=number("refine_budget"), default=REFINE_BUDGET,
                      show_default=True, metavar="SECONDS",
                      help="Solver time of one background refinement (0: none)."),
-        click.option("--refine-margin", type=click.FloatRange(min=0, max=1),
+        click.option("--refine-margin", type=number("refine_margin"),
                      default=REFINE_MARGIN, show_default=True, metavar="FRACTION",
                      help="Switch to a refined plan only if its period is this much shorter."),
         click.option("--run-dir", default="recycle-run", show_default=True,
@@ -50,20 +51,20 @@ def _settings(f):
                           "shared filesystem every host mounts at the same path)."),
         click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo",
                      show_default=True, help="gloo on CPU; nccl on GPUs (one per worker)."),
-        click.option("--lease", "--hang-timeout", "lease", type=click.FloatRange(min=0.1),
+        click.option("--lease", "--hang-timeout", "lease", type=number("lease"),
                      default=4.0, show_default=True, metavar="SECONDS",
                      help="A worker whose heartbeat stops (host gone, process stopped) or "
                           "whose training thread makes no progress this long outside "
                           "communication is dead. Must exceed the longest single op, "
                           "data() included."),
-        click.option("--heartbeat", type=click.FloatRange(min=0.01), default=0.2,
+        click.option("--heartbeat", type=number("heartbeat"), default=0.2,
                      show_default=True, metavar="SECONDS",
                      help="Seconds between a worker's heartbeats."),
-        click.option("--pg-timeout", type=click.FloatRange(min=1), default=60.0,
+        click.option("--pg-timeout", type=number("pg_timeout"), default=60.0,
                      show_default=True, metavar="SECONDS",
                      help="Timeout of every process group (a backstop: failures are caught "
                           "by the lease and the groups aborted)."),
-        click.option("--bucket-mb", type=click.FloatRange(min=0, min_open=True),
+        click.option("--bucket-mb", type=number("bucket_mb"),
                      default=BUCKET_MB, show_default=True, metavar="MIB",
                      help="Size of a bucket of a stage's gradient all-reduce: each bucket "
                           "starts as soon as its gradients are final, during the worker's "
@@ -73,7 +74,7 @@ def _settings(f):
                      help="Where the copy that undoes a stage's latest optimizer step lives "
                           "(parameters and optimizer state): host memory (pinned on GPUs) or "
                           "the device (faster to make, costs device memory)."),
-        click.option("--checkpoint-every", type=click.IntRange(0), default=100,
+        click.option("--checkpoint-every", type=number("checkpoint_every"), default=100,
                      show_default=True, metavar="ITERATIONS",
                      help="Checkpoint every so many iterations (0: only the final one, and "
                           "one when training has to stop)."),
@@ -124,14 +125,14 @@ def _show(as_json: bool):
                                  "allow_interspersed_args": False})
 @click.argument("target", metavar="JOB")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[-- JOB ARGS]...")
-@click.option("-n", "--nproc", "--nproc-per-node", "nproc", type=click.IntRange(1),
+@click.option("-n", "--nproc", "--nproc-per-node", "nproc", type=number("nproc"),
               required=True, help="Worker processes on this host (on one machine: pipelines x "
                                   "stages of the plan library).")
-@click.option("--nnodes", type=click.IntRange(1), default=None,
+@click.option("--nnodes", type=number("nnodes"), default=None,
               help="Hosts of a cluster job: this command then runs this host's agent, which "
                    "starts --nproc-per-node workers and answers to the coordinator at "
                    "--rdzv-endpoint (see 'recycle-planner coordinator').")
-@click.option("--node-rank", type=click.IntRange(0), default=None,
+@click.option("--node-rank", type=number("node_rank"), default=None,
               help="This host's index (ranks NODE_RANK*NPROC ... are placed here); default: "
                    "in order of arrival at the coordinator.")
 @click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT",
@@ -140,12 +141,12 @@ def _show(as_json: bool):
               help="Job id at the endpoint (cluster jobs).")
 @click.option("--master-addr", default="127.0.0.1", show_default=True,
               help="One machine: address of the store the launcher hosts.")
-@click.option("--master-port", type=click.IntRange(0, 65535), default=0, show_default=True,
+@click.option("--master-port", type=number("master_port"), default=0, show_default=True,
               help="One machine: port of the store (0: any free port).")
-@click.option("--restart-delay", type=click.FloatRange(min=0), default=None,
+@click.option("--restart-delay", type=number("restart_delay"), default=None,
               metavar="SECONDS", help="Restart a dead worker this long after it died; it "
                                       "re-joins at an iteration boundary (default: never).")
-@click.option("--max-restarts", type=click.IntRange(0), default=3, show_default=True,
+@click.option("--max-restarts", type=number("max_restarts"), default=3, show_default=True,
               help="Restarts per worker (with --restart-delay).")
 @_settings
 def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
@@ -196,10 +197,10 @@ def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
 
 
 @click.command()
-@click.option("--nnodes", type=click.IntRange(1), required=True, help="Training hosts.")
-@click.option("--nproc-per-node", type=click.IntRange(1), required=True,
+@click.option("--nnodes", type=number("nnodes"), required=True, help="Training hosts.")
+@click.option("--nproc-per-node", type=number("nproc"), required=True,
               help="Workers per host (hosts x workers = pipelines x stages of the library).")
-@click.option("--port", type=click.IntRange(1, 65535), default=29400, show_default=True,
+@click.option("--port", type=number("port"), default=29400, show_default=True,
               help="Port of the store (listens on every interface of this machine).")
 @_settings
 def coordinator(nnodes: int, nproc_per_node: int, port: int, as_json: bool,
@@ -251,22 +252,22 @@ def _median_step(ends: list[float]) -> float:
 @click.command()
 @click.argument("target", metavar="JOB")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[-- JOB ARGS]...")
-@click.option("--pipelines", "-d", type=click.IntRange(1), required=True,
+@click.option("--pipelines", "-d", type=number("pipelines"), required=True,
               help="Data-parallel degree D of the job.")
-@click.option("--microbatches", "-m", type=click.IntRange(1), required=True,
+@click.option("--microbatches", "-m", type=number("microbatches"), required=True,
               help="Micro-batches M per pipeline per iteration.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Job spec (TOML) to write.")
 @click.option("--name", default=None, help="Name written into the spec.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
-@click.option("--repeats", type=click.IntRange(1), default=10, show_default=True,
+@click.option("--repeats", type=number("repeats"), default=10, show_default=True,
               help="Timed runs per measurement (the median is kept).")
-@click.option("--warmup", type=click.IntRange(0), default=2, show_default=True)
+@click.option("--warmup", type=number("warmup"), default=2, show_default=True)
 @click.option("--memory-budget", default=None, metavar="BYTES", help=BYTES_HELP + " per "
               "worker (default: the GPU's memory, or this machine's shared by D x S workers).")
-@click.option("--p2p", type=click.FloatRange(min=0), default=None, metavar="MS",
+@click.option("--p2p", type=number("p2p"), default=None, metavar="MS",
               help="Point-to-point latency instead of measuring it.")
-@click.option("--allreduce", type=click.FloatRange(min=0), default=None, metavar="MS",
+@click.option("--allreduce", type=number("allreduce"), default=None, metavar="MS",
               help="Gradient all-reduce time instead of measuring it.")
 def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: int,
             output: Path, name: str | None, device: str, repeats: int, warmup: int,

@@ -16,6 +16,7 @@ from recycle_planner.job.policy import SCHEDULES, compute_ops
 from recycle_planner.library import Settings
 from recycle_planner.solvers.milp_backends import BACKENDS
 from recycle_planner.solvers.registry import PROVE_WORK, SOLVERS, SolverSettings, solver_help
+from recycle_planner.cli.options import number
 from recycle_planner.cli.progress import Ticker
 from recycle_planner.words import plural
 
@@ -76,18 +77,35 @@ REPORT_EPILOG = examples("recycle-planner report plans/ -o degradation.png")
 
 
 class Cli(click.Group):
-    """Bad input (a wrong spec, an impossible failure set, a corrupted plan) and an output that
-    cannot be written (no such folder, read-only, full disk, no permission) are one line on
-    stderr and exit status 2, like click's own usage errors; Ctrl-C stops at once with status
-    130; a bug still shows its traceback."""
+    """Bad input (a wrong spec, an impossible failure set, a corrupted plan), an output that
+    cannot be written (no such folder, read-only, full disk, no permission) and a usage error
+    (an unknown option, a value out of range) are one line on stderr and exit status 2; a
+    reader that stops reading (`| head`) ends the command quietly with status 141, as SIGPIPE
+    ends Unix tools; Ctrl-C stops at once with status 130; a bug still shows its traceback."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as exc:
+            raise OneLineUsageError(exc) from None
+        except BrokenPipeError:  # --help into `| head`
+            if not reader_gone(sys.stdout):
+                raise
+            quiet_stdout()
+            sys.exit(128 + signal.SIGPIPE)
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except click.UsageError as exc:
+            raise OneLineUsageError(exc) from None
         except RecycleError as exc:
             click.echo(f"error: {exc}", err=True)
             ctx.exit(2)
         except OSError as exc:
+            if isinstance(exc, BrokenPipeError) and reader_gone(sys.stdout):
+                quiet_stdout()
+                ctx.exit(128 + signal.SIGPIPE)
             where = f"{exc.filename}: " if exc.filename else ""
             click.echo(f"error: {where}{exc.strerror or exc}", err=True)
             ctx.exit(2)
@@ -100,6 +118,41 @@ class Cli(click.Group):
         cmd.params.append(click.Option(["-v", "--verbose"], count=True, expose_value=False,
                                        callback=set_verbosity, help=VERBOSE_HELP))
         super().add_command(cmd, name)
+
+
+class OneLineUsageError(click.UsageError):
+    """click's usage error as one line, like every other error: `error: MESSAGE (see
+    'recycle-planner plan --help')` rather than click's usage, hint and message."""
+
+    def __init__(self, exc: click.UsageError):
+        super().__init__(exc.format_message(), exc.ctx)
+
+    def show(self, file=None) -> None:
+        where = f" (see '{self.ctx.command_path} --help')" if self.ctx is not None else ""
+        click.echo(f"error: {self.format_message().rstrip('.')}{where}", err=True)
+
+
+def reader_gone(stream) -> bool:
+    """Whether `stream` is a pipe whose reader has closed it (poll says POLLERR)."""
+    import select
+
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+
+
+def quiet_stdout() -> None:
+    """Point standard output at /dev/null, so that the interpreter's last flush of what is
+    still buffered does not fail again on the closed pipe."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 class AliasOption(click.Option):
@@ -180,14 +233,14 @@ def _solver_options(func, default: str):
     func = click.option("--backend", type=click.Choice(list(BACKENDS)), default=defaults.backend,
                         show_default=True,
                         help="MILP backend: highspy directly, or PuLP with CBC or HiGHS.")(func)
-    func = click.option("--node-limit", type=click.IntRange(1), default=None, metavar="NODES",
+    func = click.option("--node-limit", type=number("node_limit"), default=None, metavar="NODES",
                         help="Also stop the MILP after this many branch-and-bound nodes: the "
                              "same answer on every machine (plan-all defaults to "
                              f"{Settings().node_limit}).")(func)
-    func = click.option("--time-limit", type=click.FloatRange(min=0.1),
+    func = click.option("--time-limit", type=number("time_limit"),
                         default=defaults.time_limit, show_default=True, metavar="SECONDS",
                         help="Budget of the MILP (and of 'auto') per situation.")(func)
-    func = click.option("--work-limit", type=click.FloatRange(min=0.01), default=None,
+    func = click.option("--work-limit", type=number("work_limit"), default=None,
                         metavar="WORK",
                         help="Budget of the CP engine in CP-SAT's deterministic seconds (about "
                              "CPU seconds), the same plan on every machine (default: the time "
@@ -197,11 +250,12 @@ def _solver_options(func, default: str):
     return func
 
 
-def check_solver_options(solver: str) -> None:
+def check_solver_options(solver: str, *more: str) -> None:
     """An option the chosen solver does not read is an error, not silently ignored (the
-    registry says which solver reads what)."""
+    registry says which solver reads what); `more` names options beyond the budgets (plan's
+    --prove, which plan-all reads for every solver)."""
     ctx = click.get_current_context()
-    for name in ("time_limit", "backend", "node_limit"):
+    for name in ("time_limit", "backend", "node_limit", "work_limit", *more):
         if ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, None):
             continue
         if name not in SOLVERS[solver].options:
@@ -268,7 +322,7 @@ def plan(spec: Path, fail: tuple[str, ...], schedule: str, decouple: bool, stagg
     from recycle_planner.programs import check_plan
     from recycle_planner.words import duration, number
 
-    check_solver_options(solver)
+    check_solver_options(solver, "prove")
     check_output(output)
     job = load_spec(spec)
     policy = make_policy(schedule, decouple, stagger)
@@ -300,22 +354,37 @@ def print_summary(p, as_json: bool, err: bool = False) -> None:
     click.echo(json.dumps(summary_dict(p), indent=2) if as_json else plan_summary(p), err=err)
 
 
-def broken(plan_file: Path, p, what: str) -> str | None:
-    """The one-line refusal for a plan that breaks a rule (None when it keeps them all)."""
+def broken(plan_file: Path, p, what: str | None) -> str | None:
+    """The one-line refusal for a plan that breaks a rule (None when it keeps them all), after
+    `what` was refused."""
     from recycle_planner.timing.validate import validate
 
     problems = validate(p)
     if not problems:
         return None
-    return (f"{plan_file}: {what}, the plan breaks {plural(len(problems), 'rule')}, first "
-            f"{problems[0]} (see 'recycle-planner validate')")
+    return (f"{plan_file}: {f'{what}, ' if what else ''}the plan breaks "
+            f"{plural(len(problems), 'rule')}, first {problems[0]} (see 'recycle-planner "
+            f"validate')")
+
+
+def critical_path_heading(m) -> str:
+    """The critical path ends at the iteration time, which is longer than the headline period
+    when iterations overlap: say so where both numbers meet."""
+    from recycle_planner.words import number
+
+    heading = (f"critical path of the first iteration, from an idle start to its end at the "
+               f"iteration time, {number(m.iteration_time)} ms")
+    if m.period < m.iteration_time - 1e-9:
+        heading += (f"\n(the period, {number(m.period)} ms, is shorter: each stage starts its "
+                    f"next iteration before the last stages finish this one)")
+    return heading + ":"
 
 
 @main.command(epilog=SHOW_EPILOG)
 @click.argument("plan_file", metavar="PLAN.json", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--width", default=96, show_default=True, type=click.IntRange(20, 1000),
+@click.option("--width", default=96, show_default=True, type=number("width"),
               help="Characters of timeline per worker.")
-@click.option("--max-workers", default=32, show_default=True, type=click.IntRange(1),
+@click.option("--max-workers", default=32, show_default=True, type=number("max_workers"),
               help="Rows to show at most (pipelines with failures first).")
 @click.option("--critical-path/--no-critical-path", default=True, show_default=True,
               help="List the chain of ops that decides the iteration time (plans of up to "
@@ -324,7 +393,8 @@ def broken(plan_file: Path, p, what: str) -> str | None:
               help="Print the summary (and the critical path) as JSON, without the timeline.")
 def show(plan_file: Path, width: int, max_workers: int, critical_path: bool,
          as_json: bool) -> None:
-    """Print a plan's summary, a text timeline of one iteration and its critical path."""
+    """Print a plan's summary, a text timeline of one iteration and its critical path. A plan
+    that breaks a rule is shown, then named on stderr with exit status 1."""
     import json
 
     from recycle_planner.files.planfile import read_plan
@@ -333,15 +403,12 @@ def show(plan_file: Path, width: int, max_workers: int, critical_path: bool,
 
     p = read_plan(plan_file)
     chain = None
-    if critical_path and p.schedule.n_ops <= 20_000:
+    problem = broken(plan_file, p, "no critical path" if critical_path else None)
+    if critical_path and problem is None and p.schedule.n_ops <= 20_000:
         from recycle_planner.timing.dag import critical_path as chain_of
         from recycle_planner.timing.dag import plan_graph
 
-        problem = broken(plan_file, p, "no critical path")
-        if problem is None:  # an op listed twice or out of order has no critical path
-            chain = chain_of(plan_graph(p.schedule))
-    else:
-        problem = None
+        chain = chain_of(plan_graph(p.schedule))
     if as_json:
         out = summary_dict(p)
         if chain is not None:
@@ -358,7 +425,7 @@ def show(plan_file: Path, width: int, max_workers: int, critical_path: bool,
             from recycle_planner.timing.dag import describe_critical_path
 
             click.echo()
-            click.echo("critical path (first iteration, from an idle start):")
+            click.echo(critical_path_heading(p.metrics))
             click.echo(describe_critical_path(chain))
     if problem is not None:
         click.echo(f"error: {problem}", err=True)
@@ -372,10 +439,12 @@ def show(plan_file: Path, width: int, max_workers: int, critical_path: bool,
 @click.option("--compare", type=click.Path(dir_okay=False, path_type=Path), metavar="OTHER.json",
               help="Draw another plan below, on the same time scale (for example the "
                    "fault-free plan).")
-@click.option("--max-workers", default=48, show_default=True, type=click.IntRange(1),
+@click.option("--max-workers", default=48, show_default=True, type=number("max_workers"),
               help="Rows per plan at most (pipelines with failures first).")
 def gantt(plan_file: Path, output: Path, compare: Path | None, max_workers: int) -> None:
-    """Draw a plan as a Gantt chart: one row per worker, grouped by pipeline."""
+    """Draw a plan as a Gantt chart: one row per worker, grouped by pipeline. A plan that
+    breaks a rule is refused (exit status 2; 'recycle-planner validate' lists them)."""
+    from recycle_planner.errors import PlanFileError
     from recycle_planner.files.planfile import read_plan
     from recycle_planner.views.gantt import draw_gantt
 
@@ -386,6 +455,10 @@ def gantt(plan_file: Path, output: Path, compare: Path | None, max_workers: int)
         if plans[1].schedule.spec != plans[0].schedule.spec:
             log.warning("%s and %s are plans of different jobs: the comparison is of shapes "
                         "only", plan_file, compare)
+    for path, p in zip((plan_file, compare), plans):
+        problem = broken(path, p, "not drawn")
+        if problem is not None:
+            raise PlanFileError(problem)
     draw_gantt(plans, output, max_workers=max_workers)
     wrote(output)
 
@@ -420,7 +493,7 @@ def validate(plan_file: Path, as_json: bool) -> None:
 @click.argument("plan_file", metavar="PLAN.json", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="CSV file to write ('-': standard output).")
-@click.option("--pipeline", default=0, show_default=True, type=click.IntRange(0),
+@click.option("--pipeline", default=0, show_default=True, type=number("pipeline"),
               help="Which pipeline's rows to export (all are the same without failures).")
 def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
     """Write a fault-free plan as torch.distributed.pipelining's compute-only CSV, for
@@ -441,15 +514,15 @@ def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
 
 @main.command("plan-all", epilog=PLAN_ALL_EPILOG)
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--max-failures", "-f", required=True, type=int, metavar="F",
+@click.option("--max-failures", "-f", required=True, type=number("max_failures"), metavar="F",
               help="Plan every situation with up to F dead workers.")
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Library folder (created; index.json plus one plan per situation).")
 @policy_options
 @solver_options(default=Settings.solver)
-@click.option("--jobs", "-j", type=click.IntRange(1), default=None,
+@click.option("--jobs", "-j", type=number("jobs"), default=None,
               help="Processes (default: every core).")
-@click.option("--max-placements", type=click.IntRange(1), default=4, show_default=True,
+@click.option("--max-placements", type=number("max_placements"), default=4, show_default=True,
               help="Ways to line up the holes across logical pipelines to try per situation.")
 @click.option("--force", is_flag=True, help="Rebuild even if the folder holds a library for "
                                             "another spec, a corrupted index, or one for more "
@@ -459,7 +532,7 @@ def export_torch(plan_file: Path, output: Path, pipeline: int) -> None:
                    "optimal gets the CP engine with --prove-work of budget, warm-started from "
                    "its plan (bisection with 'is there a schedule under X?'); entries already "
                    "proven optimal are kept. Resumable like plan-all.")
-@click.option("--prove-work", type=click.FloatRange(min=0.01), default=PROVE_WORK,
+@click.option("--prove-work", type=number("prove_work"), default=PROVE_WORK,
               show_default=True, metavar="WORK",
               help="The CP engine's deterministic seconds per situation with --prove.")
 def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decouple: bool,

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from recycle_planner.cli.options import number
 from recycle_planner.cli.progress import Ticker
 from recycle_planner.errors import RecycleError
 from recycle_planner.whatif.engine import STRATEGIES
@@ -42,11 +43,11 @@ Examples:
 @click.option("--duration", metavar="DURATION",
               help="Length of the trace [default: 7d when sampling, the last event of a trace "
                    "file].")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sampling.")
+@click.option("--seed", default=0, show_default=True, type=number("seed"),
+              help="Seed of the sampling.")
 @click.option("--distribution", type=click.Choice(DISTRIBUTIONS), default="exponential",
               show_default=True, help="Distribution of the times between failures.")
-@click.option("--shape", default=0.7, show_default=True, type=click.FloatRange(min=0.0,
-                                                                                min_open=True),
+@click.option("--shape", default=0.7, show_default=True, type=number("shape"),
               help="Weibull shape, with --distribution weibull (below 1: failures come in "
                    "bursts).")
 @click.option("--sampling", type=click.Choice(SAMPLINGS), default="worker", show_default=True,
@@ -68,7 +69,7 @@ Examples:
               help="Wall-clock time between checkpoints.")
 @click.option("--restart", default="10min", show_default=True, metavar="DURATION",
               help="Relaunch from a checkpoint.")
-@click.option("--spares", default=2, show_default=True, type=click.IntRange(0),
+@click.option("--spares", default=2, show_default=True, type=number("spares"),
               help="Spare hosts (of --workers-per-host workers each) for checkpoint-restart "
                    "with spares.")
 @click.option("--plan-time", default="measured", show_default=True, metavar="measured|DURATION",
@@ -78,7 +79,7 @@ Examples:
               help="Schedule policy of the fault-free baseline and of every strategy but "
                    "re-routing, e.g. 1f1b/fused/barrier (as DeepSpeed and Megatron run 1F1B) "
                    "[default: the library's].")
-@click.option("--workers-per-host", default=1, show_default=True, type=int,
+@click.option("--workers-per-host", default=1, show_default=True, type=number("workers_per_host"),
               help="Workers on one host; a host fails and is repaired as one (sampled traces, "
                    "and host:H in trace files).")
 @click.option("--host-placement", default="pipeline", show_default=True,
@@ -134,8 +135,10 @@ def simulate_trace(spec: Path, library: Path, trace_file: Path | None, mtbf: str
         check_writable(output, folder=True)
     job = load_spec(spec)
     lib = PlanLibrary.open(library, spec=job)
-    if not lib.index.get("complete", True):
-        raise RecycleError(f"{library}: the plan library is incomplete: run plan-all again")
+    problems = lib.problems()
+    if problems:
+        raise RecycleError(f"{library}: the plan library is incomplete ({problems[0]}): run "
+                           f"plan-all again")
     costs = Costs(detect=parse_duration(detect, "--detect"),
                   switch=parse_duration(switch, "--switch"),
                   reconfigure=parse_duration(reconfigure, "--reconfigure"),

@@ -1,5 +1,7 @@
 """Writing files safely: atomically (a reader never sees half a file, a failure leaves
-nothing behind), into a folder that must exist; JSON optionally gzip-compressed.
+nothing behind), into a folder that must exist; JSON optionally gzip-compressed. Reading JSON
+strictly: hostile content (deep nesting, huge or non-finite numbers, decompression bombs) is
+one clear error naming the file, never a traceback.
 
 Shared by plan files, the library, pictures, the what-if output and the executor. An output
 named '-' is standard output; one the system refuses (read-only, full disk, no permission) is
@@ -10,9 +12,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -110,15 +114,84 @@ def write_json(path: str | Path, data: dict[str, Any], level: int = 3) -> bytes:
     return blob
 
 
+MAX_DEPTH = 64
+"""Nesting that a file the tool reads may have: its formats need 5 levels; deeper is hostile."""
+MAX_BYTES = 1 << 31
+"""Bytes a compressed file may expand to (2 GiB): more is a decompression bomb, not a plan."""
+MAX_DIGITS = 30
+"""Digits of a whole number in a file: counts and times need far fewer."""
+
+
 def read_json(path: str | Path, what: str = "plan") -> Any:
+    """The JSON (or gzip-compressed JSON) document in `path`; a `PlanFileError` naming the file
+    for anything unreadable, truncated or hostile (see `parse_json`)."""
     path = Path(path)
     try:
         raw = path.read_bytes()
     except OSError as exc:
         raise PlanFileError(f"{path}: cannot read {what} file: {exc.strerror or exc}") from None
+    return parse_json(raw, str(path), what)
+
+
+def parse_json(raw: bytes, where: str, what: str = "plan", error: type = PlanFileError) -> Any:
+    """JSON from bytes (gunzipped first if they are gzip), refusing what no file of ours holds:
+    NaN or infinite numbers, numbers too large for a float, whole numbers of more than
+    MAX_DIGITS digits, nesting deeper than MAX_DEPTH, and more than MAX_BYTES once
+    decompressed. Every refusal is an `error` naming `where`."""
     try:
         if raw[:2] == b"\x1f\x8b":
-            raw = gzip.decompress(raw)
-        return json.loads(raw.decode("utf-8"))
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PlanFileError(f"{path}: not a {what} file (truncated or not JSON: {exc})") from None
+            raw = _gunzip(raw, where, error)
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant,
+                          parse_float=_finite_float, parse_int=_bounded_int)
+    except _Hostile as exc:
+        raise error(f"{where}: not a {what} file: {exc}") from None
+    except RecursionError:
+        raise error(f"{where}: not a {what} file: nested more than {MAX_DEPTH} levels "
+                    f"deep") from None
+    except (OSError, EOFError, UnicodeDecodeError, ValueError, zlib.error) as exc:
+        raise error(f"{where}: not a {what} file (truncated or not JSON: {exc})") from None
+    check_depth(data, where, error)
+    return data
+
+
+def check_depth(data: Any, where: str, error: type = PlanFileError) -> None:
+    """Refuse nesting deeper than MAX_DEPTH (walked without recursion, containers only)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise error(f"{where}: nested more than {MAX_DEPTH} levels deep")
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((v, depth + 1) for v in children if isinstance(v, (dict, list)))
+
+
+class _Hostile(ValueError):
+    """A value no file of ours holds (raised from inside the JSON parser)."""
+
+
+def _no_constant(name: str) -> Any:
+    raise _Hostile(f"{name} is not a number this tool reads")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Hostile(f"the number {text[:20]}{'...' if len(text) > 20 else ''} is too large")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise _Hostile(f"a whole number of {len(text.lstrip('-')):,} digits is too large")
+    return int(text)
+
+
+def _gunzip(raw: bytes, where: str, error: type) -> bytes:
+    """Decompress at most MAX_BYTES; a truncated stream raises EOFError like gzip's."""
+    inflate = zlib.decompressobj(wbits=31)
+    out = inflate.decompress(raw, MAX_BYTES)
+    if inflate.unconsumed_tail:
+        raise error(f"{where}: expands to more than {MAX_BYTES >> 30} GiB once decompressed")
+    if not inflate.eof:
+        raise EOFError("compressed file ended before the end-of-stream marker was reached")
+    return out

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
 from recycle_planner.errors import RecycleError
+from recycle_planner.limits import LIMITS
 from recycle_planner.solvers import Solution
 from recycle_planner.solvers.milp_backends import BACKENDS
 from recycle_planner.solvers.portfolio import (solve_auto, solve_cp, solve_dp, solve_heuristic,
@@ -55,7 +56,8 @@ def solver_help() -> str:
 
 @dataclass(frozen=True)
 class SolverSettings:
-    """How one situation is solved. Unknown solver or backend names are refused here."""
+    """How one situation is solved. Unknown solver or backend names, and budgets that are not
+    finite or out of range, are refused here."""
 
     solver: str = "heuristic"
     time_limit: float = TIME_LIMIT
@@ -65,6 +67,10 @@ class SolverSettings:
     prove: bool = False  # the CP engine spends its budget on closing the gap (bisection)
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # budgets and limits: finite and in range (limits.py)
+            value = getattr(self, f.name)
+            if f.name in LIMITS and value is not None:
+                LIMITS[f.name].check(value, f.name)
         if self.solver not in SOLVERS:
             raise RecycleError(f"unknown solver {self.solver!r} (expected one of: "
                                f"{', '.join(SOLVERS)})")

@@ -192,7 +192,7 @@ def test_plan_all_prove_closes_gaps_and_resumes(tmp_path):
     before = {e.counts: e.to_dict() for e in PlanLibrary.open(folder).entries()}
     proving = Settings(solver="heuristic", max_placements=1, prove_work=2)
     index = build_library(spec, Policy(), 2, folder, proving, jobs=1)
-    after = {tuple(e["failed_per_stage"]): e for e in index["entries"]}
+    after = {e.counts: e.to_dict() for e in index.entries}
     assert set(after) == set(before)
     for k, e in after.items():
         m, old = e["metrics"], before[k]["metrics"]

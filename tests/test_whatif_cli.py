@@ -17,7 +17,7 @@ TRACE = str(EXAMPLES / "trace.csv")
 OPTION_ERRORS = [
     (["--mtbf", "2h", "--workers-per-host", 3], "--workers-per-host 3 does not divide the "
                                                 "job's 32 workers"),
-    (["--mtbf", "2h", "--workers-per-host", 0], "--workers-per-host must be 1 or more, got 0"),
+    (["--mtbf", "2h", "--workers-per-host", 0], "--workers-per-host': 0 is out of range"),
     (["--mtbf", "2h", "--baseline-policy", "1f1b/fused"], "--baseline-policy: policy "
                                                           "'1f1b/fused' is not SCHEDULE/"),
     (["--mtbf", "2h", "--baseline-policy", "zz/fused/barrier"], "unknown schedule 'zz'"),

@@ -115,18 +115,33 @@ class JobSpec:
 
 
 def load_spec(path: str | Path) -> JobSpec:
-    """Read and validate a TOML job spec; every error names the file and the key."""
+    """Read and validate a job spec, TOML or JSON (a `.json` name, or text that starts with
+    '{'), with the same keys; every error, hostile content included (deep nesting, huge
+    numbers), names the file and the key."""
+    from recycle_planner.io import check_depth, parse_json
+
     path = Path(path)
     try:
         raw = path.read_bytes()
     except OSError as exc:
         raise SpecError(f"{path}: cannot read spec: {exc.strerror or exc}") from None
+    if path.suffix.lower() == ".json" or raw.lstrip()[:1] == b"{":
+        data = parse_json(raw, str(path), "JSON spec", error=SpecError)
+        if not isinstance(data, dict):
+            raise SpecError(f"{path}: a JSON spec is an object of the TOML keys, got "
+                            f"{type(data).__name__}")
+        return _parse(data, str(path))
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise SpecError(f"{path}: not a text file") from None
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{path}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise SpecError(f"{path}: invalid TOML: nested too deeply") from None
+    except ValueError:  # a whole number of thousands of digits
+        raise SpecError(f"{path}: invalid TOML: a number is too large") from None
+    check_depth(data, str(path), SpecError)
     return _parse(data, str(path))
 
 

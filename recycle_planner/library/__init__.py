@@ -25,15 +25,23 @@ node limit (one thread, fixed seed) and its time limit only a safety net that a 
 not reach. A launcher looks up the physical dead workers and gets the plan file plus the
 physical -> logical mapping.
 
+One writer at a time: plan-all (for its whole build) and a run adding a plan (for that
+addition) hold the folder's lock (`lock.py`); a second writer gets a `LibraryBusy` naming the
+holder, and a lock left by a crashed writer is detected and taken over.
+
 The package, one module per job: `build.py` (plan-all), `placement.py` (the best placement of
 a situation's holes), `entries.py` (one entry: its plan file and index record, and its checks),
-`index.py` (index.json), `hashing.py`, `settings.py`, `pool.py` (the process pool),
-`lookup.py` (`PlanLibrary`, `Lookup`, `MissingPlan`) and `ondemand.py` (planning at run time:
-fast under a budget, then refined in the background).
+`index.py` (index.json as the typed `LibraryIndex`, its only read and write path), `lock.py`
+(the writer's lock), `hashing.py`, `settings.py`, `pool.py` (the process pool), `lookup.py`
+(`PlanLibrary`, `Lookup`, `MissingPlan`) and `ondemand.py` (planning at run time: fast under a
+budget, then refined in the background).
 """
 
 from recycle_planner.library.build import build_library
+from recycle_planner.library.index import LibraryIndex
+from recycle_planner.library.lock import LibraryBusy, library_lock
 from recycle_planner.library.lookup import Lookup, PlanLibrary
 from recycle_planner.library.settings import Settings
 
-__all__ = ["Lookup", "PlanLibrary", "Settings", "build_library"]
+__all__ = ["LibraryBusy", "LibraryIndex", "Lookup", "PlanLibrary", "Settings", "build_library",
+           "library_lock"]

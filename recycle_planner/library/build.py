@@ -1,98 +1,107 @@
-"""plan-all: compute or complete a library, resumably and in parallel."""
+"""plan-all: compute or complete a library, resumably and in parallel, as the folder's only
+writer (`lock.py`)."""
 
 from __future__ import annotations
 
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.situations import check_threshold, situations
 from recycle_planner.job.spec import JobSpec
-from recycle_planner.library.entries import ON_DEMAND, REFINED, build_entry
-from recycle_planner.library.hashing import file_sha256, spec_hash
-from recycle_planner.library.index import reusable_entries, write_index
+from recycle_planner.library.entries import MADE_AT_RUN_TIME, LibraryEntry, build_entry
+from recycle_planner.library.hashing import spec_hash
+from recycle_planner.library.index import LibraryIndex, reusable_entries
+from recycle_planner.library.lock import library_lock
 from recycle_planner.library.pool import planning_pool
 from recycle_planner.library.settings import Settings
-from recycle_planner.timing.metrics import Metrics
 
 log = logging.getLogger("recycle_planner.library")
 
 
 def build_library(spec: JobSpec, policy: Policy, max_failures: int, folder: str | Path,
                   settings: Settings = Settings(), jobs: int | None = None, force: bool = False,
-                  progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Compute (or complete) the library for `spec` in `folder`; returns the index.
+                  progress: Callable[[int, int], None] | None = None) -> LibraryIndex:
+    """Compute (or complete) the library for `spec` in `folder`; returns its index.
 
-    `progress(done, total)` is called after each situation."""
+    `progress(done, total)` is called after each situation. A folder this build created is
+    removed again if the build fails before it has written anything there."""
     check_threshold(spec, max_failures)
     folder = Path(folder)
+    created = [p for p in (folder, *folder.parents) if not p.exists()]
     folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with library_lock(folder, "plan-all"):
+            return _build(spec, policy, max_failures, folder, settings, jobs, force, progress)
+    except BaseException:
+        for path in created:  # innermost first; a folder with anything in it stays
+            try:
+                path.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _build(spec: JobSpec, policy: Policy, max_failures: int, folder: Path, settings: Settings,
+           jobs: int | None, force: bool, progress: Callable[[int, int], None] | None
+           ) -> LibraryIndex:
     shash = spec_hash(spec, policy)
-    old_entries = reusable_entries(folder, spec, shash, force, max_failures)
+    old_entries = reusable_entries(folder, shash, force, max_failures)
     wanted = situations(spec, max_failures)
-    keep = {}
-    to_prove = {}  # --prove: intact entries that are not proven yet, improved from their plan
-    for entry in old_entries:
-        counts = tuple(entry.get("failed_per_stage", ()))
-        if (entry.get("spec_hash") == shash and entry.get("settings_hash") == settings.hash
-                and entry.get("sha256") is not None
-                and file_sha256(folder / str(entry.get("file", ""))) == entry["sha256"]):
-            # a missing, damaged or replaced plan file is planned again
-            if settings.prove_work is None or Metrics.from_dict(entry["metrics"]).optimal or \
-                    (entry.get("proved") or 0) >= settings.prove_work:
-                keep[counts] = entry
-            else:
-                to_prove[counts] = entry
-    # Plans made at run time for situations beyond this threshold stay while their file is intact.
     within = set(wanted)
-    made = {tuple(e["failed_per_stage"]): e for e in old_entries
-            if e.get("made") in (ON_DEMAND, REFINED) and tuple(e["failed_per_stage"]) not in within
-            and e.get("sha256") is not None
-            and file_sha256(folder / str(e.get("file", ""))) == e["sha256"]}
+    keep: dict[tuple[int, ...], LibraryEntry] = {}
+    to_prove = {}  # --prove: intact entries that are not proven yet, improved from their plan
+    made = {}  # plans made at run time beyond this threshold stay while their file is intact
+    for entry in old_entries:
+        if entry.spec_hash != shash or not entry.intact(folder):
+            continue  # stale, or a missing, damaged or replaced plan file: planned again
+        if entry.counts not in within:
+            if entry.made in MADE_AT_RUN_TIME:
+                made[entry.counts] = entry
+        elif entry.settings_hash != settings.hash:
+            continue
+        elif settings.prove_work is None or entry.metrics.optimal or \
+                (entry.proved or 0) >= settings.prove_work:
+            keep[entry.counts] = entry
+        else:
+            to_prove[entry.counts] = entry
     todo = [k for k in wanted if k not in keep]
     log.info("library %s: %d situations, %d up to date, %d to plan", folder, len(wanted),
              len(wanted) - len(todo), len(todo))
-    zero = (0,) * spec.stages
-    entries = {**made, **keep, **to_prove}  # an interrupted --prove keeps what it has not reached
+    # an interrupted --prove keeps what it has not reached
+    index = LibraryIndex(spec, policy, max_failures, settings.to_dict(),
+                         entries=tuple({**made, **keep, **to_prove}.values()))
     done = len(wanted) - len(todo)
     if progress:
         progress(done, len(wanted))
-    index: dict[str, Any] | None = None
 
-    def save() -> dict[str, Any]:  # after every situation: an interrupted build resumes
-        written = write_index(folder, spec, policy, max_failures, settings, shash, reference,
-                               entries, wanted)
+    def add(entry: LibraryEntry) -> None:  # after every situation: an interrupted build resumes
+        nonlocal index, done
+        index = index.with_entry(entry)
+        index.write(folder)
+        done += 1
         if progress:
             progress(done, len(wanted))
-        return written
 
     # The fault-free situation first: every other entry's degradation is measured against it.
+    zero = (0,) * spec.stages
     if zero not in keep:
-        entries[zero] = build_entry((spec, policy, zero, settings, None, folder, shash,
-                                     to_prove.get(zero)))
+        add(build_entry((spec, policy, zero, settings, None, folder, shash,
+                         to_prove.get(zero))))
         todo.remove(zero)
-        done += 1
-    fault_free = Metrics.from_dict(entries[zero]["metrics"])
-    reference = fault_free.period
-    if zero not in keep:
-        index = save()
+    reference = index.fault_free_period
     jobs = jobs or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                        else os.cpu_count() or 1)
     tasks = [(spec, policy, k, settings, reference, str(folder), shash,
               to_prove.get(k)) for k in todo]
     with planning_pool(jobs if len(tasks) > 1 else 1) as run:
         for entry in run(build_entry, tasks):
-            entries[tuple(entry["failed_per_stage"])] = entry
-            done += 1
-            index = save()
-    if index is None:  # nothing was planned: the index still records this build's threshold
-        index = write_index(folder, spec, policy, max_failures, settings, shash, reference,
-                             entries, wanted)
-    listed = {e["file"] for e in index["entries"]}
+            add(entry)
+    index.write(folder)  # also when nothing was planned: the index records this threshold
+    listed = {e.file for e in index.entries}
     for entry in old_entries:  # a --force rebuild leaves no plan file outside its index
-        name = str(entry.get("file", ""))
-        if name and name not in listed and "/" not in name and (folder / name).is_file():
-            (folder / name).unlink()
+        if entry.file not in listed and (folder / entry.file).is_file():
+            (folder / entry.file).unlink()
     return index

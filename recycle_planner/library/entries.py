@@ -14,6 +14,7 @@ from recycle_planner.files.planfile import read_plan, write_plan
 from recycle_planner.job.situations import Placement, counts_of, failure_sets
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import dead_per_stage
+from recycle_planner.library.hashing import file_sha256
 from recycle_planner.library.placement import plan_best_placement
 from recycle_planner.library.prove import prove_plan
 from recycle_planner.programs.check import check_plan
@@ -25,6 +26,7 @@ PLAN_ALL, ON_DEMAND, REFINED = "plan-all", "on-demand", "refined"
 MADE = (PLAN_ALL, ON_DEMAND, REFINED)
 """Who made an entry: plan-all, the coordinator when it met a situation the library lacked
 (the fast solver under a time budget), or the background refinement of such a plan."""
+MADE_AT_RUN_TIME = (ON_DEMAND, REFINED)
 
 LIBRARY_FILE = re.compile(r"k[0-9]+(-[0-9]+)*(\.[a-z]+[0-9]*)?\.json\.gz")  # situation_file's
 
@@ -70,6 +72,10 @@ class LibraryEntry:
     def period(self) -> float:
         return self.metrics.period
 
+    def intact(self, folder: Path) -> bool:
+        """Whether its plan file is in `folder` with the SHA-256 the entry recorded."""
+        return self.sha256 is not None and file_sha256(folder / self.file) == self.sha256
+
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "LibraryEntry":
         """The entry `data`, or a PlanFileError naming `where` if its shape is wrong."""
@@ -107,19 +113,19 @@ class LibraryEntry:
                                 f"holes {counts!r}")
 
 
-def build_entry(args: tuple) -> dict[str, Any]:
+def build_entry(args: tuple) -> LibraryEntry:
     """Plan one situation (the best placement), write its plan file; its index entry."""
     spec, policy, counts, settings, reference, folder, shash, old = args
     if old is not None:  # --prove on an entry already built: start from its plan
-        plan = read_plan(Path(folder) / old["file"])
-        placement = tuple(tuple(g) for g in old["placement"])
+        plan = read_plan(Path(folder) / old.file)
+        placement = tuple(tuple(g) for g in old.placement)
     else:
         plan, placement = plan_best_placement(spec, policy, counts, settings, reference)
     if settings.prove_work is not None and not plan.metrics.optimal:
         ref = plan.metrics.fault_free_period if reference is None else reference
         plan = prove_plan(plan, ref, settings.prove_work)
     return store_plan(spec, plan, placement, Path(folder), situation_file(counts), shash,
-                      settings.hash, PLAN_ALL, settings.prove_work).to_dict()
+                      settings.hash, PLAN_ALL, settings.prove_work)
 
 
 def store_plan(spec: JobSpec, plan: Plan, placement: Placement, folder: Path, name: str,

@@ -3,8 +3,9 @@ adding the plans a run makes on demand.
 
 The library is a cache, not a wall: a dead set it lacks is a `MissingPlan`, which the
 coordinator answers by planning it (`library/ondemand.py`) and `add`ing it. Only the
-coordinator writes (the plan file first, then index.json, each atomically); every lookup reads
-the index again if it changed, so a worker sees what the coordinator added or replaced."""
+coordinator writes, under the folder's lock (the plan file first, then index.json, each
+atomically); every lookup reads the index again if it changed, so a worker sees what the
+coordinator added or replaced."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any, Iterable
 
 from recycle_planner.errors import FailureSetError, PlanFileError, RecycleError
 from recycle_planner.files.planfile import read_plan
-from recycle_planner.io import read_json, write_json
+from recycle_planner.io import read_json
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.situations import Mapping, Placement, canonical, map_failure
 from recycle_planner.job.spec import JobSpec
@@ -22,7 +23,8 @@ from recycle_planner.job.workers import check_failed, dead_per_stage
 from recycle_planner.library.entries import (LIBRARY_FILE, LibraryEntry, situation_file,
                                              store_plan)
 from recycle_planner.library.hashing import file_sha256, spec_hash
-from recycle_planner.library.index import INDEX, LIBRARY_VERSION, check_index, write_index
+from recycle_planner.library.index import INDEX, LibraryIndex
+from recycle_planner.library.lock import library_lock
 from recycle_planner.library.settings import Settings
 from recycle_planner.timing.plan import Plan
 from recycle_planner.words import plural
@@ -69,29 +71,14 @@ class Lookup:
 class PlanLibrary:
     """A built library, opened for lookups. `PlanLibrary.open("plans/").lookup([(1, 3)])`."""
 
-    def __init__(self, folder: Path, index: dict[str, Any]):
-        self.folder = folder
+    def __init__(self, folder: Path, index: LibraryIndex):
+        self.folder = Path(folder)
         self.index = index
-        self.spec = JobSpec.from_dict(index["spec"], f"{folder / INDEX}: spec")
-        try:
-            self.policy = Policy.from_dict(index["policy"])
-        except RecycleError as exc:
-            raise PlanFileError(f"{folder / INDEX}: {exc}") from None
-        if spec_hash(self.spec, self.policy) != index["spec_hash"]:
-            raise PlanFileError(f"{folder / INDEX}: its spec and policy do not match its "
-                                f"spec_hash (was the index edited?); rebuild it with "
-                                f"'recycle-planner plan-all --force'")
-        self.max_failures = int(index["max_failures"])
-        self._by_counts: dict[tuple[int, ...], LibraryEntry] = {}
-        for i, data in enumerate(index["entries"]):
-            where = f"{folder / INDEX}: entries[{i}]"
-            entry = LibraryEntry.from_dict(data, where)
-            entry.check(self.spec, where)
-            self._by_counts[entry.counts] = entry
-        # Entries a run replaced by better plans: a generation decided just before still runs one.
-        self._replaced = {e["file"]: LibraryEntry.from_dict(e, f"{folder / INDEX}: replaced")
-                          for e in index.get("replaced", [])}
-        self._stamp = _stamp(folder / INDEX)
+        self._stamp = _stamp(self.folder / INDEX)
+
+    spec = property(lambda self: self.index.spec)
+    policy = property(lambda self: self.index.policy)
+    max_failures = property(lambda self: self.index.max_failures)
 
     @classmethod
     def create(cls, folder: str | Path, spec: JobSpec, policy: Policy = Policy()
@@ -100,24 +87,21 @@ class PlanLibrary:
         situation, the fault-free one first, is planned when the run first meets it. An
         existing library of this job there is opened instead (a resumed run keeps its plans)."""
         folder = Path(folder)
-        if (folder / INDEX).is_file():
-            return cls.open(folder, spec, policy)
         folder.mkdir(parents=True, exist_ok=True)
-        write_index(folder, spec, policy, 0, Settings(), spec_hash(spec, policy), None, {}, [])
+        with library_lock(folder, "a run planning on demand"):
+            if (folder / INDEX).is_file():
+                return cls.open(folder, spec, policy)
+            LibraryIndex(spec, policy, 0, Settings().to_dict()).write(folder)
         return cls.open(folder)
 
     @classmethod
     def open(cls, folder: str | Path, spec: JobSpec | None = None,
              policy: Policy | None = None) -> "PlanLibrary":
         folder = Path(folder)
-        path = folder / INDEX
-        if not path.is_file():
-            raise PlanFileError(f"{folder}: no plan library here (missing {INDEX}); build one "
-                                f"with 'recycle-planner plan-all'")
-        lib = cls(folder, check_index(read_json(path, "library index"), path))
-        if spec is not None and spec_hash(spec, policy or lib.policy) != lib.index["spec_hash"]:
+        lib = cls(folder, LibraryIndex.read(folder))
+        if spec is not None and spec_hash(spec, policy or lib.policy) != lib.index.spec_hash:
             raise RecycleError(f"{folder} was built for another spec or policy (hash "
-                               f"{lib.index['spec_hash']}); rebuild it with 'recycle-planner "
+                               f"{lib.index.spec_hash}); rebuild it with 'recycle-planner "
                                f"plan-all' for this one")
         return lib
 
@@ -127,45 +111,48 @@ class PlanLibrary:
         stamp = _stamp(self.folder / INDEX)
         if stamp == self._stamp:
             return False
-        fresh = PlanLibrary.open(self.folder)
-        if fresh.index["spec_hash"] != self.index["spec_hash"]:
+        fresh = LibraryIndex.read(self.folder)
+        if fresh.spec_hash != self.index.spec_hash:
             raise PlanFileError(f"{self.folder / INDEX} now holds another job's library")
-        self.__dict__.update(fresh.__dict__)
+        self.index, self._stamp = fresh, stamp
         return True
 
     def add(self, plan: Plan, placement: Placement, made: str,
             settings_hash: str | None = None) -> LibraryEntry:
         """Store `plan` (its placement of the holes, who `made` it) as the entry of its
-        situation, replacing any: the plan file under a name never used before, then the
-        index, each written atomically; the entry records the file's SHA-256."""
-        spec = self.spec
-        counts = tuple(dead_per_stage(spec, plan.failed))
-        serial = 1
-        while (self.folder / situation_file(counts, made, serial)).exists():
-            serial += 1
-        entry = store_plan(spec, plan, placement, self.folder,
-                           situation_file(counts, made, serial), self.index["spec_hash"],
-                           settings_hash, made)
-        entries = dict(self._by_counts)
-        index = dict(self.index)
-        if counts in entries:
-            index["replaced"] = [*index.get("replaced", []), entries[counts].to_dict()]
-        entries[counts] = entry
-        index["version"] = LIBRARY_VERSION
-        if not any(counts):
-            index["fault_free_period"] = entry.period
-        index["entries"] = [e.to_dict() for e in entries.values()]
-        write_json(self.folder / INDEX, index)
-        self.index, self._by_counts = index, entries
-        self._replaced = {e["file"]: LibraryEntry.from_dict(e, "replaced")
-                          for e in index.get("replaced", [])}
-        self._stamp = _stamp(self.folder / INDEX)
+        situation, replacing any (kept under `replaced`): the plan file under a name never used
+        before, then the index, each written atomically, under the folder's lock (a
+        `LibraryBusy` if another process writes the library; the index is read again under
+        the lock, so that no other writer's entry is lost); the entry records the file's
+        SHA-256."""
+        counts = tuple(dead_per_stage(self.spec, plan.failed))
+        with library_lock(self.folder, f"a run adding a plan ({made})"):
+            self.reload()
+            serial = 1
+            while (self.folder / situation_file(counts, made, serial)).exists():
+                serial += 1
+            entry = store_plan(self.spec, plan, placement, self.folder,
+                               situation_file(counts, made, serial), self.index.spec_hash,
+                               settings_hash, made)
+            self.index = self.index.with_entry(entry, keep_replaced=True)
+            self.index.write(self.folder)
+            self._stamp = _stamp(self.folder / INDEX)
         return entry
+
+    def problems(self) -> list[str]:
+        """What keeps the library from being complete: situations up to its threshold without
+        an entry, and entries whose plan file is missing or not the one recorded."""
+        out = [f"no plan for per-stage failures {list(k)}" for k in self.index.missing]
+        for entry in self.index.entries:
+            if not entry.intact(self.folder):
+                state = "missing" if not (self.folder / entry.file).is_file() else "changed"
+                out.append(f"plan file {entry.file} {state}")
+        return out
 
     def _check_folder_is_ours(self) -> None:
         """A folder whose plan files are none of those its index lists holds another library's
         index (copied or moved there): say so rather than call one plan file missing."""
-        listed = {e.file for e in self._by_counts.values()}
+        listed = {e.file for e in self.index.entries}
         here = {p.name for p in self.folder.iterdir() if LIBRARY_FILE.fullmatch(p.name)}
         if here and not here & {name for name in listed
                                 if file_sha256(self.folder / name) is not None}:
@@ -178,7 +165,7 @@ class PlanLibrary:
         for name in sorted(listed & here)[:1]:
             data = read_json(self.folder / name)
             other = data.get("spec") if isinstance(data, dict) else None
-            if isinstance(other, dict) and other != self.index["spec"]:
+            if isinstance(other, dict) and other != self.spec.to_dict():
                 raise PlanFileError(f"{self.folder / INDEX}: this index is another library's: "
                                     f"its plan file {name} is of another job "
                                     f"({other.get('name') or 'unnamed'}); run plan-all for "
@@ -186,22 +173,21 @@ class PlanLibrary:
 
     @property
     def fault_free_period(self) -> float:
-        if self.index.get("fault_free_period") is None:
+        if self.index.fault_free_period is None:
             raise PlanFileError(f"{self.folder}: the library has no fault-free plan yet")
-        return float(self.index["fault_free_period"])
+        return self.index.fault_free_period
 
     def entries(self) -> list[LibraryEntry]:
-        return list(self._by_counts.values())
+        return list(self.index.entries)
 
     def entry(self, counts: tuple[int, ...]) -> LibraryEntry | None:
-        return self._by_counts.get(tuple(counts))
+        return self.index.by_counts.get(tuple(counts))
 
     @property
     def reference_period(self) -> float | None:
         """The period of the library's fault-free plan, the reference of a new plan's
         degradation; None while it has none (a run without a library, before its first plan)."""
-        zero = self.entry((0,) * self.spec.stages)
-        return None if zero is None else zero.period
+        return self.index.fault_free_period
 
     def lookup(self, failed: Iterable[Iterable[int]], file: str | None = None) -> Lookup:
         """The plan and mapping for these dead physical workers; an error if a worker is outside
@@ -211,7 +197,7 @@ class PlanLibrary:
         dead = check_failed(self.spec, failed)
         counts = dead_per_stage(self.spec, dead)
         self.reload()  # one stat; the index is read again only if a run added a plan
-        entry = self._by_counts.get(counts)
+        entry = self.entry(counts)
         if entry is None and len(dead) > self.max_failures:
             raise MissingPlan(f"{len(dead)} dead workers is beyond this library's threshold "
                               f"of {self.max_failures}", counts)
@@ -219,7 +205,7 @@ class PlanLibrary:
             raise MissingPlan(f"{self.folder}: the library has no plan for per-stage failures "
                               f"{list(counts)} (incomplete library: run plan-all again)", counts)
         if file is not None and entry.file != file:
-            entry = self._replaced.get(file)
+            entry = next((e for e in self.index.replaced if e.file == file), None)
             if entry is None or entry.counts != counts:
                 raise PlanFileError(f"{self.folder}: the library has no plan file {file} for "
                                     f"per-stage failures {list(counts)}")

@@ -33,10 +33,12 @@ def library_rows(lib: PlanLibrary) -> list[dict]:
 
 
 def library_dict(lib: PlanLibrary) -> dict:
-    """`report --json`: the library's job, threshold, rows per failure count and entries."""
+    """`report --json`: the library's job, threshold, whether it is complete (and if not, why:
+    `problems`), rows per failure count and entries."""
+    problems = lib.problems()
     return {"format": "recycle-library-report", "version": 1, "library": str(lib.folder),
             "spec": lib.spec.to_dict(), "policy": lib.policy.to_dict(),
-            "max_failures": lib.max_failures, "complete": lib.index.get("complete", True),
+            "max_failures": lib.max_failures, "complete": not problems, "problems": problems,
             "fault_free_period": lib.fault_free_period, "rows": library_rows(lib),
             "situations": [{k: v for k, v in e.to_dict().items()
                             if k in ("failed_per_stage", "file", "metrics", "solver", "made")}
@@ -44,18 +46,23 @@ def library_dict(lib: PlanLibrary) -> dict:
 
 
 def library_text(lib: PlanLibrary) -> str:
+    """The report: the library, its rows per failure count, its worst situations; an
+    incomplete library (a situation without a plan, a plan file missing or changed) says so
+    first."""
     spec = lib.spec
+    problems = lib.problems()
     entries = lib.entries()
     gaps = [e.metrics.gap or 0.0 for e in entries]
     lines = [f"library {lib.folder}: {spec.name or 'job'}, {grid(spec)}, "
              f"policy {lib.policy.label}, up to {plural(lib.max_failures, 'failure')}",
              f"fault-free period {number(lib.fault_free_period)} ms; "
              f"{plural(len(entries), 'situation')}; "
-             f"mean gap to lower bound {sum(gaps) / max(1, len(gaps)):.2%}"
-             + ("" if lib.index.get("complete", True) else "  (INCOMPLETE: run plan-all again)"),
-             "",
-             f"{'failures':>8} {'situations':>10} {'failure sets':>12} {'mean degr.':>10} "
-             f"{'worst degr.':>11} {'mean gap':>9} {'worst gap':>9} {'optimal':>8}"]
+             f"mean gap to lower bound {sum(gaps) / max(1, len(gaps)):.2%}"]
+    if problems:
+        lines.append(f"INCOMPLETE: {plural(len(problems), 'problem')}, first "
+                     f"{problems[0]}: run plan-all again to plan what is missing")
+    lines += ["", f"{'failures':>8} {'situations':>10} {'failure sets':>12} {'mean degr.':>10} "
+                  f"{'worst degr.':>11} {'mean gap':>9} {'worst gap':>9} {'optimal':>8}"]
     for r in library_rows(lib):
         lines.append(f"{r['failures']:>8} {r['situations']:>10} {r['failure_sets']:>12} "
                      f"{r['mean_degradation']:>10.1%} {r['worst_degradation']:>11.1%} "

@@ -42,7 +42,9 @@ def plan_summary(plan: Plan) -> str:
         f"  policy          {plan.policy.label}   {made}",
         f"  period          {number(m.period)} ms   "
         f"(fault-free {number(m.fault_free_period)} ms, degradation {m.degradation:+.1%})",
-        f"  iteration time  {number(m.iteration_time)} ms",
+        f"  iteration time  {number(m.iteration_time)} ms"
+        + ("   (first op to last step; the next iteration starts before it ends)"
+           if m.period < m.iteration_time - 1e-9 else ""),
         f"  lower bound     {number(m.lower_bound)} ms   (gap {m.gap or 0.0:.1%}"
         + (f": {m.lower_bound_reason}" if m.lower_bound_reason else "") + ")",
     ]

@@ -11,6 +11,9 @@ from recycle_planner.schedules.schedule import rerouted
 from recycle_planner.timing.plan import Plan
 
 LETTERS = ("F", "I", "W", "B", "A", "O")
+ABSURD_SPAN = 100
+"""A plan whose ops span this many times its iteration time has been edited or damaged: its
+timeline would be one character per many iterations, so it is not drawn."""
 
 
 def shown_pipelines(plan: Plan, max_workers: int) -> list[int]:
@@ -31,6 +34,8 @@ def _hosting_pipelines(plan: Plan) -> set[int]:
 
 
 def text_timeline(plan: Plan, width: int = 96, max_workers: int = 32) -> str:
+    """The timeline of the plan's first iteration from an idle start, or one line saying why
+    there is none (times far beyond the plan's own iteration time)."""
     sched, timing = plan.schedule, plan.timing
     spec = sched.spec
     S = spec.stages
@@ -38,6 +43,9 @@ def text_timeline(plan: Plan, width: int = 96, max_workers: int = 32) -> str:
     t0 = float(np.nanmin(timing.start[ids]))
     t1 = float(np.nanmax(timing.end[ids]))
     span = max(t1 - t0, 1e-12)
+    if not span <= ABSURD_SPAN * max(plan.metrics.iteration_time, 1e-12):
+        return (f"(no timeline: the ops span {span:.6g} ms, more than {ABSURD_SPAN} times the "
+                f"plan's iteration time of {plan.metrics.iteration_time:.6g} ms)")
     step = span / width
     centres = t0 + (np.arange(width) + 0.5) * step
     pipelines = shown_pipelines(plan, max_workers)

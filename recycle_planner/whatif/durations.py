@@ -13,6 +13,7 @@ import re
 
 from recycle_planner.errors import RecycleError, SpecError
 from recycle_planner.job.spec import _bytes
+from recycle_planner.limits import MAX_DURATION, YEAR
 
 UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "min": 60.0, "h": 3600.0, "d": 86400.0,
          "w": 604800.0}
@@ -35,6 +36,8 @@ def parse_duration(text: str | float | int, what: str = "duration",
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = "zero or more" if allow_zero else "more than zero"
         raise DurationError(f"{what}: must be {bound}, got {text!r}")
+    if value > MAX_DURATION:
+        raise DurationError(f"{what}: {text!r} is more than {MAX_DURATION / YEAR:.0f} years")
     return value
 
 
