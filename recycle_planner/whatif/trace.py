@@ -213,6 +213,9 @@ def read_trace(path: str | Path, spec: JobSpec, duration: float | None = None,
         for event in _parse_workers(row[2], t, kind, hosts, at):
             events.append(event)
             where.append(at)
+        if len(events) > 2 * MAX_TRACE_FAILURES:  # a failure and its repair each
+            raise TraceError(f"{at}: more than {2 * MAX_TRACE_FAILURES:,} events; a trace may "
+                             f"have {MAX_TRACE_FAILURES:,} failures")
     if not header_seen:
         raise TraceError(f"{path}: empty trace (expected the header 'time,event,worker')")
     if duration is None:
