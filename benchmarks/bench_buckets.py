@@ -92,10 +92,10 @@ def in_process(job_args: list[str], iterations: int, work: Path) -> list[dict]:
     and at ALLREDUCE, alternating (ms)."""
     import torch
 
-    from recycle_planner.executor.boundary import layout_of
+    from recycle_planner.executor.data.boundary import layout_of
     from recycle_planner.executor.faults import FaultInjector
-    from recycle_planner.executor.runtime import StageRuntime, compile_program
-    from recycle_planner.executor.state import StageState
+    from recycle_planner.executor.data.runtime import StageRuntime, compile_program
+    from recycle_planner.executor.data.state import StageState
 
     torch.set_num_threads(1)
     job = load_job(GPT, job_args)

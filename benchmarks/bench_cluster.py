@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from helpers.netns import COORD_ADDR, Hosts, unavailable  # noqa: E402
 
-from recycle_planner.executor.state import latest_checkpoint  # noqa: E402
+from recycle_planner.executor.data.state import latest_checkpoint  # noqa: E402
 from recycle_planner.library import Settings, build_library  # noqa: E402
 from recycle_planner.job.policy import Policy  # noqa: E402
 from recycle_planner.job.spec import JobSpec  # noqa: E402

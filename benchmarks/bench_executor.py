@@ -58,7 +58,7 @@ import torch_1f1b  # noqa: E402
 
 from recycle_planner.errors import RecycleError  # noqa: E402
 from recycle_planner.executor import LaunchConfig, launch, load_job, parse_fault  # noqa: E402
-from recycle_planner.executor.agent import worker_command  # noqa: E402
+from recycle_planner.executor.control.agent import worker_command  # noqa: E402
 from recycle_planner.files.export_torch import export_torch_csv  # noqa: E402
 from recycle_planner.io import write_json  # noqa: E402
 from recycle_planner.library import PlanLibrary, Settings, build_library  # noqa: E402
@@ -228,7 +228,7 @@ def undo_copy(job, repeats: int = 20) -> list[dict]:
 
     import torch
 
-    from recycle_planner.executor.state import StageState
+    from recycle_planner.executor.data.state import StageState
 
     torch.set_num_threads(1)
     rows = []

@@ -40,8 +40,8 @@ from common import machine
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 
-from recycle_planner.executor import protocol as P  # noqa: E402
-from recycle_planner.executor.runtime import compile_program  # noqa: E402
+from recycle_planner.executor.control import protocol as P  # noqa: E402
+from recycle_planner.executor.data.runtime import compile_program  # noqa: E402
 from recycle_planner.files.planfile import read_plan, write_plan  # noqa: E402
 from recycle_planner.job.policy import Policy  # noqa: E402
 from recycle_planner.job.spec import JobSpec, load_spec  # noqa: E402

@@ -68,10 +68,10 @@ def per_message(repeats: int = 20000) -> dict:
     (always 64, so that both copy the same bytes; one thread)."""
     import torch
 
-    from recycle_planner.executor.boundary import layout_of
-    from recycle_planner.executor.runtime import Instr, StageRuntime
-    from recycle_planner.executor.shapes import DynamicDims
-    from recycle_planner.executor.state import StageState
+    from recycle_planner.executor.data.boundary import layout_of
+    from recycle_planner.executor.data.runtime import Instr, StageRuntime
+    from recycle_planner.executor.data.shapes import DynamicDims
+    from recycle_planner.executor.data.state import StageState
 
     torch.set_num_threads(1)
     fixed = layout_of(torch.zeros(8, 64, 64))

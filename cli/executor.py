@@ -95,7 +95,7 @@ def _settings(f):
 
 def _launch_config(nproc: int, library, run_dir, backend, lease, heartbeat, pg_timeout,
                    checkpoint_every, resume, faults, **more):
-    from recycle_planner.executor.agent import LaunchConfig
+    from recycle_planner.executor.control.agent import LaunchConfig
     from recycle_planner.executor.faults import parse_fault
     from recycle_planner.io import check_writable
 
@@ -173,13 +173,13 @@ def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
       recycle-planner launch --nnodes 2 --nproc-per-node 4 --node-rank 0 \\
           --rdzv-endpoint coord:29400 examples/tiny_mlp.py:make_job -- --library plans/
     """
-    from recycle_planner.executor.agent import check_target, launch as run_launch, \
+    from recycle_planner.executor.control.agent import check_target, launch as run_launch, \
         worker_command
 
     args = args[1:] if args[:1] == ("--",) else args
     if nnodes is not None or rdzv_endpoint is not None:
         from recycle_planner.errors import RecycleError
-        from recycle_planner.executor.hostagent import HostAgent, HostConfig
+        from recycle_planner.executor.control.hostagent import HostAgent, HostConfig
 
         if nnodes is None or rdzv_endpoint is None:
             raise RecycleError("a cluster job needs both --nnodes and --rdzv-endpoint (the "
@@ -216,7 +216,7 @@ def coordinator(nnodes: int, nproc_per_node: int, port: int, as_json: bool,
     \b
       recycle-planner coordinator --nnodes 2 --nproc-per-node 4 --run-dir /shared/run
     """
-    from recycle_planner.executor.coordinator import coordinate
+    from recycle_planner.executor.control.coordinator import coordinate
 
     config = _launch_config(nnodes * nproc_per_node, master_port=port, **settings)
     result = coordinate(config, nnodes, on_event=_show(as_json))

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from recycle_planner.executor import load_job, train_reference
-from recycle_planner.executor.state import latest_checkpoint, load_stage_checkpoint
+from recycle_planner.executor.data.state import latest_checkpoint, load_stage_checkpoint
 
 
 def run_state(folder: Path) -> tuple[dict, list[dict]]:

@@ -34,7 +34,7 @@ from torch import nn
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor import DynamicDims, Job, run
-from recycle_planner.executor.hooks import ClipGradNorm
+from recycle_planner.executor import ClipGradNorm
 
 TEXT_MODULES = ("argparse", "textwrap", "json.decoder", "dataclasses", "functools")
 VOCAB = 256

@@ -22,7 +22,7 @@ import time
 import torch
 
 from recycle_planner.executor import Job, run
-from recycle_planner.executor.hooks import ClipGradNorm
+from recycle_planner.executor import ClipGradNorm
 
 
 def options(argv=()) -> argparse.Namespace:

@@ -15,12 +15,12 @@ from conftest import make_spec
 
 torch = pytest.importorskip("torch")
 
-from recycle_planner.executor.boundary import layout_of  # noqa: E402
-from recycle_planner.executor.buckets import GradBuckets, plan_buckets  # noqa: E402
-from recycle_planner.executor.comm import PeerFailure  # noqa: E402
+from recycle_planner.executor.data.boundary import layout_of  # noqa: E402
+from recycle_planner.executor.data.buckets import GradBuckets, plan_buckets  # noqa: E402
+from recycle_planner.executor.data.comm import PeerFailure  # noqa: E402
 from recycle_planner.executor.faults import FaultInjector  # noqa: E402
-from recycle_planner.executor.runtime import StageRuntime, compile_program  # noqa: E402
-from recycle_planner.executor.state import StageState  # noqa: E402
+from recycle_planner.executor.data.runtime import StageRuntime, compile_program  # noqa: E402
+from recycle_planner.executor.data.state import StageState  # noqa: E402
 
 S, D, M, WIDTH, BATCH = 2, 2, 4, 8, 3
 

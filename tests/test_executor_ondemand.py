@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from recycle_planner.executor import protocol as P
+from recycle_planner.executor.control import protocol as P
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
@@ -96,7 +96,7 @@ def test_a_run_without_a_library_plans_every_situation_when_first_met(tmp_path):
 
 def test_a_run_without_a_library_gets_one_in_its_run_folder_checked_against_the_job(tmp_path):
     from recycle_planner.errors import RecycleError
-    from recycle_planner.executor.agent import prepare_library
+    from recycle_planner.executor.control.agent import prepare_library
 
     spec = tmp_path / "job.toml"
     spec.write_text('stages = 2\npipelines = 2\nmicrobatches = 4\n[time]\nforward = 1\n'

@@ -15,15 +15,16 @@ from conftest import EXAMPLES, make_spec
 
 torch = pytest.importorskip("torch")
 
-from recycle_planner.executor import protocol as P  # noqa: E402
-from recycle_planner.executor.agent import LaunchConfig  # noqa: E402
-from recycle_planner.executor.comm import BACKWARD, FORWARD, message_tag  # noqa: E402
+from recycle_planner.executor.control import protocol as P  # noqa: E402
+from recycle_planner.executor.control.agent import LaunchConfig  # noqa: E402
+from recycle_planner.executor.data.comm import BACKWARD, FORWARD, message_tag  # noqa: E402
 from recycle_planner.executor.faults import Fault, FaultInjector, parse_fault  # noqa: E402
 from recycle_planner.executor.job import Job, load_job  # noqa: E402
-from recycle_planner.executor.runtime import Program, compile_program  # noqa: E402
-from recycle_planner.executor.state import (StageState, latest_checkpoint,  # noqa: E402
-                                            load_stage_checkpoint, write_manifest,
-                                            write_stage_checkpoint)
+from recycle_planner.executor.data.runtime import Program, compile_program  # noqa: E402
+from recycle_planner.executor.data.state import (StageState, latest_checkpoint,  # noqa: E402
+                                                 load_stage_checkpoint,
+                                                 write_manifest,
+                                                 write_stage_checkpoint)
 
 
 def test_faults_parse_and_fire_once_per_point():
@@ -318,7 +319,7 @@ class _FakeGroup:
 
 
 def test_nccl_groups_are_aborted_after_a_failure_and_shut_down_after_a_clean_end():
-    from recycle_planner.executor.comm import BACKENDS, Comm
+    from recycle_planner.executor.data.comm import BACKENDS, Comm
 
     for failed, want in ((True, ["abort"]), (False, ["shutdown"])):
         comm = Comm.__new__(Comm)  # no process group on a CPU build: fake ones
@@ -331,7 +332,7 @@ def test_nccl_groups_are_aborted_after_a_failure_and_shut_down_after_a_clean_end
 
 
 def test_backends_set_their_environment_and_device_before_the_first_group():
-    from recycle_planner.executor.comm import BACKENDS, prepare, set_environment
+    from recycle_planner.executor.data.comm import BACKENDS, prepare, set_environment
 
     env = {"LOCAL_RANK": "3", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     assert BACKENDS["nccl"].device(env) == torch.device("cuda", 3)

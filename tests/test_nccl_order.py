@@ -17,10 +17,10 @@ from conftest import EXAMPLES
 
 torch = pytest.importorskip("torch")
 
-from recycle_planner.executor import protocol as P  # noqa: E402
+from recycle_planner.executor.control import protocol as P  # noqa: E402
 from recycle_planner.executor.issue import POST, RUN, SEND, Issue  # noqa: E402
 from recycle_planner.executor.nccl_check import replay  # noqa: E402
-from recycle_planner.executor.runtime import Program, compile_program  # noqa: E402
+from recycle_planner.executor.data.runtime import Program, compile_program  # noqa: E402
 
 LIBRARIES = [("small.toml", Policy(), 2),
              ("small.toml", Policy(decouple=False, stagger=False), 1),

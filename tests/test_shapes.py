@@ -7,10 +7,10 @@ pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 
 from recycle_planner.errors import RecycleError  # noqa: E402
-from recycle_planner.executor.boundary import (Layout, call, fit, layout_of, pack,  # noqa: E402
-                                               prefix, unpack)
-from recycle_planner.executor.shapes import (DynamicDims, input_layout, largest,  # noqa: E402
-                                             output_layout)
+from recycle_planner.executor.data.boundary import (Layout, call, fit, layout_of,  # noqa: E402
+                                                    pack, prefix, unpack)
+from recycle_planner.executor.data.shapes import (DynamicDims, input_layout, largest,  # noqa: E402
+                                                  output_layout)
 
 B, DIM, MAX = 3, 4, 8
 

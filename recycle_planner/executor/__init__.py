@@ -8,6 +8,14 @@ Public API:
   `LaunchResult`; raises `TrainingStopped` when the job cannot finish.
 - `train_reference(job, pipelines, microbatches)`: the single-process result to compare with.
 - `parse_fault("1:2:F0")`: inject a real process death for tests and drills.
+- `ClipGradNorm(max_norm)`: global-norm gradient clipping across stages (a `StepHook`).
+
+The package has two sides that meet in the worker (`worker.py`): `control/` (membership,
+generations, leases, decisions, the launcher, the coordinator and host agents; every message
+between processes is a typed record of `control/messages.py`, and a worker reaches the control
+plane only through a `control.link.Link`) and `data/` (process groups, the program's ops, the
+optimizer step, undo and checkpoints, abort). docs/executor.md, "How it is built", draws the
+seam.
 
 Names are imported on first use (PEP 562), so that the launcher does not pay for the worker's
 torch imports; the worker side needs torch (`pip install recycle-planner[torch]`).
@@ -16,10 +24,12 @@ torch imports; the worker side needs torch (`pip install recycle-planner[torch]`
 from importlib import import_module
 
 _WHERE = {
-    "LaunchConfig": "agent", "LaunchResult": "agent", "TrainingStopped": "agent",
-    "launch": "agent", "worker_command": "agent", "Fault": "faults", "parse_fault": "faults",
+    "LaunchConfig": "control.agent", "LaunchResult": "control.agent",
+    "TrainingStopped": "control.agent", "launch": "control.agent",
+    "worker_command": "control.agent", "Fault": "faults", "parse_fault": "faults",
     "Job": "job", "load_job": "job", "ReferenceResult": "reference",
-    "train_reference": "reference", "run": "worker", "DynamicDims": "shapes",
+    "train_reference": "reference", "run": "worker", "DynamicDims": "data.shapes",
+    "ClipGradNorm": "data.hooks", "StepHook": "data.hooks",
 }
 
 __all__ = sorted(_WHERE)

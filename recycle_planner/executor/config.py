@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from recycle_planner.errors import RecycleError
 
 CONFIG_ENV = "RECYCLE_CONFIG"
+CONFIG_KEY = "config"
+"""Where a coordinator posts the workers' settings (`WorkerConfig` JSON) for its host agents."""
 BUCKET_MB = 25.0
 """Size (MiB) of a bucket of the stage's gradient all-reduce (`buckets.py`), DDP's default:
 large enough that a launch costs little against its transfer, small enough that the first
@@ -49,10 +51,14 @@ class WorkerConfig:
         return json.dumps(self.__dict__)
 
     @classmethod
+    def from_json(cls, text: str | bytes) -> "WorkerConfig":
+        return cls(**json.loads(text))
+
+    @classmethod
     def from_env(cls) -> "WorkerConfig":
         raw = os.environ.get(CONFIG_ENV)
         if raw is None:
             raise RecycleError("this process was not started by 'recycle-planner launch' (no "
                                f"{CONFIG_ENV} in the environment): start the job with "
                                f"'recycle-planner launch' or recycle_planner.executor.launch")
-        return cls(**json.loads(raw))
+        return cls.from_json(raw)

@@ -20,7 +20,7 @@ from recycle_planner.errors import RecycleError
 if TYPE_CHECKING:  # torch is an optional dependency of the package
     import torch
 
-    from recycle_planner.executor.shapes import DynamicDims
+    from recycle_planner.executor.data.shapes import DynamicDims
 
 DataFn = Callable[[int, int, int], tuple[Any, Any]]
 AUTOCAST = (None, "bfloat16", "float16")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recycle_planner.executor.boundary import call
+from recycle_planner.executor.data.boundary import call
 from recycle_planner.executor.job import Job
 
 

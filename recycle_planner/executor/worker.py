@@ -40,27 +40,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor import protocol as P
-from recycle_planner.executor.boundary import Layout, call, layout_of
-from recycle_planner.executor.comm import Comm, PeerFailure, prepare, short_error
+from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control import protocol as P
+from recycle_planner.executor.control.link import LOST, ControlLost, Link, StoreLink
 from recycle_planner.executor.config import (CONFIG_ERROR, COORDINATOR_LOST, STALLED,
                                              WorkerConfig)
+from recycle_planner.executor.data.boundary import Layout, call, layout_of
+from recycle_planner.executor.data.comm import PeerFailure, prepare
+from recycle_planner.executor.data.generation import Generation
+from recycle_planner.executor.data.runtime import StageRuntime, compile_program, new_op_times
+from recycle_planner.executor.data.shapes import input_layout, output_layout
+from recycle_planner.executor.data.state import (StageState, latest_checkpoint,
+                                                 load_stage_checkpoint, write_manifest,
+                                                 write_stage_checkpoint)
 from recycle_planner.executor.faults import Fault, FaultInjector
 from recycle_planner.executor.job import Job, load_job
 from recycle_planner.executor.nccl_check import replay
-from recycle_planner.executor.runtime import StageRuntime, compile_program, new_op_times
-from recycle_planner.executor.shapes import input_layout, output_layout
-from recycle_planner.executor.state import (StageState, latest_checkpoint,
-                                            load_stage_checkpoint, write_manifest,
-                                            write_stage_checkpoint)
-from recycle_planner.job.workers import format_workers
 from recycle_planner.library import PlanLibrary
 
 log = logging.getLogger(__name__)
+
 
 def run(job: Job) -> None:
     """Train `job` as the worker this process was started as; returns when training is over
@@ -70,7 +72,10 @@ def run(job: Job) -> None:
 
 
 class Worker:
-    def __init__(self, job: Job, config: WorkerConfig):
+    """Where the control plane (`self.link`: membership, generations, leases, stop) and the
+    data plane (`Generation`: groups, ops, step, abort) meet."""
+
+    def __init__(self, job: Job, config: WorkerConfig, link: Link | None = None):
         self.job = job
         self.config = config
         self.rank = int(os.environ["RANK"])
@@ -95,12 +100,7 @@ class Worker:
         self.d, self.s = P.worker_of(self.rank, self.S)
         self.device = prepare(config.backend, os.environ)
         self.timeout = timedelta(seconds=config.pg_timeout)
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
-        # The heartbeat thread's own connection fails within the lease when the coordinator
-        # is gone, so that the worker can stop with a checkpoint while it still can.
-        self._watch_store = dist.TCPStore(host, port, is_master=False,
-                                          timeout=timedelta(seconds=config.lease))
+        self.link = link or StoreLink.from_env(config)
         module = job.build_stage(self.s).to(self.device)
         optimizer, scheduler = job.build_state(module)
         self.state = StageState(module, optimizer, scheduler=scheduler,
@@ -111,25 +111,27 @@ class Worker:
         self.faults = FaultInjector([Fault.from_dict(f) for f in config.faults], self.rank,
                                     self.incarnation, self._announce_fault, self._stepped,
                                     self._have_stepped, config.lease / 2)
-        self.abort = threading.Event()
         self._lock = threading.Lock()
-        self._watch_gen = -1
+        self._aborts: dict[int, threading.Event] = {}
+        """Per generation: set once the control plane abandoned it (`_abort`)."""
+        self._lost = False
         self._stopped = False
         self._plans: dict[str, Any] = {}
         self.runtime: StageRuntime | None = None
+        self.generation: Generation | None = None
         self.decision: P.Decision | None = None
-        self.coordinator_lost: str | None = None
 
     # -- life ---------------------------------------------------------------------------------
 
     def run(self) -> None:
-        threading.Thread(target=self._watchdog, name="recycle-heartbeat", daemon=True).start()
+        self.link.watch(self._beat, self._watched, self._on_abort)
+        threading.Thread(target=self._stall_watch, name="recycle-stall", daemon=True).start()
         try:
             self._live()
-        except (dist.DistError, RuntimeError) as exc:
-            if self.coordinator_lost is None and not isinstance(exc, dist.DistNetworkError):
-                raise
-            self._coordinator_lost(self.coordinator_lost or short_error(exc))
+        except ControlLost as exc:
+            self._coordinator_lost(str(exc))
+        finally:
+            self.link.close()
 
     def _live(self) -> None:
         in_layout, out_layout = self._layouts()
@@ -142,14 +144,14 @@ class Worker:
         # Everything built so far lives until the end: keep the collector off it, so that
         # the collection that closes a broken generation's groups takes microseconds.
         gc.freeze()
-        self.store.set(P.hello_key(self.rank, self.incarnation), P.dumps({
-            "pid": os.getpid(), "host": socket.gethostname(), "library": self.library_path,
-            "steps": self.state.steps if self.has_state else None}))
-        gen = int(self._wait_for(P.welcome_key(self.rank, self.incarnation)))
+        self.link.send(msg.Hello(self.rank, self.incarnation, os.getpid(), socket.gethostname(),
+                                 self.library_path,
+                                 self.state.steps if self.has_state else None))
+        gen = self.link.wait(msg.Welcome, rank=self.rank, incarnation=self.incarnation).gen
         if gen < 0:
             log.info("training ended before this worker could join")
             return self._quit()
-        decision = P.Decision.from_json(self._wait_for(P.gen_key(gen, "decision")))
+        decision = self.link.decision(gen)
         while True:
             self.decision = decision
             if decision.action == "stop":
@@ -157,113 +159,99 @@ class Worker:
             outcome = self._generation(decision)
             if outcome == "done" and self._finished(decision.gen):
                 return self._quit()
-            self.store.set(P.gen_key(decision.gen, f"ready/{self.rank}"), P.dumps({
-                "steps": self.state.steps if self.has_state else None, "reason": outcome}))
-            decision = P.Decision.from_json(self._wait_for(P.gen_key(decision.gen + 1,
-                                                                     "decision")))
+            self.link.send(msg.Ready(decision.gen, self.rank,
+                                     self.state.steps if self.has_state else None, outcome))
+            decision = self.link.decision(decision.gen + 1)
 
     def _generation(self, decision: P.Decision) -> str:
         """Run one generation; returns 'done', 'switch' (membership changes at an iteration
         boundary) or 'failure'."""
         gen = decision.gen
-        with self._lock:
-            self._watch_gen = gen
-            self.abort.clear()
         if self.has_state:
             self.state.rollback_to(decision.restart)
         runtime = self.runtime
         runtime.reset()
         runtime.op_times = self.op_times.setdefault(gen, new_op_times())
         runtime.on_step = lambda it, losses: self._record_losses(gen, it, losses)
-        comm = None
-        iteration = decision.restart
-        switch_at = None
+        generation = Generation(decision, runtime, self.link.group_store(decision),
+                                self.config.backend, self.rank, self.s, self.S, self.timeout,
+                                self.config.poll, self._program, self._abort_event(gen))
+        with self._lock:
+            self.generation = generation
+        self._iteration = decision.restart
         failure, t_fail = "", 0.0
-        t0 = time.perf_counter()
         try:
-            self._rendezvous(gen, len(decision.members))
-            t1 = time.perf_counter()
-            comm = Comm(self.config.backend, self.store, gen, list(decision.members), self.rank,
-                        [r for r in decision.members if r % self.S == self.s], self.s,
-                        self.timeout)
-            runtime.comm = comm
-            t2 = time.perf_counter()
-            self._copy_state(decision, comm)
-            program = self._program(decision)
-            log.info("generation %d: %d live workers, dead %s, plan %s, logical pipeline %d, "
-                     "from iteration %d (members met in %.0f ms, groups %.0f ms, state and "
-                     "plan %.0f ms)", gen, len(decision.members),
-                     format_workers(decision.dead), decision.plan,
-                     program.logical, iteration, 1e3 * (t1 - t0), 1e3 * (t2 - t1),
-                     1e3 * (time.perf_counter() - t2))
-            while iteration < self.job.iterations:
-                if self.faults.active and decision.dead and self.faults.at(iteration, "hold"):
-                    self._wait_for(P.gen_key(gen, "join"), check_abort=True)
-                if switch_at is None and self.store.check([P.gen_key(gen, "join")]):
-                    switch_at = int(self.store.compare_set(P.gen_key(gen, "switch_at"), "",
-                                                           str(iteration + 2)))
-                    log.info("a worker asks to join: switching at iteration %d", switch_at)
-                if switch_at is not None and iteration >= switch_at:
-                    comm.flush_sends()
-                    return "switch"
-                if self.faults.active:
-                    self.faults.trigger(iteration, "start")
-                runtime.run_iteration(program, iteration, self.abort, self.faults)
-                if not program.stagger:
-                    comm.barrier()
-                iteration += 1
-                self.store.set(P.iteration_key(iteration - 1, self.rank),
-                               P.dumps({"gen": gen, "t": time.time()}))
-                self._checkpoint(decision, iteration)
-            comm.flush_sends()
-            self._checkpoint(decision, iteration, final=True)
-            self.store.set(P.op_times_key(self.rank), P.dumps(self.op_times))
+            self.has_state = generation.open(self.has_state)
+            if self._iterations(generation, decision) is None:
+                return "switch"
+            self._checkpoint(decision, self.job.iterations, final=True)
+            self.link.send(msg.OpTimes(self.rank, self.op_times))
             return "done"
         except PeerFailure as exc:
             failure = str(exc)
             t_fail = time.perf_counter()
+        except ControlLost:
+            raise
         except Exception as exc:  # noqa: BLE001 - user code (model, loss, data): a bug
             # bad input the executor diagnosed (a shape beyond its maximum): its one line
             failure = str(exc) if isinstance(exc, RecycleError) else traceback.format_exc()
             t_fail = time.perf_counter()
             log.error("user code raised at iteration %d: stopping the whole job\n%s",
-                      iteration, failure.rstrip())
+                      self._iteration, failure.rstrip())
             # The first report wins; the launcher stops the job instead of re-routing.
-            self.store.compare_set(P.gen_key(gen, "bug"), "", P.dumps(
-                {"rank": self.rank, "iteration": iteration, "traceback": failure}))
+            self.link.send(msg.Bug(gen, self.rank, self._iteration, failure))
         finally:
             # Drop every reference to the groups (pending receives included) and close them:
             # that is what tells the peers blocked on this worker. This runs after the except
             # clause, whose traceback still holds frames that reference pending work.
-            runtime.reset()
-            runtime.comm = None
-            if comm is not None:
-                comm.close(failed=bool(failure))
+            with self._lock:
+                self.generation = None
+            generation.close(failed=bool(failure))
         log.warning("generation %d abandoned at iteration %d (groups closed in %.0f ms): %s",
-                    gen, iteration, 1e3 * (time.perf_counter() - t_fail), failure)
-        self.store.add(P.gen_key(gen, "errors"), 1)
-        self.faults.on_recovery(iteration)
+                    gen, self._iteration, 1e3 * (time.perf_counter() - t_fail), failure)
+        self.link.send(msg.CommError(gen, self.rank))
+        self.faults.on_recovery(self._iteration)
         return "failure"
+
+    def _iterations(self, generation: Generation, decision: P.Decision) -> int | None:
+        """Run iterations until the job's last (returns it) or until the members leave the
+        generation at an agreed boundary for a re-join or a plan switch (returns None)."""
+        gen = decision.gen
+        iteration = self._iteration = decision.restart
+        switch_at = None
+        while iteration < self.job.iterations:
+            if self.faults.active and decision.dead and self.faults.at(iteration, "hold"):
+                if self.link.wait(msg.JoinRequest, generation.aborted, gen=gen) is None:
+                    raise PeerFailure("the launcher abandoned this generation")
+            if switch_at is None and self.link.peek(msg.JoinRequest, gen=gen) is not None:
+                switch_at = self.link.send(msg.SwitchAt(gen, iteration + 2)).iteration
+                log.info("a worker asks to join: switching at iteration %d", switch_at)
+            if switch_at is not None and iteration >= switch_at:
+                generation.end()
+                return None
+            if self.faults.active:
+                self.faults.trigger(iteration, "start")
+            generation.run_iteration(iteration, self.faults)
+            iteration = self._iteration = iteration + 1
+            self.link.send(msg.IterationDone(iteration - 1, self.rank, gen, time.time()))
+            self._checkpoint(decision, iteration)
+        generation.end()
+        return iteration
 
     def _finished(self, gen: int) -> bool:
         """Report done and wait for everyone: True when the launcher says the job is complete,
         False when a failure elsewhere means the last iterations must be redone."""
-        self.store.set(P.gen_key(gen, f"done/{self.rank}"), P.dumps({"steps": self.state.steps}))
-        key = P.gen_key(gen, "finish")
-        while not self.store.check([key]):
-            if self.abort.is_set():
-                return False
-            time.sleep(self.config.poll)
-        return True
+        self.link.send(msg.Done(gen, self.rank, self.state.steps))
+        return self.link.wait(msg.Finish, self._abort_event(gen), gen=gen) is not None
 
     def _stop(self, decision: P.Decision) -> None:
         if self.has_state and self.rank in decision.members:
             self.state.rollback_to(decision.restart)
             if self.rank == min(r for r in decision.members if r % self.S == self.s):
                 write_stage_checkpoint(self.config.run_dir, decision.restart, self.s, self.state)
-                self.store.set(P.checkpoint_key(decision.restart, self.s), "1")
+                self.link.send(msg.CheckpointWritten(decision.restart, self.s))
         log.warning("training stopped: %s", decision.reason)
-        self.store.set(P.gen_key(decision.gen, f"stopped/{self.rank}"), "1")
+        self.link.send(msg.Stopped(decision.gen, self.rank))
         self._quit()
 
     def _quit(self) -> None:
@@ -271,33 +259,6 @@ class Worker:
         self._stopped = True
 
     # -- pieces of a generation ----------------------------------------------------------------
-
-    def _rendezvous(self, gen: int, size: int) -> None:
-        """Wait until every member has arrived before creating the groups: a member that dies
-        before this point is caught by the launcher instead of by a group timeout."""
-        key = P.gen_key(gen, "joined")
-        arrived = self.store.add(key, 1)
-        while arrived < size:
-            if self.abort.is_set():
-                raise PeerFailure("a member died before the generation formed")
-            time.sleep(self.config.poll)
-            arrived = self.store.add(key, 0)
-
-    def _copy_state(self, decision: P.Decision, comm: Comm) -> None:
-        payload = None
-        for dst, src in sorted(decision.sources.items()):
-            if src == self.rank:
-                if payload is None:
-                    payload = self.state.to_bytes()
-                comm.send_bytes(payload, decision.group_rank(dst), self.device)
-            elif dst == self.rank:
-                self.state.load_bytes(comm.recv_bytes(decision.group_rank(src), self.device))
-                self.has_state = True
-                log.info("copied stage %d's state (step %d) from rank %d", self.s,
-                         self.state.steps, src)
-        if self.state.steps != decision.restart:
-            raise RecycleError(f"stage {self.s} is at step {self.state.steps}, the generation "
-                               f"starts at {decision.restart}")
 
     def _program(self, decision: P.Decision):
         hit = self.lib.lookup(decision.dead, decision.plan)  # the decided one, even if replaced
@@ -317,8 +278,8 @@ class Worker:
 
     def _record_losses(self, gen: int, iteration: int, losses: dict) -> None:
         if losses:
-            self.store.set(P.loss_key(iteration, self.rank), P.dumps(
-                {"gen": gen, "losses": [[p, m, v] for (p, m), v in sorted(losses.items())]}))
+            self.link.send(msg.Losses(iteration, self.rank, gen, tuple(
+                (p, m, v) for (p, m), v in sorted(losses.items()))))
 
     def _checkpoint(self, decision: P.Decision, steps: int, final: bool = False) -> None:
         every = self.config.checkpoint_every
@@ -326,15 +287,15 @@ class Worker:
             return
         if self.rank == self._stage_writer(decision):
             write_stage_checkpoint(self.config.run_dir, steps, self.s, self.state)
-            self.store.set(P.checkpoint_key(steps, self.s), "1")
+            self.link.send(msg.CheckpointWritten(steps, self.s))
 
     def _stage_writer(self, decision: P.Decision) -> int:
         """The member that writes its stage's checkpoint: the stage's first."""
         return min(r for r in decision.members if r % self.S == self.s)
 
     def _coordinator_lost(self, reason: str) -> None:
-        """The store is gone, so no decision can come: write this stage's state after its
-        current step count n and, when the latest step can be undone, after n - 1. Stages
+        """The control plane is gone, so no decision can come: write this stage's state after
+        its current step count n and, when the latest step can be undone, after n - 1. Stages
         differ by at most one step, so every stage writes the least count among them and
         that checkpoint completes (whoever writes last adds the manifest); `--resume`
         continues from the newest complete one."""
@@ -369,14 +330,15 @@ class Worker:
         self.state.load(load_stage_checkpoint(folder, self.s))
         log.info("resumed stage %d from %s (iteration %d)", self.s, folder, iteration)
 
-    # -- shapes, waiting, heartbeats -------------------------------------------------------------
+    # -- shapes, heartbeats, aborts, stalls ------------------------------------------------------
 
     def _layouts(self):
-        """What this stage receives and sends (`boundary.Layout`), through the store: stage
-        s-1 publishes its output's; stage 0 reads one sample. None at the pipeline's ends."""
+        """What this stage receives and sends (`boundary.Layout`), through the control plane:
+        stage s-1 publishes its output's; stage 0 reads one sample. None at the pipeline's
+        ends."""
         in_layout = None
         if self.s > 0:
-            in_layout = Layout.from_json(self._wait_for(P.shape_key(self.s - 1)))
+            in_layout = Layout.from_json(self.link.wait(msg.Shape, stage=self.s - 1).layout)
         out_layout = None
         if self.s < self.S - 1:
             def trace(value: Any) -> Layout:
@@ -391,45 +353,49 @@ class Worker:
                 inp = in_layout if self.s > 0 else input_layout(dims, self.job.data, self.D,
                                                                 self.M)
                 out_layout = output_layout(inp, dims, trace, f"stage {self.s}'s output")
-            self.store.set(P.shape_key(self.s), out_layout.to_json())
+            self.link.send(msg.Shape(self.s, out_layout.to_json()))
         return in_layout, out_layout
 
-    def _wait_for(self, key: str, check_abort: bool = False) -> str:
-        while not self.store.check([key]):
-            if check_abort and self.abort.is_set():
-                raise PeerFailure("the launcher abandoned this generation")
-            time.sleep(self.config.poll)
-        return self.store.get(key).decode()
+    def _beat(self) -> msg.Heartbeat:
+        return msg.Heartbeat(self.rank, self.incarnation, time.time())
 
-    def _watchdog(self) -> None:
-        """Heartbeats; the launcher's abort notice for the current generation, which aborts
-        the groups so that a training thread blocked on a vanished host is released; and the
-        training thread's own progress: busy outside communication for longer than the lease
-        is a stall, and the worker leaves (the launcher then sees a dead worker)."""
-        store = self._watch_store
-        hb = P.heartbeat_key(self.rank, self.incarnation)
+    def _watched(self) -> int:
+        """The generation whose abort the link watches (-1: none)."""
+        generation = self.generation
+        if generation is not None:
+            return generation.decision.gen
+        decision = self.decision
+        return decision.gen if decision is not None and decision.action == "run" else -1
+
+    def _on_abort(self, gen: int, reason: str) -> None:
+        """The control plane abandoned generation `gen` (or is lost): abort its groups on a
+        thread of their own, so that the link's threads never wait for an abort."""
+        threading.Thread(target=self._abort, args=(gen, reason == LOST), name="recycle-abort",
+                         daemon=True).start()
+
+    def _abort_event(self, gen: int) -> threading.Event:
+        """Generation `gen`'s abandon flag (already set once the control plane is lost)."""
+        with self._lock:
+            event = self._aborts.setdefault(gen, threading.Event())
+            if self._lost:
+                event.set()
+            return event
+
+    def _abort(self, gen: int, lost: bool) -> None:
+        with self._lock:
+            self._lost = self._lost or lost
+            events = list(self._aborts.values()) if lost else []
+            generation = self.generation
+        for event in [*events, self._abort_event(gen)]:
+            event.set()
+        if generation is not None and (lost or generation.decision.gen == gen):
+            generation.abort()
+
+    def _stall_watch(self) -> None:
+        """The training thread's own progress: busy outside communication for longer than the
+        lease is a stall, and the worker leaves (the launcher then sees a dead worker)."""
         lease = self.config.lease
-        next_beat = 0.0
         while not self._stopped:
-            now = time.time()
-            try:
-                if now >= next_beat:
-                    store.set(hb, repr(now))
-                    next_beat = now + self.config.heartbeat
-                gen = self._watch_gen
-                if gen >= 0 and not self.abort.is_set() and \
-                        store.check([P.gen_key(gen, "abort")]):
-                    with self._lock:
-                        if gen == self._watch_gen:
-                            self._abort_generation()
-            except (dist.DistError, RuntimeError) as exc:
-                if self._stopped:
-                    return
-                self.coordinator_lost = f"store at {os.environ['MASTER_ADDR']}:" \
-                                        f"{os.environ['MASTER_PORT']}: {short_error(exc)}"
-                with self._lock:
-                    self._abort_generation()
-                return
             runtime = self.runtime
             comm = runtime.comm if runtime is not None else None
             started = runtime.op_started if runtime is not None else None
@@ -443,21 +409,15 @@ class Worker:
                     os._exit(STALLED)
             time.sleep(min(0.02, self.config.heartbeat))
 
-    def _abort_generation(self) -> None:
-        self.abort.set()
-        comm = self.runtime.comm if self.runtime is not None else None
-        if comm is not None:
-            comm.abort()
-
     def _announce_fault(self, fault: Fault) -> None:
-        self.store.set(P.fault_key(self.rank, self.incarnation), P.dumps(
-            {"t": time.time(), "fault": str(fault)}))
+        self.link.send(msg.FaultFired(self.rank, self.incarnation, time.time(), str(fault)))
 
     def _stepped(self, iteration: int) -> None:
-        self.store.set(P.stepped_key(iteration, self.rank), "1")
+        self.link.send(msg.Stepped(iteration, self.rank))
 
     def _have_stepped(self, iteration: int, ranks: tuple[int, ...]) -> bool:
-        return self.store.check([P.stepped_key(iteration, r) for r in ranks])
+        return all(self.link.peek(msg.Stepped, iteration=iteration, rank=r) is not None
+                   for r in ranks)
 
 
 def _output_layout(module: torch.nn.Module, sample: Any, device: torch.device,

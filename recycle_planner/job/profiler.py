@@ -89,9 +89,9 @@ def profile_stages(job, device: str = "cpu", repeats: int = 10,
                                                          stage_backward_weight)
     from torch.utils import _pytree as pytree
 
-    from recycle_planner.executor.boundary import call, flat, layout_of
-    from recycle_planner.executor.shapes import largest
-    from recycle_planner.executor.state import StageState
+    from recycle_planner.executor.data.boundary import call, flat, layout_of
+    from recycle_planner.executor.data.shapes import largest
+    from recycle_planner.executor.data.state import StageState
 
     dev = usable_device(device)
 
@@ -193,7 +193,7 @@ def _activation_bytes(forward: Callable, inputs: list, params: list) -> int:
     the executor keeps until the weight gradient."""
     import torch
 
-    from recycle_planner.executor.boundary import flat
+    from recycle_planner.executor.data.boundary import flat
 
     seen: dict[Any, int] = {}
     static = {(p.untyped_storage().data_ptr(), p.device) for p in params}
@@ -312,7 +312,7 @@ def profile_job(job, pipelines: int, microbatches: int, name: str | None = None,
     `wrap` rewrites the command of each communication-measuring process (`measure_comm`)."""
     if pipelines < 1 or microbatches < 1:
         raise RecycleError("pipelines and microbatches must be at least 1")
-    from recycle_planner.executor.boundary import flat
+    from recycle_planner.executor.data.boundary import flat
 
     stages = profile_stages(job, device, repeats, warmup)
     S = len(stages)

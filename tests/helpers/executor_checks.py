@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from recycle_planner.executor import train_reference
-from recycle_planner.executor.state import latest_checkpoint, load_stage_checkpoint
+from recycle_planner.executor.data.state import latest_checkpoint, load_stage_checkpoint
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.library import Settings, build_library

@@ -33,16 +33,16 @@ from torch.distributed.pipelining._backward import (stage_backward, stage_backwa
                                                      stage_backward_weight)
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor.boundary import (Layout, agreed_at_start, call, fit, flat, pack,
-                                               prefix, unpack)
-from recycle_planner.executor.buckets import GradBuckets, launch_point
-from recycle_planner.executor.comm import BACKWARD, FORWARD, Comm, PeerFailure, message_tag
+from recycle_planner.executor.data.boundary import (Layout, agreed_at_start, call, fit, flat, pack,
+                                                    prefix, unpack)
+from recycle_planner.executor.data.buckets import GradBuckets, launch_point
+from recycle_planner.executor.data.comm import BACKWARD, FORWARD, Comm, PeerFailure, message_tag
 from recycle_planner.executor.config import BUCKET_MB
 from recycle_planner.executor.faults import FaultInjector
 from recycle_planner.executor.issue import POST, SEND, Issue, issue_order
-from recycle_planner.executor.protocol import rank_of
-from recycle_planner.executor.shapes import DynamicDims
-from recycle_planner.executor.state import StageState
+from recycle_planner.executor.control.protocol import rank_of
+from recycle_planner.executor.data.shapes import DynamicDims
+from recycle_planner.executor.data.state import StageState
 from recycle_planner.job.situations import Mapping
 from recycle_planner.schedules.ops import B, F, I, KIND_CODES
 from recycle_planner.timing.plan import Plan

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc,
                                                      stage_backward_weight)
 
-from recycle_planner.executor.comm import Comm, PeerFailure
+from recycle_planner.executor.data.comm import Comm, PeerFailure
 
 GRADIENT_KINDS = ("W", "B")
 

@@ -28,14 +28,13 @@ the lease, write a consistent checkpoint and exit; a coordinator started again w
 
 from __future__ import annotations
 
-import json
 import time
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor import protocol as P
-from recycle_planner.executor.agent import (Agent, LaunchConfig, LaunchResult, TrainingStopped,
-                                            _Proc, prepare_library)
-from recycle_planner.executor.config import CONFIG_ERROR
+from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.agent import (Agent, LaunchConfig, LaunchResult,
+                                                    TrainingStopped, _Proc, prepare_library)
+from recycle_planner.executor.config import CONFIG_ERROR, CONFIG_KEY
 
 class Coordinator(Agent):
     """`Agent` for workers on other hosts: exits come from host agents, hangs are leases."""
@@ -47,7 +46,7 @@ class Coordinator(Agent):
         self.incarnation: dict[int, int] = {}
 
     def _start(self) -> None:
-        self.store.set(P.config_key(), self.config.worker_config().to_json())
+        self.store.set(CONFIG_KEY, self.config.worker_config().to_json())
         for rank in range(self.config.nproc):  # a placeholder until its host agent reports
             self.procs[rank] = _Proc(rank, 0, None, self.run_dir / "logs", time.time())
         self._event("start", f"coordinator for {self.nnodes} hosts x "
@@ -56,34 +55,35 @@ class Coordinator(Agent):
 
     def _reap(self) -> None:
         for node in range(self.nnodes):
-            if node not in self.hosts and self.store.check([P.host_key(node)]):
-                self.hosts[node] = json.loads(self.store.get(P.host_key(node)))
-                self._event("host", f"host {node} ({self.hosts[node]['hostname']}) runs ranks "
-                                    f"{self.hosts[node]['ranks']}", node=node)
+            host = None if node in self.hosts else msg.get(self.store, msg.HostUp, node=node)
+            if host is not None:
+                self.hosts[node] = host
+                self._event("host", f"host {node} ({host.hostname}) runs ranks "
+                                    f"{list(host.ranks)}", node=node)
         for rank in range(self.config.nproc):
             inc = self.incarnation.get(rank, 0) + 1
-            if rank not in self.procs and self.store.check([P.spawn_key(rank, inc)]):
+            if rank not in self.procs and msg.get(self.store, msg.Spawned, rank=rank,
+                                                  incarnation=inc) is not None:
                 self.incarnation[rank] = inc
                 self.procs[rank] = _Proc(rank, inc, None, self.run_dir / "logs", time.time())
                 self._event("restart", f"worker {self._name(rank)} restarted by its host agent "
                                        f"(incarnation {inc})", rank=rank)
         for rank, proc in list(self.procs.items()):
-            key = P.exit_key(rank, proc.incarnation)
-            if not self.store.check([key]):
+            report = msg.get(self.store, msg.WorkerExit, rank=rank, incarnation=proc.incarnation)
+            if report is None:
                 continue
-            report = json.loads(self.store.get(key))
             del self.procs[rank]
             if self.phase in ("exiting", "stopping"):
                 continue
-            if report["code"] == CONFIG_ERROR:
+            if report.code == CONFIG_ERROR:
                 self._finish_with("failed", f"worker {self._name(rank)} cannot run the job: "
-                                            f"{report['last_line']}")
+                                            f"{report.last_line}")
                 return
-            self._death(proc, report["how"])
+            self._death(proc, report.how)
 
     def _lease_expired(self, proc: _Proc, silent: float) -> None:
         del self.procs[proc.rank]
-        self.store.set(P.kill_key(proc.rank, proc.incarnation), "1")
+        msg.put(self.store, msg.Kill(proc.rank, proc.incarnation))
         if self.phase not in ("exiting", "stopping"):
             self._death(proc, f"lost its lease: no heartbeat for {silent:.1f} s (host gone, "
                               f"processes stopped, or training thread stalled)")
@@ -98,13 +98,12 @@ class Coordinator(Agent):
         """Tell the host agents the job is over and give them a moment to read it."""
         deadline = time.time() + 10
         while time.time() < deadline and not all(
-                self.store.check([P.bye_key(n)]) for n in self.hosts):
+                msg.get(self.store, msg.Bye, node=n) is not None for n in self.hosts):
             time.sleep(0.05)
 
     def _result(self) -> LaunchResult:
         result = super()._result()
-        self.store.set(P.OUTCOME_KEY, P.dumps({"status": result.status,
-                                             "message": result.message}))
+        msg.put(self.store, msg.Outcome(result.status, result.message))
         return result
 
 

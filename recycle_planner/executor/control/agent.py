@@ -44,9 +44,10 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor import protocol as P
+from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control import protocol as P
 from recycle_planner.executor.faults import Fault
-from recycle_planner.executor.state import latest_checkpoint, write_manifest
+from recycle_planner.executor.data.state import latest_checkpoint, write_manifest
 from recycle_planner.executor.config import (BUCKET_MB, CONFIG_ENV, CONFIG_ERROR, STALLED,
                                              UNDO_COPY, UNDO_PLACES, WorkerConfig)
 from recycle_planner.files.planfile import read_plan
@@ -225,9 +226,9 @@ class _Proc:
     popen: subprocess.Popen
     log_path: Path
     started: float
-    hello: dict | None = None
+    hello: msg.Hello | None = None
     last_beat: float = 0.0               # when `beat` last changed (this process's clock)
-    beat: bytes = b""
+    beat: msg.Heartbeat | None = None
     killed: bool = False                 # killed for a lost lease, exit not yet reaped
 
 
@@ -272,7 +273,7 @@ class Agent:
         self.exit_started = 0.0
         self.first_death_log: Path | None = None
         self.outcome: tuple[str, str] | None = None
-        self.bug: dict | None = None
+        self.bug: msg.Bug | None = None
         self.refinements: dict[tuple[int, ...], _Refinement] = {}
         self.refined: set[tuple[int, ...]] = set()   # situations refined (or tried) once
         self.plan_switch = False                     # a switch to a refined plan is under way
@@ -366,11 +367,9 @@ class Agent:
         for rank, proc in list(self.procs.items()):
             if proc.hello is None or proc.killed:
                 continue
-            key = P.heartbeat_key(rank, proc.incarnation)
-            if self.store.check([key]):
-                value = self.store.get(key)
-                if value != proc.beat:
-                    proc.beat, proc.last_beat = value, now
+            beat = msg.get(self.store, msg.Heartbeat, rank=rank, incarnation=proc.incarnation)
+            if beat is not None and beat != proc.beat:
+                proc.beat, proc.last_beat = beat, now
             if now - proc.last_beat > self.config.hang_timeout:
                 self._lease_expired(proc, now - proc.last_beat)
 
@@ -386,10 +385,9 @@ class Agent:
             self.first_death_log = proc.log_path
         info: dict[str, Any] = {"rank": rank, "worker": self._name(rank), "how": how,
                                 "t": time.time() - self.t0, "gen": self.gen}
-        key = P.fault_key(rank, proc.incarnation)
-        if self.store.check([key]):
-            fault = json.loads(self.store.get(key))
-            info.update(t=fault["t"] - self.t0, fault=fault["fault"])
+        fault = msg.get(self.store, msg.FaultFired, rank=rank, incarnation=proc.incarnation)
+        if fault is not None:
+            info.update(t=fault.t - self.t0, fault=fault.fault)
         self.deaths.append(info)
         self._event("death", f"worker {self._name(rank)} {how}"
                              + (f" (injected fault {info['fault']})" if "fault" in info else ""),
@@ -415,12 +413,12 @@ class Agent:
     def _hellos(self) -> None:
         for rank, proc in self.procs.items():
             if proc.hello is None:
-                key = P.hello_key(rank, proc.incarnation)
-                if self.store.check([key]):
-                    proc.hello = json.loads(self.store.get(key))
+                proc.hello = msg.get(self.store, msg.Hello, rank=rank,
+                                     incarnation=proc.incarnation)
+                if proc.hello is not None:
                     proc.last_beat = time.time()
                     if self.lib is None:
-                        self._open_library(proc.hello["library"])
+                        self._open_library(proc.hello.library)
 
     def _open_library(self, path: str) -> None:
         self.lib = PlanLibrary.open(path)
@@ -442,16 +440,16 @@ class Agent:
             return
         if self.restart_at:
             return
-        steps = {r: p.hello["steps"] for r, p in self.procs.items()}
+        steps = {r: p.hello.steps for r, p in self.procs.items()}
         self._decide(steps, initial=not self.config.resume)
 
     def _phase_running(self, now: float) -> None:
         gen = self.gen
-        if self.store.add(P.gen_key(gen, "errors"), 0) > 0:
+        if msg.count(self.store, msg.CommError, gen=gen) > 0:
             self._abort("a worker reported a communication error")
             return
         if (self._joiners() or self.plan_switch) and not self.join_posted:
-            self.store.set(P.gen_key(gen, "join"), "1")
+            msg.put(self.store, msg.JoinRequest(gen))
             self.join_posted = True
             self.phase = "gathering"
             if self._joiners():
@@ -467,7 +465,7 @@ class Agent:
     def _phase_gathering(self, now: float) -> None:
         gen = self.gen
         if self.aborted_at is None:
-            if self.store.add(P.gen_key(gen, "errors"), 0) > 0:
+            if msg.count(self.store, msg.CommError, gen=gen) > 0:
                 self._abort("a worker reported a communication error")
                 return
             if self._check_done():
@@ -475,9 +473,9 @@ class Agent:
         members = self._live_members()
         for rank in members:
             if rank not in self.ready:
-                key = P.gen_key(gen, f"ready/{rank}")
-                if self.store.check([key]):
-                    self.ready[rank] = json.loads(self.store.get(key))["steps"]
+                ready = msg.get(self.store, msg.Ready, gen=gen, rank=rank)
+                if ready is not None:
+                    self.ready[rank] = ready.steps
         missing = [r for r in members if r not in self.ready]
         if missing:
             # A live worker blocked on a stuck peer notices within the group timeout; one that
@@ -512,7 +510,7 @@ class Agent:
     def _phase_stopping(self, now: float) -> None:
         members = self._live_members()
         waiting = [r for r in members
-                   if not self.store.check([P.gen_key(self.gen, f"stopped/{r}")])]
+                   if msg.get(self.store, msg.Stopped, gen=self.gen, rank=r) is None]
         if waiting and now - self.exit_started < 60:
             return
         restart = self.decision.restart
@@ -537,14 +535,13 @@ class Agent:
     def _bug(self) -> str | None:
         """The first exception in user code a member reported in this generation, as the
         stop reason (its traceback is shown once, in the launcher's output)."""
-        key = P.gen_key(self.gen, "bug")
-        if not self.store.check([key]):
+        bug = msg.get(self.store, msg.Bug, gen=self.gen)
+        if bug is None:
             return None
-        bug = json.loads(self.store.get(key))
         self.bug = bug
-        return (f"worker {self._name(bug['rank'])} raised an exception in user code at "
-                f"iteration {bug['iteration']} (a bug, not a hardware failure: not re-routed)"
-                f":\n{bug['traceback'].rstrip()}")
+        return (f"worker {self._name(bug.rank)} raised an exception in user code at "
+                f"iteration {bug.iteration} (a bug, not a hardware failure: not re-routed)"
+                f":\n{bug.traceback.rstrip()}")
 
     def _decide(self, steps: dict[int, int | None], initial: bool = False,
                 bug: str | None = None) -> None:
@@ -574,7 +571,7 @@ class Agent:
             decision = P.decide(gen, lib.spec.pipelines, lib.spec.stages, steps, lookup,
                                 initial, bug)
             assert decision.action != "plan"
-        self.store.set(P.gen_key(gen, "decision"), decision.to_json())
+        self.store.set(P.decision_key(gen), decision.to_json())
         self.gen, self.decision = gen, decision
         if self.config.checkpoint_every:  # the next one the workers will write
             every = self.config.checkpoint_every
@@ -583,10 +580,10 @@ class Agent:
         self.ready, self.aborted_at, self.join_posted = {}, None, False
         for rank in steps:
             proc = self.procs.get(rank)
-            if proc is not None and not self.store.check(
-                    [P.welcome_key(rank, proc.incarnation)]):
+            if proc is not None and msg.get(self.store, msg.Welcome, rank=rank,
+                                            incarnation=proc.incarnation) is None:
                 welcome = gen if decision.action == "run" or steps[rank] is not None else -1
-                self.store.set(P.welcome_key(rank, proc.incarnation), str(welcome))
+                msg.put(self.store, msg.Welcome(rank, proc.incarnation, welcome))
         if decision.action == "stop":
             self._event("stop", f"generation {gen}: {decision.reason.splitlines()[0]}", gen=gen,
                         restart=decision.restart)
@@ -691,7 +688,7 @@ class Agent:
     def _abort(self, reason: str) -> None:
         if self.phase == "gathering" and self.aborted_at is not None:
             return
-        self.store.set(P.gen_key(self.gen, "abort"), reason)
+        msg.put(self.store, msg.Abort(self.gen, reason))
         self.aborted_at = time.time()
         self.phase = "gathering"
         self._event("abort", f"generation {self.gen} abandoned: {reason}", gen=self.gen)
@@ -709,13 +706,13 @@ class Agent:
 
     def _check_done(self) -> bool:
         members = self._live_members()  # Store.check is true when every key is there
-        if not members or not self.store.check([P.gen_key(self.gen, f"done/{r}")
-                                                for r in members]):
+        if not members or not msg.present(self.store, msg.Done,
+                                          [{"gen": self.gen, "rank": r} for r in members]):
             return False
-        steps = json.loads(self.store.get(P.gen_key(self.gen, f"done/{members[0]}")))["steps"]
-        self.final_iterations = int(steps)
+        done = msg.get(self.store, msg.Done, gen=self.gen, rank=members[0])
+        self.final_iterations = done.steps
         write_manifest(self.run_dir, self.final_iterations, self.stages)
-        self.store.set(P.gen_key(self.gen, "finish"), "1")
+        msg.put(self.store, msg.Finish(self.gen))
         self.phase, self.exit_started = "exiting", time.time()
         self._dismiss_newcomers()
         return True
@@ -735,7 +732,8 @@ class Agent:
         if not every or self.stages == 0:
             return
         k = self.next_checkpoint
-        if self.store.check([P.checkpoint_key(k, s) for s in range(self.stages)]):
+        if msg.present(self.store, msg.CheckpointWritten,
+                       [{"iteration": k, "stage": s} for s in range(self.stages)]):
             if write_manifest(self.run_dir, k, self.stages) is not None:
                 self._event("checkpoint", f"checkpoint of iteration {k} complete", iteration=k)
             self.next_checkpoint += every
@@ -759,17 +757,15 @@ class Agent:
             end = None
             gen = -1
             for rank in range(world):
-                key = P.iteration_key(i, rank)
-                if self.store.check([key]):
-                    rec = json.loads(self.store.get(key))
-                    end = max(end or 0.0, rec["t"] - self.t0)
-                    gen = max(gen, rec["gen"])
-                key = P.loss_key(i, rank)
-                if self.store.check([key]):
-                    rec = json.loads(self.store.get(key))
-                    for p, m, v in rec["losses"]:
-                        if (p, m) not in values or values[(p, m)][0] <= rec["gen"]:
-                            values[(p, m)] = (rec["gen"], v)
+                done = msg.get(self.store, msg.IterationDone, iteration=i, rank=rank)
+                if done is not None:
+                    end = max(end or 0.0, done.t - self.t0)
+                    gen = max(gen, done.gen)
+                rec = msg.get(self.store, msg.Losses, iteration=i, rank=rank)
+                if rec is not None:
+                    for p, m, v in rec.losses:
+                        if (p, m) not in values or values[(p, m)][0] <= rec.gen:
+                            values[(p, m)] = (rec.gen, v)
             ends.append(end)
             gens.append(gen)
             complete = spec is not None and len(values) == spec.pipelines * spec.microbatches
@@ -788,13 +784,15 @@ class Agent:
                                    "first_iteration": i, "seconds": e - death["t"],
                                    "replanned_after": formed[0] - death["t"] if formed else None})
         for fault in self.config.faults:
-            if fault.point != "hold" and not self.store.check([P.fault_key(fault.rank, 0)]):
+            if fault.point != "hold" and msg.get(self.store, msg.FaultFired, rank=fault.rank,
+                                                 incarnation=0) is None:
                 self._event("warning", f"fault {fault} never fired (no such point in the "
                                        f"plan, or training ended first)")
         op_times = {}
         for rank in range(world):
-            if self.store.check([P.op_times_key(rank)]):
-                op_times[self._name(rank)] = json.loads(self.store.get(P.op_times_key(rank)))
+            times = msg.get(self.store, msg.OpTimes, rank=rank)
+            if times is not None:
+                op_times[self._name(rank)] = times.times
         self._event("end", message, status=status)
         found = latest_checkpoint(self.run_dir) if self.stages else None
         result = LaunchResult(status, message, n, losses, ends, self.events, recoveries,

@@ -1,26 +1,26 @@
-"""How the launcher and the workers agree on who is alive: store keys and the membership decision.
+"""How the launcher and the workers agree on who is alive: generations and the membership decision.
 
 Training runs in *generations*. A generation is a set of live workers with their own process
 groups (created under a fresh store namespace `gen{n}/`, so that gloo never reads a dead
 worker's stale address) and one plan from the library. Every change of membership (a worker
 dies or hangs, a restarted worker joins) ends the generation:
 
-1. The launcher posts `gen{n}/abort` (failure) or `gen{n}/join` (a worker asks to join; the
-   workers then stop at an agreed iteration boundary).
-2. Every live worker abandons what it was doing and reports `gen{n}/ready/{rank}` with the
-   number of optimizer steps its stage has taken (`steps`).
-3. The launcher decides (`decide`) and posts `gen{n+1}/decision`: the members, the dead
+1. The launcher posts `Abort` (failure) or `JoinRequest` (a worker asks to join; the
+   workers then stop at an agreed iteration boundary, `SwitchAt`).
+2. Every live worker abandons what it was doing and reports `Ready` with the number of
+   optimizer steps its stage has taken (`steps`).
+3. The launcher decides (`decide`) and posts generation n+1's `Decision`: the members, the dead
    workers, the iteration to (re)start from, which worker sends its stage's state to which
    newcomer, or `stop` when a stage has no live worker left. A dead set the library lacks is
    first a `plan` decision, never posted: the launcher plans it on demand, adds it to the
    library and decides again.
 
-`gen{n}/join` also serves a plan switch without a membership change: when a background
+`JoinRequest` also serves a plan switch without a membership change: when a background
 refinement finds a better plan for the current dead set, the members leave the generation at an
 agreed iteration boundary the same way, and the next generation runs the better plan.
 
 The store lives in the launcher process, which never takes part in training, so it survives
-every worker failure.
+every worker failure. The messages themselves are the typed records of `messages.py`.
 """
 
 from __future__ import annotations
@@ -34,90 +34,9 @@ from recycle_planner.job.workers import format_workers
 from recycle_planner.schedules.ops import Worker, worker_at, worker_index
 
 
-def hello_key(rank: int, incarnation: int) -> str:
-    return f"hello/{rank}/{incarnation}"
-
-
-def welcome_key(rank: int, incarnation: int) -> str:
-    return f"welcome/{rank}/{incarnation}"
-
-
-def heartbeat_key(rank: int, incarnation: int) -> str:
-    return f"hb/{rank}/{incarnation}"
-
-
-def fault_key(rank: int, incarnation: int) -> str:
-    return f"fault/{rank}/{incarnation}"
-
-
-def stepped_key(iteration: int, rank: int) -> str:
-    """That `rank` took its stage's step of `iteration`: set only where an injected fault
-    waits for it (`after-step`)."""
-    return f"stepped/{iteration}/{rank}"
-
-
-def iteration_key(iteration: int, rank: int) -> str:
-    """When `rank` finished `iteration` (its latest attempt), and in which generation."""
-    return f"it/{iteration}/{rank}"
-
-
-def loss_key(iteration: int, rank: int) -> str:
-    """The losses of all micro-batches of `iteration` as last-stage worker `rank` knows them."""
-    return f"loss/{iteration}/{rank}"
-
-
-def op_times_key(rank: int) -> str:
-    """Per op kind, [count, seconds] a worker spent (its whole life), written at the end."""
-    return f"optimes/{rank}"
-
-
-def shape_key(stage: int) -> str:
-    return f"shape/{stage}"
-
-
-def checkpoint_key(iteration: int, stage: int) -> str:
-    return f"ckpt/{iteration}/{stage}"
-
-
-def gen_key(gen: int, name: str) -> str:
-    """`decision`, `abort`, `join`, `switch_at`, `errors`, `joined`, `finish`, `ready/{rank}`,
-    `done/{rank}`, `stopped/{rank}`, `bug` (the first exception in user code: rank, iteration,
-    traceback) of generation `gen`."""
-    return f"gen{gen}/{name}"
-
-
-# Between the coordinator and the host agents of a cluster job (coordinator.py, hostagent.py).
-
-OUTCOME_KEY = "outcome"
-"""Set by the coordinator when the job is over: {"status", "message"}; host agents exit."""
-
-
-def config_key() -> str:
-    """The workers' settings (WorkerConfig JSON), posted by the coordinator for host agents."""
-    return "config"
-
-
-def exit_key(rank: int, incarnation: int) -> str:
-    """A worker's exit, reported by its host agent: {"code", "how", "last_line"}."""
-    return f"exit/{rank}/{incarnation}"
-
-
-def kill_key(rank: int, incarnation: int) -> str:
-    """The coordinator declared this worker dead: its host agent kills it if it still runs."""
-    return f"kill/{rank}/{incarnation}"
-
-
-def spawn_key(rank: int, incarnation: int) -> str:
-    """A host agent restarted a worker: the coordinator expects this incarnation's hello."""
-    return f"spawn/{rank}/{incarnation}"
-
-
-def host_key(node_rank: int) -> str:
-    return f"host/{node_rank}"
-
-
-def bye_key(node_rank: int) -> str:
-    return f"bye/{node_rank}"
+def decision_key(gen: int) -> str:
+    """Where generation `gen`'s `Decision` is posted."""
+    return f"gen{gen}/decision"
 
 
 def worker_of(rank: int, stages: int) -> Worker:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor.boundary import Layout, layout_of, symbolic
+from recycle_planner.executor.data.boundary import Layout, layout_of, symbolic
 
 SCAN_ITERATIONS = 64
 """How many iterations of `sizes` `input_layout` scans for micro-batches whose dims differ."""

@@ -17,7 +17,6 @@ the agent reach the workers.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import select
@@ -33,10 +32,10 @@ from typing import Callable
 import torch.distributed as dist
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor.agent import _last_line, exit_how
-from recycle_planner.executor.config import (CONFIG_ENV, CONFIG_ERROR, COORDINATOR_LOST,
-                                             WorkerConfig)
-from recycle_planner.executor import protocol as P
+from recycle_planner.executor.control.agent import _last_line, exit_how
+from recycle_planner.executor.config import (CONFIG_ENV, CONFIG_ERROR, CONFIG_KEY,
+                                             COORDINATOR_LOST, WorkerConfig)
+from recycle_planner.executor.control import messages as msg
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +104,8 @@ class HostAgent:
                 self.node_rank = self.store.add(f"rdzv/{c.rdzv_id}/nodes", 1) - 1
                 if self.node_rank >= c.nnodes:
                     raise RecycleError(f"{c.nnodes} hosts have joined already (--nnodes)")
-            self.store.wait([P.config_key()])
-            worker_config = WorkerConfig(**json.loads(self.store.get(P.config_key())))
+            self.store.wait([CONFIG_KEY])
+            worker_config = WorkerConfig.from_json(self.store.get(CONFIG_KEY))
             self.world = c.nnodes * c.nproc_per_node
             self.worker_env = worker_config.to_json()
             self.lease = worker_config.lease
@@ -115,8 +114,8 @@ class HostAgent:
             ranks = [self.node_rank * c.nproc_per_node + i for i in range(c.nproc_per_node)]
             for i, rank in enumerate(ranks):
                 self._spawn(rank, i, 0)
-            self.store.set(P.host_key(self.node_rank), json.dumps(
-                {"hostname": socket.gethostname(), "pid": os.getpid(), "ranks": ranks}))
+            msg.put(self.store, msg.HostUp(self.node_rank, socket.gethostname(), os.getpid(),
+                                           tuple(ranks)))
             self.on_event(f"host {self.node_rank}: workers {ranks} started (logs in "
                           f"{self.log_dir})")
             return self._watch()
@@ -166,23 +165,24 @@ class HostAgent:
         c = self.config
         pending: dict[int, float] = {}      # rank -> when to restart it
         while True:
-            if self.store.check([P.OUTCOME_KEY]):
-                outcome = json.loads(self.store.get(P.OUTCOME_KEY))
+            outcome = msg.get(self.store, msg.Outcome)
+            if outcome is not None:
                 self._wait_for_workers(30.0)
-                self.store.set(P.bye_key(self.node_rank), "1")
-                self.on_event(f"host {self.node_rank}: job {outcome['status']}")
-                return EXIT_STATUS.get(outcome["status"], 1)
+                msg.put(self.store, msg.Bye(self.node_rank))
+                self.on_event(f"host {self.node_rank}: job {outcome.status}")
+                return EXIT_STATUS.get(outcome.status, 1)
             now = time.time()
             for rank, w in list(self.workers.items()):
-                if self.store.check([P.kill_key(rank, w.incarnation)]) and w.popen.poll() is None:
+                if w.popen.poll() is None and msg.get(self.store, msg.Kill, rank=rank,
+                                                      incarnation=w.incarnation) is not None:
                     os.kill(w.popen.pid, signal.SIGKILL)
                 code = w.popen.poll()
                 if code is None:
                     continue
                 del self.workers[rank]
                 how = exit_how(code, self.lease)
-                self.store.set(P.exit_key(rank, w.incarnation), json.dumps(
-                    {"code": code, "how": how, "last_line": _last_line(w.log_path)}))
+                msg.put(self.store, msg.WorkerExit(rank, w.incarnation, code, how,
+                                                   _last_line(w.log_path)))
                 if code != CONFIG_ERROR and self.restarts.get(rank, 0) < c.max_restarts:
                     pending[rank] = now + c.restart_delay
                 self.on_event(f"host {self.node_rank}: worker rank {rank} {how}")
@@ -191,7 +191,7 @@ class HostAgent:
                     del pending[rank]
                     self.restarts[rank] = self.restarts.get(rank, 0) + 1
                     self._spawn(rank, self._local_rank[rank], self.restarts[rank])
-                    self.store.set(P.spawn_key(rank, self.restarts[rank]), "1")
+                    msg.put(self.store, msg.Spawned(rank, self.restarts[rank]))
             select.select([wake], [], [], c.poll)
             try:
                 while wake.recv(512):

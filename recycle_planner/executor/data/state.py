@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.config import UNDO_COPY
-from recycle_planner.executor.undo import UndoCopy
+from recycle_planner.executor.data.undo import UndoCopy
 from recycle_planner.io import write_json
 
 

@@ -1,0 +1,186 @@
+"""A worker's channel to the control plane: the seam between control and data in a worker.
+
+Everything a worker says to the control plane, or hears from it, crosses a `Link` as a typed
+record of `messages.py`: it says hello and waits to be welcomed, waits for each generation's
+`Decision`, reports when it leaves a generation (`Ready`), finishes an iteration, writes a
+checkpoint or meets a bug; it is told to abort a generation, to leave it at an iteration
+boundary, or that the job is finished. The data plane (`executor/data/`) never reads a control
+key: it receives the decision, an abort call, and a c10d store for forming the generation's
+process groups (`group_store`).
+
+The link runs its own threads: one that only sends heartbeats (a slow abort or a long step
+never delays a beat) and one that watches for the abort of the generation the worker is in and
+hands it to `on_abort`, which must not block (the worker aborts on yet another thread). When
+the control plane cannot be reached within the lease, every call raises `ControlLost` and
+`on_abort` is called, so that a training thread blocked on a peer is released and the worker
+can stop with a checkpoint.
+
+`StoreLink` is the link over the launcher's c10d `TCPStore` (one machine, or the coordinator's
+store of a cluster job).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Protocol, TypeVar
+
+from recycle_planner.errors import RecycleError
+from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.protocol import Decision, decision_key
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=msg.Message)
+
+
+LOST = "control lost"
+"""The reason `on_abort` is given when the control plane cannot be reached."""
+
+
+class ControlLost(RecycleError):
+    """The control plane cannot be reached: no decision can come, so the worker stops with a
+    checkpoint (`--resume` continues)."""
+
+
+class Link(Protocol):
+    """A worker's side of the control plane."""
+
+    def send(self, message: msg.Message) -> Any:
+        """Report `message` (the `first`/`count` rule's result, see `messages.put`)."""
+
+    def wait(self, kind: type[M], abort: threading.Event | None = None, **ids: Any) -> M | None:
+        """Block until the record of `kind` named by `ids` is there; None if `abort` is set
+        first."""
+
+    def peek(self, kind: type[M], **ids: Any) -> M | None:
+        """The record if it is there now, else None."""
+
+    def decision(self, gen: int) -> Decision:
+        """Block until generation `gen`'s decision is posted."""
+
+    def group_store(self, decision: Decision) -> Any:
+        """The c10d store the members of `decision` form their process groups in."""
+
+    def watch(self, beat: Callable[[], msg.Heartbeat], watched: Callable[[], int],
+              on_abort: Callable[[int, str], None]) -> None:
+        """Start the heartbeat and abort-watch threads: `beat()` is the next heartbeat,
+        `watched()` the generation the worker is in (-1: none), `on_abort(gen, reason)`
+        is called once per abandoned generation, and with reason `LOST` when the control
+        plane is gone."""
+
+    def close(self) -> None:
+        """Stop the threads (the worker is leaving)."""
+
+
+class StoreLink:
+    """The link over a c10d `TCPStore` that the launcher (or coordinator) hosts: records are
+    written under their keys; waiting is polling every `poll` seconds. The watch threads use
+    their own connections whose timeout is the lease, so that a lost store is noticed within
+    the lease rather than at TCP's own give-up."""
+
+    def __init__(self, host: str, port: int, timeout: float, lease: float, heartbeat: float,
+                 poll: float):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.where = f"{host}:{port}"
+        self.poll = poll
+        self.heartbeat = heartbeat
+        self.store = self._connect(host, port, timeout)
+        self._beat_store = self._connect(host, port, lease)
+        self._watch_store = self._connect(host, port, lease)
+        self.lost: str | None = None
+        self._closed = False
+
+    @classmethod
+    def from_env(cls, config) -> "StoreLink":
+        """The launcher's store, from torchrun's MASTER_ADDR and MASTER_PORT."""
+        return cls(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                   config.pg_timeout, config.lease, config.heartbeat, config.poll)
+
+    def _connect(self, host: str, port: int, timeout: float):
+        try:
+            return self._dist.TCPStore(host, port, is_master=False,
+                                       timeout=timedelta(seconds=timeout))
+        except (self._dist.DistError, RuntimeError) as exc:
+            raise ControlLost(f"cannot reach the store at {host}:{port}: "
+                              f"{_first_line(exc)}") from None
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        if self.lost is not None:
+            raise ControlLost(self.lost)
+        try:
+            return fn()
+        except (self._dist.DistError, RuntimeError) as exc:
+            self.lost = self.lost or f"store at {self.where}: {_first_line(exc)}"
+            raise ControlLost(self.lost) from None
+
+    def send(self, message: msg.Message) -> Any:
+        return self._call(lambda: msg.put(self.store, message))
+
+    def peek(self, kind: type[M], **ids: Any) -> M | None:
+        return self._call(lambda: msg.get(self.store, kind, **ids))
+
+    def wait(self, kind: type[M], abort: threading.Event | None = None, **ids: Any) -> M | None:
+        key = kind.key_for(**ids)
+        while not self._call(lambda: self.store.check([key])):
+            if abort is not None and abort.is_set():
+                return None
+            time.sleep(self.poll)
+        return self._call(lambda: kind.from_json(self.store.get(key)))
+
+    def decision(self, gen: int) -> Decision:
+        key = decision_key(gen)
+        while not self._call(lambda: self.store.check([key])):
+            time.sleep(self.poll)
+        return Decision.from_json(self._call(lambda: self.store.get(key)))
+
+    def group_store(self, decision: Decision) -> Any:
+        return self.store
+
+    def watch(self, beat: Callable[[], msg.Heartbeat], watched: Callable[[], int],
+              on_abort: Callable[[int, str], None]) -> None:
+        threading.Thread(target=self._beats, args=(beat, watched, on_abort),
+                         name="recycle-heartbeat", daemon=True).start()
+        threading.Thread(target=self._aborts, args=(watched, on_abort),
+                         name="recycle-control", daemon=True).start()
+
+    def _beats(self, beat, watched, on_abort) -> None:
+        while not self._closed:
+            try:
+                msg.put(self._beat_store, beat())
+            except (self._dist.DistError, RuntimeError) as exc:
+                return self._lose(exc, watched, on_abort)
+            time.sleep(self.heartbeat)
+
+    def _aborts(self, watched, on_abort) -> None:
+        seen = -1
+        while not self._closed:
+            gen = watched()
+            try:
+                if gen > seen and gen >= 0:
+                    notice = msg.get(self._watch_store, msg.Abort, gen=gen)
+                    if notice is not None:
+                        seen = gen
+                        on_abort(gen, notice.reason)
+            except (self._dist.DistError, RuntimeError) as exc:
+                return self._lose(exc, watched, on_abort)
+            time.sleep(min(0.02, self.heartbeat))
+
+    def _lose(self, exc: BaseException, watched, on_abort) -> None:
+        if self._closed or self.lost is not None:
+            return
+        self.lost = f"store at {self.where}: {_first_line(exc)}"
+        on_abort(watched(), LOST)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__

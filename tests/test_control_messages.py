@@ -1,0 +1,79 @@
+"""The typed messages between the processes of a job: every record survives its JSON, is
+bound to one key, and keeps its key's rule on a real c10d store."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from datetime import timedelta
+
+import pytest
+
+from recycle_planner.executor.control import messages as msg
+
+RECORDS = [cls for _, cls in inspect.getmembers(msg, inspect.isclass)
+           if issubclass(cls, msg.Message) and cls is not msg.Message]
+
+SAMPLES = {
+    "Hello": msg.Hello(3, 1, 4242, "h0", "/lib", None),
+    "Heartbeat": msg.Heartbeat(3, 1, 12.5),
+    "Ready": msg.Ready(2, 3, 7, "failure"),
+    "Done": msg.Done(2, 3, 8),
+    "Stopped": msg.Stopped(2, 3),
+    "Bug": msg.Bug(2, 3, 5, "Traceback ...\nValueError: x"),
+    "CommError": msg.CommError(2, 3),
+    "SwitchAt": msg.SwitchAt(2, 9),
+    "IterationDone": msg.IterationDone(4, 3, 2, 99.0),
+    "Losses": msg.Losses(4, 3, 2, ((0, 0, 1.5), (1, 3, 0.25))),
+    "CheckpointWritten": msg.CheckpointWritten(4, 1),
+    "OpTimes": msg.OpTimes(3, {"0": {"F": [4, 0.1, 0.09]}}),
+    "FaultFired": msg.FaultFired(3, 0, 12.0, "3:2:F1:kill"),
+    "Stepped": msg.Stepped(4, 3),
+    "Shape": msg.Shape(0, '{"leaves": []}'),
+    "Welcome": msg.Welcome(3, 1, -1),
+    "Abort": msg.Abort(2, "worker 1:0 killed"),
+    "JoinRequest": msg.JoinRequest(2),
+    "Finish": msg.Finish(2),
+    "HostUp": msg.HostUp(1, "h1", 77, (2, 3)),
+    "WorkerExit": msg.WorkerExit(3, 0, -9, "killed by SIGKILL", "last"),
+    "Kill": msg.Kill(3, 0),
+    "Spawned": msg.Spawned(3, 1),
+    "Bye": msg.Bye(1),
+    "Outcome": msg.Outcome("completed", "trained 8 iterations"),
+}
+
+
+def test_every_record_has_a_sample_a_key_over_its_fields_and_survives_json():
+    assert sorted(c.__name__ for c in RECORDS) == sorted(SAMPLES)
+    keys = set()
+    for record in SAMPLES.values():
+        fields = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+        assert record.key() == type(record).key_for(**fields)
+        assert type(record).from_json(record.to_json()) == record
+        keys.add(type(record).KEY)
+    assert len(keys) == len(SAMPLES)  # one key pattern per record type
+
+
+def test_a_record_missing_a_field_is_refused():
+    with pytest.raises(TypeError):
+        msg.Ready.from_json('{"gen": 1, "rank": 2}')
+
+
+def test_key_rules_on_a_real_store():
+    torch = pytest.importorskip("torch")
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=10))
+    assert msg.get(store, msg.Ready, gen=1, rank=0) is None
+    msg.put(store, msg.Ready(1, 0, 5, "failure"))
+    msg.put(store, msg.Ready(1, 0, 6, "switch"))  # `set`: the latest replaces
+    assert msg.get(store, msg.Ready, gen=1, rank=0) == msg.Ready(1, 0, 6, "switch")
+    first = msg.put(store, msg.SwitchAt(1, 9))
+    again = msg.put(store, msg.SwitchAt(1, 12))  # `first`: every proposer learns the winner
+    assert first == again == msg.SwitchAt(1, 9)
+    assert msg.count(store, msg.CommError, gen=1) == 0
+    assert [msg.put(store, msg.CommError(1, r)) for r in (0, 3)] == [1, 2]
+    assert msg.count(store, msg.CommError, gen=1) == 2
+    assert not msg.present(store, msg.Done, [{"gen": 1, "rank": r} for r in (0, 1)])
+    for r in (0, 1):
+        msg.put(store, msg.Done(1, r, 8))
+    assert msg.present(store, msg.Done, [{"gen": 1, "rank": r} for r in (0, 1)])
