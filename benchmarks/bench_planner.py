@@ -227,8 +227,8 @@ def speed(big: bool) -> dict:
             index = build_library(job, Policy(), f, tmp, Settings(solver="auto"))
             secs = time.perf_counter() - t0
             size = sum(p.stat().st_size for p in Path(tmp).iterdir())
-            gaps = [e["metrics"]["gap"] for e in index["entries"]]
-        rows.append({"library": name, "situations": len(index["entries"]), "seconds": secs,
+            gaps = [e.metrics.gap or 0.0 for e in index.entries]
+        rows.append({"library": name, "situations": len(index.entries), "seconds": secs,
                      "mean_gap": statistics.mean(gaps), "worst_gap": max(gaps),
                      "megabytes": size / 1e6})
     lines = ["| library | situations | time (2 cores) | mean / worst gap | size on disk |",

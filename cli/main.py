@@ -17,7 +17,7 @@ from recycle_planner.library import Settings
 from recycle_planner.solvers.milp_backends import BACKENDS
 from recycle_planner.solvers.registry import PROVE_WORK, SOLVERS, SolverSettings, solver_help
 from recycle_planner.cli.options import number
-from recycle_planner.cli.progress import Ticker
+from recycle_planner.cli.progress import Ticker, count_step, progress_log
 from recycle_planner.words import plural
 
 log = logging.getLogger("recycle_planner")
@@ -188,6 +188,11 @@ def set_verbosity(ctx: click.Context, param: click.Parameter, verbose: int) -> i
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         log.addHandler(handler)
         log.propagate = False
+        progress = EchoHandler()  # progress lines off a terminal show at every verbosity
+        progress.setFormatter(handler.formatter)
+        progress_log.addHandler(progress)
+        progress_log.setLevel(logging.INFO)
+        progress_log.propagate = False
     if verbose or param.name == "verbose" and ctx.parent is None:
         handler.setLevel(logging.WARNING - 10 * min(verbose, 2))
         log.setLevel(logging.DEBUG if verbose >= 2 else logging.INFO)
@@ -561,11 +566,16 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
                         work_limit=Settings().work_limit if work_limit is None else work_limit,
                         prove_work=prove_work if prove else None)
     bar = tqdm(total=None, unit="situation", desc="planning", file=sys.stderr, disable=None)
+    ticker = Ticker("plan-all", logger=None, terminal=False)  # off a terminal: log lines
+    counts: list[int] = []  # situations done when the build started, done now, in all
 
     def progress(done: int, total: int) -> None:
         bar.total = total
         bar.n = done
         bar.refresh()
+        counts[:] = [counts[0] if counts else done, done, total]
+        ticker.step = lambda: "planned " + count_step(counts[1], counts[2], "situations",
+                                                      ticker.t0, counts[0])
 
     # SIGTERM (a supervisor) is like Ctrl-C: the worker processes are stopped, the index stays
     # whole. A signal that lands while the pool forks is held and raised again by planning_pool.
@@ -574,8 +584,9 @@ def plan_all(spec: Path, max_failures: int, output: Path, schedule: str, decoupl
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        index = build_library(job, policy, max_failures, output, settings, jobs=jobs,
-                              force=force, progress=progress)
+        with ticker:
+            index = build_library(job, policy, max_failures, output, settings, jobs=jobs,
+                                  force=force, progress=progress)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

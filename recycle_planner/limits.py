@@ -20,6 +20,7 @@ YEAR = 365.25 * DAY
 MAX_DURATION = 100 * YEAR  # a duration option or trace time: seconds
 MAX_COUNT = 1_000_000      # processes, rows, restarts, repeats: far beyond any real run
 MAX_MS = 1e9               # one op's cost in a spec or an option: 11.6 days
+MAX_TRACE_FAILURES = 100_000  # per sampled what-if trace: 50 s of CPU for the GPT example
 
 
 @dataclass(frozen=True)

@@ -251,7 +251,7 @@ def test_cli_plan_all_lookup_report(tmp_path):
     assert "fault-free period" in r.output
     r = runner.invoke(main, ["lookup", str(tmp_path / "lib"), "--failed", "1:2", "--json"])
     assert r.exit_code == 0, r.output
-    hit = json.loads(r.output)
+    hit = json.loads(r.stdout)
     assert {"file", "failed_per_stage", "mapping"} <= set(hit)
     assert hit["failed_per_stage"] == [0, 0, 1, 0]
     assert read_plan(hit["file"]).failed == ((0, 2),)

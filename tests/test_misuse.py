@@ -185,3 +185,81 @@ def test_the_critical_path_says_why_it_ends_after_the_period(tmp_path):
     assert "iteration time  50 ms   (first op to last step; the next iteration starts" in out
     assert "critical path of the first iteration, from an idle start to its end at the " \
            "iteration time, 50 ms\n(the period, 49 ms, is shorter" in out
+    plain = run("plan", SMALL, "--fail", "1:2", "--no-decouple", "--no-stagger").stdout
+    assert "(fault-free 33 ms with this policy, degradation" in plain  # not 27 ms, above's
+
+
+JOB_FILES = {
+    "raises.py": ('raise ValueError("no GPU here")\n',
+                  "importing it raised ValueError: no GPU here (raises.py, line 1)"),
+    "syntax.py": ("def make_job(:\n", "importing it raised SyntaxError: invalid syntax"),
+    "factory.py": ('def make_job():\n    raise KeyError("nope")\n',
+                   "the job function raised KeyError: 'nope' (factory.py, line 2)"),
+    "stage.py": ("import torch\nfrom recycle_planner.executor import Job\n"
+                 "def make_job():\n"
+                 "    return Job(stages=[3, torch.nn.Linear(4, 4)], loss_fn=None,\n"
+                 "               optimizer=None, iterations=1,\n"
+                 "               data=lambda i, p, m: (torch.zeros(2, 4), torch.zeros(2, 4)))\n",
+                 "stage 0 of the job is int, not a torch.nn.Module"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(JOB_FILES))
+def test_profile_of_a_broken_job_file_is_one_line(tmp_path, name):
+    pytest.importorskip("torch")
+    text, words = JOB_FILES[name]
+    (tmp_path / name).write_text(text)
+    r = run("profile", f"{tmp_path / name}:make_job", "-d", "2", "-m", "2", "-o",
+            tmp_path / "out.toml")
+    one_line_error(r, words)
+    assert not (tmp_path / "out.toml").exists()
+
+
+def slowed(monkeypatch, module, name, seconds=0.3):
+    """Make `module.name` take at least `seconds`, so that progress has something to report
+    however fast the machine is."""
+    import time
+
+    real = getattr(module, name)
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, slow)
+
+
+def test_long_work_off_a_terminal_logs_its_progress(tmp_path, monkeypatch):
+    """Not on a terminal (a pipe, a log file), plan-all and simulate-trace write a progress
+    line to the log now and then (LOG_EVERY, 30 s; shortened here), at every verbosity."""
+    import recycle_planner.cli.progress as progress
+    import recycle_planner.library.build as build
+    import recycle_planner.whatif.engine as engine
+
+    monkeypatch.setattr(progress, "LOG_EVERY", 0.05)
+    slowed(monkeypatch, build, "build_entry")
+    lib = tmp_path / "lib"
+    r = run("plan-all", SMALL, "-f", "1", "-o", lib, "--solver", "heuristic", "-j", "1")
+    assert r.exit_code == 0, r.output
+    lines = [line for line in r.stderr.splitlines() if "progress" in line]
+    assert lines and all(line.startswith("INFO recycle_planner.progress: plan-all (")
+                         for line in lines), r.stderr
+    assert any(" situations (" in line for line in lines), lines
+    slowed(monkeypatch, engine, "replay")
+    r = run("simulate-trace", SMALL, "-l", lib, "--mtbf", "1h", "--duration", "1d")
+    assert r.exit_code == 0, r.output
+    assert "INFO recycle_planner.progress: simulating (" in r.stderr
+    assert "s): replaying trace 1 of 1 (every 1h, " in r.stderr
+
+
+def test_simulate_trace_is_bounded(tmp_path):
+    lib = tmp_path / "lib"
+    assert run("plan-all", SMALL, "-f", "1", "-o", lib, "--solver", "heuristic").exit_code == 0
+    one_line_error(run("simulate-trace", SMALL, "-l", lib, "--mtbf", "2h", "--duration",
+                       "1000000d"), "--duration: '1000000d' is more than 100 years")
+    one_line_error(run("simulate-trace", SMALL, "-l", lib, "--mtbf", "1s"),
+                   "about 604,800 failures; a trace may have 100,000")
+    for text in ("1e300h", "1e999h"):
+        trace = tmp_path / "t.csv"
+        trace.write_text(f"time,event,worker\n1h,fail,0:1\n{text},repair,0:1\n")
+        one_line_error(run("simulate-trace", SMALL, "-l", lib, "--trace", trace), "line 3")

@@ -79,14 +79,14 @@ def test_frequencies_table_plots_and_json(gpt_library, tmp_path):
     assert all((tmp_path / n).stat().st_size > 10_000 for n in names if n.endswith(".png"))
     r = run("simulate-trace", GPT, "-l", gpt_library, "--mtbf", "6h,30min", "--duration", "2d",
             "--seed", 5, "--strategies", "reroute,checkpoint-wait", "--plan-time", "1s", "--json")
-    data = json.loads(r.output)
+    data = json.loads(r.stdout)
     rel = [[x["relative"] for x in run_["results"]] for run_ in data["runs"]]
     assert all(0 < v <= 1 for row in rel for v in row)
     # The sampled trace written out replays to the same numbers.
     r2 = run("simulate-trace", GPT, "-l", gpt_library, "--trace",
              tmp_path / "trace-every-6h.csv", "--duration", "2d",
              "--strategies", "reroute,checkpoint-wait", "--plan-time", "1s", "--json")
-    again = json.loads(r2.output)["runs"][0]["results"]
+    again = json.loads(r2.stdout)["runs"][0]["results"]
     assert [x["samples"] for x in again] == pytest.approx(
         [x["samples"] for x in data["runs"][0]["results"]], rel=1e-9)
 
@@ -132,7 +132,7 @@ def test_host_failures_baseline_policy_and_on_demand_plans(gpt_library, tmp_path
     r = run("simulate-trace", GPT, "-l", gpt_library, "--mtbf", "2h", "--duration", "2d",
             "--seed", 1, "-o", tmp_path, "--json", *common)
     assert r.exit_code == 0, r.output
-    data = json.loads(r.output)
+    data = json.loads(r.stdout)
     assert data["policy"]["decouple"] is False and data["library_policy"]["decouple"] is True
     names = {s["name"]: s for s in data["strategies"]}
     assert names["reroute"]["policy_label"] == "1f1b/split/staggered"
@@ -149,6 +149,6 @@ def test_host_failures_baseline_policy_and_on_demand_plans(gpt_library, tmp_path
     r2 = run("simulate-trace", GPT, "-l", gpt_library, "--trace", tmp_path / "trace-every-2h.csv",
              "--duration", "2d", "--json", *common)
     assert r2.exit_code == 0, r2.output
-    again = json.loads(r2.output)["runs"][0]["results"]
+    again = json.loads(r2.stdout)["runs"][0]["results"]
     assert [x["samples"] for x in again] == pytest.approx(
         [x["samples"] for x in run0["results"]], rel=1e-9)

@@ -86,6 +86,9 @@ class Job:
         import torch
 
         item = self.stages[stage]
+        if not isinstance(item, torch.nn.Module) and not callable(item):
+            raise RecycleError(f"stage {stage} of the job is {type(item).__name__}, not a "
+                               f"torch.nn.Module or a function that builds one")
         module = item if isinstance(item, torch.nn.Module) else item()
         if not isinstance(module, torch.nn.Module):
             raise RecycleError(f"stage {stage} of the job is not a torch.nn.Module (its factory "
@@ -116,8 +119,8 @@ def load_job(target: str, argv: Sequence[str] = ()) -> Job:
         raise RecycleError(f"{where} has no function {name!r}")
     try:
         job = factory(list(argv)) if _takes_argument(factory) else factory()
-    except TypeError as exc:
-        raise RecycleError(f"{target}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's code: one line, where it raised
+        raise RecycleError(f"{target}: the job function raised {_raised(exc)}") from None
     if not isinstance(job, Job):
         raise RecycleError(f"{target} returned {type(job).__name__}, not a "
                            f"recycle_planner.executor.Job")
@@ -138,12 +141,36 @@ def _import(where: str):
         sys.modules[name] = module
         # The script's folder is importable, as it is when the script runs as a program.
         sys.path.insert(0, str(path.resolve().parent))
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - the user's code: one line, where it raised
+            del sys.modules[name]
+            raise RecycleError(f"job file {path}: importing it raised {_raised(exc)}") from None
         return module
     try:
         return importlib.import_module(where)
     except ImportError as exc:
         raise RecycleError(f"cannot import {where}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module raised while importing
+        raise RecycleError(f"cannot import {where}: importing it raised "
+                           f"{_raised(exc)}") from None
+
+
+def _raised(exc: BaseException) -> str:
+    """`ValueError: boom (job.py, line 3)`: the exception and the last place it passed in the
+    user's code (not in this package, not in the import machinery)."""
+    import traceback
+
+    where, message = "", str(exc)
+    if isinstance(exc, SyntaxError) and exc.filename:
+        where, message = f" ({Path(exc.filename).name}, line {exc.lineno})", exc.msg or ""
+    else:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                  if "importlib" not in f.filename and f.filename != __file__]
+        if frames:
+            where = f" ({Path(frames[-1].filename).name}, line {frames[-1].lineno})"
+    message = message.splitlines()[0] if message else ""
+    return f"{type(exc).__name__}" + (f": {message}" if message else "") + where
 
 
 def _takes_argument(func: Callable) -> bool:

@@ -48,7 +48,7 @@ def _build(spec: JobSpec, policy: Policy, max_failures: int, folder: Path, setti
            jobs: int | None, force: bool, progress: Callable[[int, int], None] | None
            ) -> LibraryIndex:
     shash = spec_hash(spec, policy)
-    old_entries = reusable_entries(folder, shash, force, max_failures)
+    old_entries = reusable_entries(folder, spec, shash, force, max_failures)
     wanted = situations(spec, max_failures)
     within = set(wanted)
     keep: dict[tuple[int, ...], LibraryEntry] = {}

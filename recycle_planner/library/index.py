@@ -148,7 +148,7 @@ def _entries(data: Any, spec: JobSpec, where: str) -> tuple[LibraryEntry, ...]:
     return tuple(out)
 
 
-def reusable_entries(folder: Path, shash: str, force: bool,
+def reusable_entries(folder: Path, spec: JobSpec, shash: str, force: bool,
                      max_failures: int) -> list[LibraryEntry]:
     """The entries of the library already in `folder` that a build for `max_failures` may
     keep; a library of another job, a corrupted index or one for more failures (which the
@@ -164,8 +164,8 @@ def reusable_entries(folder: Path, shash: str, force: bool,
     if index.spec_hash != shash and not force:  # with force its files are removed
         raise RecycleError(f"{folder} holds a library for another spec or policy "
                            f"({index.spec.name or 'another job'}, hash {index.spec_hash}, this "
-                           f"one is {shash}); pass --force to rebuild it there or choose "
-                           f"another folder")
+                           f"one is {shash}{_same_shape(index, spec)}); pass --force to "
+                           f"rebuild it there or choose another folder")
     if index.max_failures > max_failures and not force:
         dropped = sum(sum(e.counts) > max_failures for e in index.entries
                       if e.made not in MADE_AT_RUN_TIME)
@@ -175,3 +175,12 @@ def reusable_entries(folder: Path, shash: str, force: bool,
                            f"to keep it complete, --force to shrink it, or choose another "
                            f"folder")
     return list(index.entries)
+
+
+def _same_shape(index: LibraryIndex, spec: JobSpec) -> str:
+    """A hint when the other spec is this job with other costs (profiled again, edited)."""
+    shape = (spec.name, spec.stages, spec.pipelines, spec.microbatches)
+    if shape == (index.spec.name, index.spec.stages, index.spec.pipelines,
+                 index.spec.microbatches):
+        return ": the same job with other costs or policy, e.g. profiled again"
+    return ""

@@ -26,6 +26,7 @@ from recycle_planner.job.spec import JobSpec
 from recycle_planner.library.entries import ON_DEMAND, LibraryEntry
 from recycle_planner.library.placement import plan_best_placement
 from recycle_planner.library.settings import Settings
+from recycle_planner.limits import LIMITS
 from recycle_planner.planner import OPS_PER_SECOND, finish_plan, solve
 from recycle_planner.solvers.registry import TIME_LIMIT
 from recycle_planner.solvers.heuristic import fault_free_simulation, list_schedule
@@ -74,11 +75,17 @@ def plan_on_demand(spec: JobSpec, policy: Policy, counts: tuple[int, ...],
 def refine(spec: JobSpec, policy: Policy, counts: tuple[int, ...], reference: float | None,
            budget: float = REFINE_BUDGET) -> tuple[Plan, Placement]:
     """The plan plan-all would make for `counts`, with `budget` seconds of solver time limit."""
-    return plan_best_placement(spec, policy, counts, Settings(time_limit=budget), reference)
+    return plan_best_placement(spec, policy, counts, _refine_settings(budget), reference)
 
 
 def refine_settings_hash(budget: float = REFINE_BUDGET) -> str:
-    return Settings(time_limit=budget).hash
+    return _refine_settings(budget).hash
+
+
+def _refine_settings(budget: float) -> Settings:
+    """plan-all's settings with `budget` as the time limit (at least the smallest a solver
+    takes: --refine-budget 0.05 refines with 0.1 s)."""
+    return Settings(time_limit=max(budget, LIMITS["time_limit"].low))
 
 
 def wants_refinement(entry: LibraryEntry, which: str) -> bool:

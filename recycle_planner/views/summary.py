@@ -41,7 +41,8 @@ def plan_summary(plan: Plan) -> str:
         f"{name}: {grid(spec)}, failed: {format_workers(plan.failed)}",
         f"  policy          {plan.policy.label}   {made}",
         f"  period          {number(m.period)} ms   "
-        f"(fault-free {number(m.fault_free_period)} ms, degradation {m.degradation:+.1%})",
+        f"(fault-free {number(m.fault_free_period)} ms with this policy, degradation "
+        f"{m.degradation:+.1%})",
         f"  iteration time  {number(m.iteration_time)} ms"
         + ("   (first op to last step; the next iteration starts before it ends)"
            if m.period < m.iteration_time - 1e-9 else ""),

@@ -373,10 +373,16 @@ def simulate(ctx: Context, traces: Sequence[tuple[str, Trace]],
     t1 = time.perf_counter()
     strategies = make_strategies(ctx, names)
     feasible = [s for s in strategies if s.infeasible() is None]
-    keys = {(s.name, i): configurations(s, sts) for s in feasible for i, sts in enumerate(states)}
+    keys = {}
+    for n, s in enumerate(feasible):  # progress: the command shows the latest record
+        log.info("costing the configurations of %s (strategy %d of %d)", s.name, n + 1,
+                 len(feasible))
+        keys.update({(s.name, i): configurations(s, sts) for i, sts in enumerate(states)})
     t2 = time.perf_counter()
     runs = []
     for i, ((label, trace), sts) in enumerate(zip(traces, states)):
+        log.info("replaying trace %d of %d (%s, %d events)", i + 1, len(traces), label,
+                 len(sts))
         outcomes = [replay(s, trace, sts, keys[s.name, i]) for s in feasible]
         infeasible = {s.name: s.infeasible() for s in strategies if s not in feasible}
         runs.append(Run(label, trace, outcomes, infeasible))

@@ -39,6 +39,7 @@ from recycle_planner.errors import FailureSetError, RecycleError
 from recycle_planner.io import atomic_write
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import parse_worker
+from recycle_planner.limits import MAX_TRACE_FAILURES
 from recycle_planner.schedules.ops import Worker
 from recycle_planner.whatif.durations import DurationError, format_duration, parse_duration
 from recycle_planner.whatif.hosts import HostError, Hosts
@@ -212,6 +213,9 @@ def read_trace(path: str | Path, spec: JobSpec, duration: float | None = None,
         for event in _parse_workers(row[2], t, kind, hosts, at):
             events.append(event)
             where.append(at)
+        if len(events) > 2 * MAX_TRACE_FAILURES:  # a failure and its repair each
+            raise TraceError(f"{at}: more than {2 * MAX_TRACE_FAILURES:,} events; a trace may "
+                             f"have {MAX_TRACE_FAILURES:,} failures")
     if not header_seen:
         raise TraceError(f"{path}: empty trace (expected the header 'time,event,worker')")
     if duration is None:
@@ -294,6 +298,11 @@ def sample_trace(spec: JobSpec, mtbf: float, repair: float, duration: float, see
                          "of zero or more")
     if distribution == "weibull" and not shape > 0:
         raise TraceError(f"the Weibull shape must be above zero, got {shape:g}")
+    if duration / mtbf > MAX_TRACE_FAILURES:
+        raise TraceError(f"a {format_duration(duration)} trace with a failure every "
+                         f"{format_duration(mtbf)} has about {duration / mtbf:,.0f} failures; "
+                         f"a trace may have {MAX_TRACE_FAILURES:,}: shorten --duration or "
+                         f"lengthen --mtbf")
     rng = np.random.default_rng(seed)
     up = _drawer(rng, distribution, shape)
     down = _drawer(rng, repair_distribution, 1.0)
