@@ -39,6 +39,7 @@ deterministic time; the wall-time limit is only a safety net that a normal run d
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +74,9 @@ INTERLEAVED_WORKERS = 8
 INTERLEAVE_SHARE = 0.5
 CP_SEED = 0
 # The wall-time safety net is this many times the deterministic limit (in seconds) plus slack.
-WALL_FACTOR = 10.0
+# RECYCLE_CP_WALL_FACTOR raises it where the machine is shared (the test suite sets it: a CPU
+# eight times slower than usual must not turn a deterministic result into a wall-time one).
+WALL_FACTOR = float(os.environ.get("RECYCLE_CP_WALL_FACTOR", "10"))
 # `auto` runs the engine on jobs up to this many intervals: the GPT example (8x4x8, about
 # 1,100-1,600) but not the 8x8x16 job (4,100 and more), where on this machine a few seconds of
 # work neither shortened a plan nor raised a bound (benchmarks/README.md).

@@ -1,4 +1,10 @@
 import os
+
+# CP-SAT stops at deterministic work limits, so its plans are the same on every machine; its
+# wall-time safety net (10x the work limit by default) must never cut a run short on a loaded
+# CI machine, or a deterministic test would see a wall-time result. Set before any solver
+# runs, and inherited by every process the tests start.
+os.environ.setdefault("RECYCLE_CP_WALL_FACTOR", "1000")
 from pathlib import Path
 
 import pytest
