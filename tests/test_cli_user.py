@@ -66,7 +66,7 @@ def test_readme_and_docs_commands_run_in_order(tmp_path):
                 if c.split()[1] not in EXECUTOR and not any(n in c for n in NEEDS_EXECUTOR)]
     assert {c.split()[1] for c in commands} == {
         "plan", "show", "gantt", "validate", "export-torch", "plan-all", "lookup", "report",
-        "simulate-trace"}
+        "simulate-trace", "program"}
     commands = [c + " --solver heuristic" if c.split()[1] == "plan-all" and "--solver" not in c
                 else c for c in dict.fromkeys(commands)]  # docs/whatif.md repeats the README
     (tmp_path / "examples").symlink_to(EXAMPLES)
@@ -78,4 +78,5 @@ def test_readme_and_docs_commands_run_in_order(tmp_path):
     assert (tmp_path / "fail.png").stat().st_size > 1000
     assert (tmp_path / "schedule.csv").exists() and (tmp_path / "degradation.png").exists()
     assert (tmp_path / "out" / "whatif.json").exists()
+    assert (tmp_path / "launcher-programs" / "programs.json").exists()
     assert "INCOMPLETE" not in proc.stdout
