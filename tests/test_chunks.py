@@ -9,6 +9,7 @@ import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from recycle_planner.errors import PlanFileError, SpecError
+from recycle_planner.files.export_torch import torch_rows
 from recycle_planner.files.planfile import plan_to_dict, read_plan, write_plan
 from recycle_planner.job.policy import BASELINE, Policy
 from recycle_planner.job.spec import JobSpec
@@ -240,3 +241,19 @@ def test_rerouted_plans_are_valid_and_keep_their_certificate(layout, v):
         ops = [op for w in best.schedule.live_workers() for op in best.schedule.ops(w)
                if (op.pipeline, op.stage) in {tuple(f) for f in failed}]
         assert {op.chunk for op in ops} == set(range(v))
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "v"])
+def test_export_torch_writes_virtual_stages_that_torch_validates_and_runs(layout):
+    """torch's own checks on the exported rows: every stage's actions on one rank, every
+    micro-batch once (`_validate_schedule`), and a dry run of the schedule with torch's sends
+    and receives added finds no deadlock (`_simulate_comms_compute`)."""
+    spec = chunked(3, 2, 6, 2, layout)
+    plan = plan_situation(spec, Policy())
+    rows = torch_rows(plan, pipeline=1)
+    actions = {r: [torch_schedules._Action.from_str(a) for a in row] for r, row in enumerate(rows)}
+    assert {a.stage_index for a in actions[0]} == {0, spec.virtual(0, 1)}
+    stage_to_rank = torch_schedules._validate_schedule(actions, 3, 6, 6)
+    assert stage_to_rank == {v: spec.holder(v) for v in range(6)}
+    with_comms = torch_schedules._add_send_recv(actions, stage_to_rank.__getitem__, 6)
+    torch_schedules._simulate_comms_compute(with_comms, stage_to_rank.__getitem__, 6)
