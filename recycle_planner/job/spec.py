@@ -112,6 +112,22 @@ class JobSpec:
         """The virtual stage of chunk `chunk` on a stage-`stage` worker."""
         return virtual_of(self.stages, self.chunks, self.layout, stage, chunk)
 
+    def one_chunk(self) -> "JobSpec":
+        """The same job with each worker's chunks as one stage (costs summed, a message's
+        latency the largest of its chunks'): what systems that place one chunk per worker
+        (Oobleck, Bamboo) run. This spec itself when it has one chunk."""
+        if self.chunks == 1:
+            return self
+        from dataclasses import replace
+
+        def per_worker(values: tuple[float, ...], combine) -> tuple[float, ...]:
+            return tuple(combine(values[self.virtual(s, c)] for c in range(self.chunks))
+                         for s in range(self.stages))
+
+        return replace(self, chunks=1, layout="interleaved",
+                       **{key: per_worker(getattr(self, key), sum) for key in SPLIT_KEYS},
+                       p2p=per_worker(self.p2p, max))
+
     @property
     def backward(self) -> tuple[float, ...]:
         """Full backward (B = I + W) per stage."""

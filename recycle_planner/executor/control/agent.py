@@ -202,6 +202,9 @@ def prepare_library(config: LaunchConfig) -> LaunchConfig:
     if config.library is not None:
         spec = PlanLibrary.open(config.library, load_spec(config.spec) if config.spec
                                 else None).spec
+        if spec.chunks > 1:  # the runtime runs one chunk per worker; virtual stages come later
+            raise RecycleError(f"the plan library {config.library} gives each worker "
+                               f"{spec.chunks} model chunks; launch runs one chunk per worker")
         if spec.workers != config.nproc:
             raise RecycleError(f"the plan library {config.library} is for {spec.pipelines} "
                                f"pipelines x {spec.stages} stages = {spec.workers} workers, "
