@@ -101,7 +101,7 @@ def intervals(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> int:
     for s in range(S):
         live = sum((d, s) not in dead for d in range(D))
         total += (live + (D - live) * live) * M * (kinds + 1)  # ops, plus the in-flight one
-    return total
+    return total * spec.chunks
 
 
 def cp_fits(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> bool:
@@ -110,7 +110,12 @@ def cp_fits(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> bool:
 
 
 class CpModel:
-    """Builds the CP-SAT model of one failure situation and decodes its solutions."""
+    """Builds the CP-SAT model of one failure situation and decodes its solutions, in passes:
+    the time grid and horizon, the intervals (one unit per micro-batch of a pipeline at a
+    virtual stage; a re-routed one has an optional interval per live peer of its stage), the
+    workers' no-overlaps and memory caps, the data dependencies, the symmetries, then the
+    collectives and the objective. Stages of units are virtual stages (a worker holding
+    several chunks runs several of them); workers, collectives and caps are by stage."""
 
     def __init__(self, spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                  warm: Simulation | None = None, below: float | None = None,
@@ -118,9 +123,29 @@ class CpModel:
         from ortools.sat.python import cp_model
 
         self.spec, self.policy, self.failed = spec, policy, tuple(failed)
-        S, D, M = spec.stages, spec.pipelines, spec.microbatches
-        self.space = OpSpace(S, D, M)
+        self.space = OpSpace.of(spec)
+        self.holder = self.space.holder.tolist()
         self.kinds = (F, I, W) if policy.decouple else (F, B)
+        self.model = cp_model.CpModel()
+        ub = self._grid(warm, below)
+        self._intervals()
+        self.kept = set(self.live) if machine_stages is None else \
+            {w for w in self.live if worker_at(spec.stages, w)[1] in machine_stages}
+        self._resources()
+        self._dependencies()
+        if machine_stages is None:
+            self._symmetry()
+        else:
+            self._relaxed_symmetry(self.kept)
+        self._objective(ub, below)
+        self.warm_state = "none"
+        if warm is not None:
+            self.warm_state = "used" if self._hint(warm) else "not representable"
+
+    def _grid(self, warm: Simulation | None, below: float | None) -> int:
+        """Integer durations, p2p latencies and tails on the time grid; the horizon; the
+        period's upper end (returned)."""
+        spec, policy = self.spec, self.policy
         costs = {F: spec.forward, I: spec.backward_input, W: spec.backward_weight,
                  B: spec.backward}
         self.scale, self.exact = model_scale(spec, policy)
@@ -128,19 +153,18 @@ class CpModel:
         def ticks(v: float) -> int:
             return int(math.floor(v * self.scale + 1e-6))
 
-        self.dur = {k: [ticks(c) for c in costs[k]] for k in self.kinds}
-        p2p = [ticks(v) for v in spec.p2p]
-        tail = [ticks(spec.allreduce[s]) + ticks(spec.optimizer[s]) for s in range(S)]
-        dead = set(self.failed)
-        self.live = [worker_index(S, d, s) for d in range(D) for s in range(S)
-                     if (d, s) not in dead]
-        work = sum(self.dur[k][s] for k in self.kinds for s in range(S)) * M * D
-        horizon = work + sum(tail) + sum(p2p) * M * D + 1
+        self.dur = {k: [ticks(c) for c in costs[k]] for k in self.kinds}  # by virtual stage
+        self.p2p = [ticks(v) for v in spec.p2p]
+        self.tail = [ticks(spec.allreduce[s]) + ticks(spec.optimizer[s])
+                     for s in range(spec.stages)]
+        V, D, M = spec.virtual_stages, spec.pipelines, spec.microbatches
+        work = sum(self.dur[k][u] for k in self.kinds for u in range(V)) * M * D
+        horizon = work + sum(self.tail) + sum(self.p2p) * M * D + 1
         if warm is not None:
             ref = warm.steady if policy.stagger else warm.timing
             horizon = min(horizon, int(math.ceil(max(2 * warm.iteration_time,
                                                      float(np.nanmax(ref.end))) * self.scale)) + 1)
-        ub = horizon + max(tail)  # the period's upper end
+        ub = horizon + max(self.tail)  # the period's upper end
         if policy.stagger and warm is not None:  # only a period up to the warm plan's is sought
             ub = min(ub, int(math.ceil(warm.period * self.scale - 1e-6)) + 1)
         if below is not None:  # "is there a schedule under X?"
@@ -152,82 +176,100 @@ class CpModel:
             # forward. So this horizon cuts off no schedule the model seeks.
             horizon = 2 * max(ub, 0)
         self.horizon = horizon
-        m = cp_model.CpModel()
-        self.model = m
-        # Units: (d, s, mb) -> candidate workers.
-        self.units = [(d, s, mb) for d in range(D) for s in range(S) for mb in range(M)]
+        return ub
+
+    def _intervals(self) -> None:
+        """Units (d, virtual stage, mb), their candidate workers, start variables, the
+        intervals each worker may run and the in-flight intervals of its memory cap."""
+        spec, m = self.spec, self.model
+        S, D, M = spec.stages, spec.pipelines, spec.microbatches
+        dead = set(self.failed)
+        self.live = [worker_index(S, d, s) for d in range(D) for s in range(S)
+                     if (d, s) not in dead]
+        self.units = [(d, u, mb) for d in range(D) for u in range(spec.virtual_stages)
+                      for mb in range(M)]
         self.cands = {}
-        for d, s, mb in self.units:
-            self.cands[d, s, mb] = [worker_index(S, p, s) for p in range(D)
+        for d, u, mb in self.units:
+            s = self.holder[u]
+            self.cands[d, u, mb] = [worker_index(S, p, s) for p in range(D)
                                      if (p, s) not in dead] \
                 if (d, s) in dead else [worker_index(S, d, s)]
         self.start: dict[tuple, Any] = {}
         self.presence: dict[tuple, Any] = {}
         self.helpers: list[tuple] = []  # in-flight intervals' end and size, for the hint
-        on: dict[int, list] = {w: [] for w in self.live}         # intervals per worker
-        held: dict[int, list] = {w: [] for w in self.live}       # in-flight intervals
-        count: dict[int, int] = {w: 0 for w in self.live}
-        for u in self.units:
-            d, s, mb = u
+        self.on: dict[int, list] = {w: [] for w in self.live}     # intervals per worker
+        self.held: dict[int, list] = {w: [] for w in self.live}   # in-flight intervals
+        self.count: dict[int, int] = {w: 0 for w in self.live}
+        rel = self.kinds[-1]
+        for unit in self.units:
+            u = unit[1]
             for k in self.kinds:
-                self.start[u, k] = m.NewIntVar(0, horizon, "")
-            cands = self.cands[u]
-            rel = self.kinds[-1]
-            if len(cands) == 1:
-                w = cands[0]
-                count[w] += 1
-                for k in self.kinds:
-                    on[w].append(m.NewFixedSizeIntervalVar(self.start[u, k], self.dur[k][s], ""))
-                self._held(held[w], u, rel, s, None)
-                continue
+                self.start[unit, k] = m.NewIntVar(0, self.horizon, "")
+            cands = self.cands[unit]
             lits = []
             for w in cands:
-                lit = m.NewBoolVar("")
-                self.presence[u, w] = lit
-                lits.append(lit)
-                count[w] += 1
+                lit = None
+                if len(cands) > 1:
+                    lit = self.presence[unit, w] = m.NewBoolVar("")
+                    lits.append(lit)
+                self.count[w] += 1
                 for k in self.kinds:
-                    on[w].append(m.NewOptionalFixedSizeIntervalVar(
-                        self.start[u, k], self.dur[k][s], lit, ""))
-                self._held(held[w], u, rel, s, lit)
-            m.AddExactlyOne(lits)
-        kept = set(self.live) if machine_stages is None else \
-            {w for w in self.live if worker_at(S, w)[1] in machine_stages}
-        for w in sorted(kept):
-            m.AddNoOverlap(on[w])
-        caps = budget_caps(spec, policy)
-        for w in sorted(kept):
+                    self.on[w].append(
+                        m.NewFixedSizeIntervalVar(self.start[unit, k], self.dur[k][u], "")
+                        if lit is None else m.NewOptionalFixedSizeIntervalVar(
+                            self.start[unit, k], self.dur[k][u], lit, ""))
+                self._held(self.held[w], unit, rel, u, lit)
+            if lits:
+                m.AddExactlyOne(lits)
+
+    def _resources(self) -> None:
+        """One no-overlap per kept worker, and its memory cap where it may run more units."""
+        S, m = self.spec.stages, self.model
+        caps = budget_caps(self.spec, self.policy)
+        for w in sorted(self.kept):
+            m.AddNoOverlap(self.on[w])
+        for w in sorted(self.kept):
             cap = caps[worker_at(S, w)[1]]
-            if count[w] > cap:
-                m.AddCumulative(held[w], [1] * len(held[w]), cap)
-        # Dependencies.
+            if self.count[w] > cap:
+                m.AddCumulative(self.held[w], [1] * len(self.held[w]), cap)
+
+    def _dependencies(self) -> None:
+        """Data dependencies through the virtual stages, with the p2p latency."""
+        m, st, dur, p2p = self.model, self.start, self.dur, self.p2p
+        last = self.spec.virtual_stages - 1
         bwd = self.kinds[1]
-        for d, s, mb in self.units:
-            u = (d, s, mb)
-            st = self.start
-            if s > 0:
-                m.Add(st[u, F] >= st[(d, s - 1, mb), F] + self.dur[F][s - 1] + p2p[s - 1])
-            m.Add(st[u, bwd] >= st[u, F] + self.dur[F][s])
-            if s < S - 1:
-                m.Add(st[u, bwd] >= st[(d, s + 1, mb), bwd] + self.dur[bwd][s + 1] + p2p[s + 1])
-            if policy.decouple:
-                m.Add(st[u, W] >= st[u, I] + self.dur[I][s])
-        # Symmetries: micro-batch labels within a pipeline, interchangeable peers.
-        if machine_stages is None:
-            for d in range(D):
-                for mb in range(M - 1):
-                    m.Add(self.start[(d, 0, mb), F] <= self.start[(d, 0, mb + 1), F])
-            self._peer_symmetry()
-        else:
-            self._relaxed_symmetry(kept)
-        # All-reduce, optimizer, objective.
+        for unit in self.units:
+            d, u, mb = unit
+            if u > 0:
+                m.Add(st[unit, F] >= st[(d, u - 1, mb), F] + dur[F][u - 1] + p2p[u - 1])
+            m.Add(st[unit, bwd] >= st[unit, F] + dur[F][u])
+            if u < last:
+                m.Add(st[unit, bwd] >= st[(d, u + 1, mb), bwd] + dur[bwd][u + 1] + p2p[u + 1])
+            if self.policy.decouple:
+                m.Add(st[unit, W] >= st[unit, I] + dur[I][u])
+
+    def _symmetry(self) -> None:
+        """Micro-batch labels within a pipeline (forwards at virtual stage 0 in index order),
+        and interchangeable peers."""
+        for d in range(self.spec.pipelines):
+            for mb in range(self.spec.microbatches - 1):
+                self.model.Add(self.start[(d, 0, mb), F] <= self.start[(d, 0, mb + 1), F])
+        self._peer_symmetry()
+
+    def _objective(self, ub: int, below: float | None) -> None:
+        """Each stage's all-reduce after every release of its units, on all its workers at
+        once, then the step; the objective: the iteration time with a barrier, the period
+        (every worker's span) with the staggered optimizer."""
+        spec, policy, m = self.spec, self.policy, self.model
+        S, horizon, tail, kept = spec.stages, self.horizon, self.tail, self.kept
         rel = self.kinds[-1]
         self.t_ar = {}
         for s in range(S):
             self.t_ar[s] = m.NewIntVar(0, horizon, "")
-            for d in range(D):
-                for mb in range(M):
-                    m.Add(self.t_ar[s] >= self.start[(d, s, mb), rel] + self.dur[rel][s])
+            for d in range(spec.pipelines):
+                for u in (spec.virtual(s, c) for c in range(spec.chunks)):
+                    for mb in range(spec.microbatches):
+                        m.Add(self.t_ar[s] >= self.start[(d, u, mb), rel] + self.dur[rel][u])
         bound = lower_bound(spec, policy, self.failed).value
         lb = int(math.floor(bound * self.scale + 1e-6))
         self.z = m.NewIntVar(min(lb, max(ub, 0)), max(ub, 0), "period")
@@ -237,46 +279,50 @@ class CpModel:
             if policy.stagger and w not in kept:
                 continue  # relaxed: a mere delay has no span
             if policy.stagger:
-                f = m.NewIntVar(0, horizon, "")
-                self.first[w] = f
-                m.Add(self.z >= self.t_ar[s] + tail[s] - f)
-                # The span holds every op the worker runs (a valid cut the no-overlap alone
-                # does not give a relational bound for).
-                load = []
-                for u in self.units:
-                    if w in self.cands[u]:
-                        work_u = sum(self.dur[k][s] for k in self.kinds)
-                        load.append(work_u if (u, w) not in self.presence
-                                    else work_u * self.presence[u, w])
-                m.Add(self.t_ar[s] - f >= sum(load))
-                for u in self.units:
-                    if w not in self.cands[u]:
-                        continue
-                    c = m.Add(f <= self.start[u, F])
-                    if (u, w) in self.presence:
-                        c.OnlyEnforceIf(self.presence[u, w])
+                self._span(w, s)
             else:
                 m.Add(self.z >= self.t_ar[s] + tail[s])
         if policy.stagger:
             # Anchor in time: a periodic schedule shifted by any amount is the same schedule.
             # Shifted so that stage 0's optimizer step ends at the period, every op still starts
-            # at 0 or later (each follows a stage-0 forward, which follows that worker's previous
-            # step, at 0 or later), so stage 0 works in the fixed window [0, z]; without this
-            # the no-overlaps have no window to reason in and no probe below a period was ever
-            # decided (benchmarks/README.md).
+            # at 0 or later (each follows a forward at virtual stage 0, which follows that
+            # worker's previous step, at 0 or later), so stage 0 works in the fixed window
+            # [0, z]; without this the no-overlaps have no window to reason in and no probe
+            # below a period was ever decided (benchmarks/README.md).
             m.Add(self.t_ar[0] + tail[0] == self.z)
-            # Redundant (each worker's span implies it): every stage-s op starts within the
-            # period before stage s's step ends. Stated per op it propagates without the worker
+            # Redundant (each worker's span implies it): every op starts within the period
+            # before its stage's step ends. Stated per op it propagates without the worker
             # choice, which helps proofs (GPT, stage 0 dead: "none under 520" proven in 6
             # deterministic seconds, undecided in 10 without) but slows the search for
             # schedules (the GPT library's plans got longer at 1 second): probes only.
             if below is not None:
-                for u in self.units:
-                    m.Add(self.start[u, F] >= self.t_ar[u[1]] + tail[u[1]] - self.z)
+                for unit in self.units:
+                    s = self.holder[unit[1]]
+                    m.Add(self.start[unit, F] >= self.t_ar[s] + tail[s] - self.z)
         m.Minimize(self.z)
-        self.warm_state = "none"
-        if warm is not None:
-            self.warm_state = "used" if self._hint(warm) else "not representable"
+
+    def _span(self, w: int, s: int) -> None:
+        """With the staggered optimizer, worker w's span, from its first forward to its step,
+        fits in the period and holds every op it runs."""
+        m = self.model
+        f = m.NewIntVar(0, self.horizon, "")
+        self.first[w] = f
+        m.Add(self.z >= self.t_ar[s] + self.tail[s] - f)
+        # The span holds every op the worker runs (a valid cut the no-overlap alone does not
+        # give a relational bound for).
+        load = []
+        for unit in self.units:
+            if w in self.cands[unit]:
+                work_u = sum(self.dur[k][unit[1]] for k in self.kinds)
+                load.append(work_u if (unit, w) not in self.presence
+                            else work_u * self.presence[unit, w])
+        m.Add(self.t_ar[s] - f >= sum(load))
+        for unit in self.units:
+            if w not in self.cands[unit]:
+                continue
+            c = m.Add(f <= self.start[unit, F])
+            if (unit, w) in self.presence:
+                c.OnlyEnforceIf(self.presence[unit, w])
 
     def _held(self, into: list, u: tuple, rel: int, s: int, lit: Any) -> None:
         """A micro-batch's in-flight interval: forward start to release end."""
@@ -300,7 +346,7 @@ class CpModel:
         if not stages:
             return
         s = stages[0]
-        rer = [u for u in self.units if u[1] == s and (u[0], s) in dead]
+        rer = [u for u in self.units if self.holder[u[1]] == s and (u[0], s) in dead]
         classes: dict[tuple, list[int]] = {}
         for d in range(D):
             if (d, s) not in dead:
@@ -319,7 +365,7 @@ class CpModel:
         interchangeable (a delay's worker does not matter): each class starts in index order
         where it first meets a machine. Where every class lies within one pipeline,
         interchangeable peers are broken as in the whole model (pipelines swap as blocks)."""
-        S, D, M = self.spec.stages, self.spec.pipelines, self.spec.microbatches
+        S, D, M = self.spec.virtual_stages, self.spec.pipelines, self.spec.microbatches
         classes: dict[tuple, list[tuple[int, int]]] = {}
         for d in range(D):
             for mb in range(M):
@@ -354,8 +400,8 @@ class CpModel:
                       for d in range(self.spec.pipelines)
                       for mb in range(self.spec.microbatches - 1))
         rel = self.kinds[-1]
-        ar = {s: max(values[u, rel] + self.dur[rel][s] for u in self.units if u[1] == s)
-              for s in self.t_ar}
+        ar = {s: max(values[u, rel] + self.dur[rel][u[1]] for u in self.units
+                     if self.holder[u[1]] == s) for s in self.t_ar}
         tail = {s: int(round((self.spec.allreduce[s] + self.spec.optimizer[s]) * self.scale))
                 for s in range(S)}
         first, z = {}, 0
@@ -504,8 +550,9 @@ def relaxations(spec: JobSpec, failed: tuple[Worker, ...]) -> list[frozenset[int
     live worker has the most work, then the two such stages, and so on, up to RELAX_STAGES and
     never every stage (that is the whole model)."""
     n = busiest_load(spec, failed)
+    whole = spec.one_chunk()  # a worker's chunks together
     order = sorted(range(spec.stages),
-                   key=lambda s: (-n[s] * (spec.forward[s] + spec.backward[s]), s))
+                   key=lambda s: (-n[s] * (whole.forward[s] + whole.backward[s]), s))
     return [frozenset(order[:k]) for k in range(1, min(RELAX_STAGES, spec.stages - 1) + 1)]
 
 

@@ -67,13 +67,15 @@ def _count_extensions(lengths: list[int]) -> int:
 def exhaustive(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                limit: int = 200_000) -> ExhaustiveResult:
     S, D, M = spec.stages, spec.pipelines, spec.microbatches
-    space = OpSpace(S, D, M)
+    space = OpSpace.of(spec)
     kinds = (F, I, W) if policy.decouple else (F, B)
     dead = set(failed)
-    rerouted = [(d, s, m) for (d, s) in sorted(dead) for m in range(M)]
+    # Units (pipeline, virtual stage, micro-batch); a worker holds its stage's chunks.
+    held = {s: [spec.virtual(s, c) for c in range(spec.chunks)] for s in range(S)}
+    rerouted = [(d, u, m) for (d, s) in sorted(dead) for u in held[s] for m in range(M)]
     peers = {s: [p for p in range(D) if (p, s) not in dead] for s in range(S)}
     holes = {d: tuple(sorted(s for dd, s in failed if dd == d)) for d in range(D)}
-    choices = [peers[s] for _, s, _ in rerouted]
+    choices = [peers[spec.holder(u)] for _, u, _ in rerouted]
     raw = math.prod(len(c) for c in choices)
     if raw > limit:  # refuse before enumerating anything
         raise RecycleError(f"exhaustive search would try {raw} peer assignments (limit {limit})")
@@ -83,9 +85,9 @@ def exhaustive(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
         # Canonical under swapping interchangeable peers: relabel peers by first use.
         key = []
         first_use: dict[tuple, dict[int, int]] = {}
-        for (d, s, m), p in zip(rerouted, combo):
-            cls = first_use.setdefault((s, holes[p]), {})
-            key.append((s, holes[p], cls.setdefault(p, len(cls))))
+        for (d, u, m), p in zip(rerouted, combo):
+            cls = first_use.setdefault((spec.holder(u), holes[p]), {})
+            key.append((u, holes[p], cls.setdefault(p, len(cls))))
         key = tuple(key)
         if key in seen:
             continue
@@ -98,9 +100,10 @@ def exhaustive(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
         for d in range(D):
             for s in range(S):
                 if (d, s) not in dead:
-                    units.setdefault(worker_index(S, d, s), []).extend((d, s, m) for m in range(M))
-        for (d, s, m), p in zip(rerouted, combo):
-            units[worker_index(S, p, s)].append((d, s, m))
+                    units.setdefault(worker_index(S, d, s), []).extend(
+                        (d, u, m) for u in held[s] for m in range(M))
+        for (d, u, m), p in zip(rerouted, combo):
+            units[worker_index(S, p, spec.holder(u))].append((d, u, m))
         count = 1
         for us in units.values():
             count *= _count_extensions([len(kinds)] * len(us))

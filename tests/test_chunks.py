@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from recycle_planner.errors import PlanFileError, SpecError
+from recycle_planner.errors import PlanFileError, RecycleError, SpecError
 from recycle_planner.files.export_torch import torch_rows
 from recycle_planner.files.planfile import plan_to_dict, read_plan, write_plan
 from recycle_planner.job.policy import BASELINE, Policy
@@ -17,6 +17,9 @@ from recycle_planner.planner import plan_situation
 from recycle_planner.schedules.generators import fault_free, stage_orders
 from recycle_planner.schedules.ops import KIND_CODES, Op, OpSpace
 from recycle_planner.schedules.schedule import Schedule, with_collectives
+from recycle_planner.solvers.cp import run_cp
+from recycle_planner.solvers.exhaustive import exhaustive
+from recycle_planner.solvers.heuristic import heuristic
 from recycle_planner.timing.simulate import simulate
 from recycle_planner.timing.validate import validate
 
@@ -257,3 +260,26 @@ def test_export_torch_writes_virtual_stages_that_torch_validates_and_runs(layout
     assert stage_to_rank == {v: spec.holder(v) for v in range(6)}
     with_comms = torch_schedules._add_send_recv(actions, stage_to_rank.__getitem__, 6)
     torch_schedules._simulate_comms_compute(with_comms, stage_to_rank.__getitem__, 6)
+
+
+# --- exact engines ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec, policy, failed", [
+    (chunked(1, 2, 1, p2p=0.5), ONE_F_ONE_B, ((1, 0),)),          # 2,520 plans
+    (chunked(2, 1, 1, layout="v", forward=[1, 2], p2p=0.25), Policy("1f1b", True, False), ()),
+], ids=["one-stage-rerouted", "v-split"])
+def test_the_cp_engine_matches_exhaustive_search_with_chunks(spec, policy, failed):
+    truth = exhaustive(spec, policy, failed)
+    warm = heuristic(spec, policy, failed).simulation
+    res = run_cp(spec, policy, failed, 10, warm)
+    assert res.status == "Optimal" and res.exact
+    assert res.objective == pytest.approx(truth.best.period, abs=1e-6)
+    plan = plan_situation(spec, policy, failed, solver="cp", time_limit=10)
+    assert validate(plan) == [] and plan.metrics.period == pytest.approx(truth.best.period)
+
+
+def test_the_dp_and_milp_refuse_chunks_in_one_line():
+    spec = chunked(2, 2, 2)
+    for solver in ("dp", "milp"):
+        with pytest.raises(RecycleError, match=f"the {solver} solver plans jobs with one chunk"):
+            plan_situation(spec, Policy(), [(1, 0)], solver=solver)
