@@ -80,8 +80,10 @@ def draw_gantt(plans: Sequence[Plan], path: str | Path, titles: Sequence[str] | 
     if any(plan.failed for plan, _ in panels):
         handles.append(Patch(facecolor="#d9d9d9", edgecolor="#7f7f7f", hatch="xx",
                              label="dead worker"))
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.6 / height, 1, 1))
+    rows = 1 if len(handles) <= 8 else 2  # chunk shades make one row too wide
+    fig.legend(handles=handles, loc="lower center", ncol=-(-len(handles) // rows), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, (0.35 + 0.25 * rows) / height, 1, 1))
     save_figure(fig, path, fmt)
 
 
