@@ -41,7 +41,9 @@ from recycle_planner.timing.simulate import Simulation
 
 @dataclass(frozen=True)
 class Unit:
-    """One micro-batch of one pipeline at one stage, and the workers that may run it."""
+    """One micro-batch of one pipeline at one virtual stage (`s`; the stage itself with one
+    chunk per worker), and the workers that may run it (the live peers of the stage that
+    holds it, for a re-routed one)."""
 
     d: int
     s: int
@@ -59,7 +61,8 @@ class ReroutingModel:
                  warm: Simulation | None = None):
         self.spec, self.policy, self.failed = spec, policy, tuple(failed)
         S, D, M = spec.stages, spec.pipelines, spec.microbatches
-        self.space = OpSpace(S, D, M)
+        self.space = OpSpace.of(spec)
+        self.holder = self.space.holder.tolist()
         self.kinds = (F, I, W) if policy.decouple else (F, B)
         self.release = W if policy.decouple else B
         dead = set(failed)
@@ -67,11 +70,12 @@ class ReroutingModel:
                      if (d, s) not in dead]
         self.units: list[Unit] = []
         for d in range(D):
-            for s in range(S):
+            for u in range(spec.virtual_stages):
+                s = self.holder[u]
                 peers = tuple(worker_index(S, p, s) for p in range(D) if (p, s) not in dead)
                 rerouted = (d, s) in dead
                 for m in range(M):
-                    self.units.append(Unit(d, s, m, peers if rerouted else (worker_index(S, d, s),),
+                    self.units.append(Unit(d, u, m, peers if rerouted else (worker_index(S, d, s),),
                                            rerouted))
         self.costs = {F: spec.forward, I: spec.backward_input, W: spec.backward_weight,
                       B: spec.backward}
@@ -80,7 +84,8 @@ class ReroutingModel:
             ref = warm.steady if policy.stagger else warm.timing
             self.horizon = float(max(2 * warm.iteration_time, np.nanmax(ref.end))) + 1.0
         else:
-            work = sum(sum(self.costs[k][s] for k in self.kinds) for s in range(S)) * M * D
+            work = sum(sum(self.costs[k][u] for k in self.kinds)
+                       for u in range(spec.virtual_stages)) * M * D
             self.horizon = float(work + sum(spec.allreduce) + sum(spec.optimizer)) + 1.0
         self.model = LinearModel()
         self._build()
@@ -95,7 +100,7 @@ class ReroutingModel:
 
     def _build(self) -> None:
         mdl, spec, H = self.model, self.spec, self.horizon
-        S = spec.stages
+        S, last_stage = spec.stages, spec.virtual_stages - 1
         p2p = spec.p2p
         self.T: dict[tuple[int, int], int] = {}
         for u, unit in enumerate(self.units):
@@ -117,7 +122,7 @@ class ReroutingModel:
                 v = index[un.d, un.s - 1, un.m]
                 mdl.row({T[u, F]: 1, T[v, F]: -1}, self.dur(self.units[v], F) + p2p[un.s - 1])
             mdl.row({T[u, bwd]: 1, T[u, F]: -1}, self.dur(un, F))
-            if un.s < S - 1:
+            if un.s < last_stage:
                 v = index[un.d, un.s + 1, un.m]
                 mdl.row({T[u, bwd]: 1, T[v, bwd]: -1}, self.dur(self.units[v], bwd) + p2p[un.s + 1])
             if self.policy.decouple:
@@ -140,7 +145,7 @@ class ReroutingModel:
                 continue
             self.t_ar[s] = mdl.var(0.0, H)
             for u, un in enumerate(self.units):
-                if un.s == s:
+                if self.holder[un.s] == s:
                     last = self.kinds[-1]
                     mdl.row({self.t_ar[s]: 1, self.T[u, last]: -1}, self.dur(un, last))
         self.z = mdl.var(0.0, INF, cost=1.0)
@@ -303,7 +308,7 @@ class ReroutingModel:
         if not stages:
             return
         s = stages[0]
-        rer = [u for u, un in enumerate(self.units) if un.rerouted and un.s == s]
+        rer = [u for u, un in enumerate(self.units) if un.rerouted and self.holder[un.s] == s]
         peers = [d for d in range(D) if (d, s) not in set(self.failed)]
         classes: dict[tuple, list[int]] = {}
         for d in peers:
@@ -330,6 +335,6 @@ def estimated_pairs(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -
         if not live:
             continue
         extra = (D - len(live)) * M  # re-routed micro-batches any live peer may take
-        ops = k * (M + extra)
+        ops = k * (M + extra) * spec.chunks  # every chunk the stage holds
         total += len(live) * ops * (ops - 1) // 2
     return total

@@ -55,11 +55,11 @@ def solve_heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
 
 
 def one_chunk_only(spec: JobSpec, solver: str) -> None:
-    """The solvers that model one chunk per worker (the DP, the MILP) refuse a job with more,
-    in one line."""
+    """The solver that models one chunk per worker (the DP) refuses a job with more, in one
+    line."""
     if spec.chunks > 1:
         raise RecycleError(f"the {solver} solver plans jobs with one chunk per worker, but this "
-                           f"one has {spec.chunks}: use --solver heuristic, cp or auto")
+                           f"one has {spec.chunks}: use --solver heuristic, cp, milp or auto")
 
 
 def solve_dp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
@@ -73,7 +73,6 @@ def solve_dp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
 
 def solve_milp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
-    one_chunk_only(spec, "milp")
     warm = best_of(settings, fast or fast_candidates(spec, policy, failed))
     return with_milp(spec, policy, failed, settings, warm)
 
@@ -92,7 +91,7 @@ def solve_auto(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
     analytic = lower_bound(spec, policy, failed).value
     if _gap(analytic, found) > OPEN and cp_fits(spec, policy, failed):
         found = with_cp(spec, policy, failed, settings, found)
-    if spec.chunks == 1 and _gap(analytic, found) > OPEN and estimated_pairs(
+    if _gap(analytic, found) > OPEN and estimated_pairs(
             spec, policy, failed) <= MILP_PAIRS_PER_SECOND * settings.time_limit:
         found = with_milp(spec, policy, failed, settings, found)
     if failed and found.simulation.schedule.n_ops <= UP_TO_OPS:  # else nothing is improved

@@ -20,6 +20,7 @@ from recycle_planner.schedules.schedule import Schedule, with_collectives
 from recycle_planner.solvers.cp import run_cp
 from recycle_planner.solvers.exhaustive import exhaustive
 from recycle_planner.solvers.heuristic import heuristic
+from recycle_planner.solvers.milp import run_milp
 from recycle_planner.timing.simulate import simulate
 from recycle_planner.timing.validate import validate
 
@@ -264,22 +265,31 @@ def test_export_torch_writes_virtual_stages_that_torch_validates_and_runs(layout
 
 # --- exact engines ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec, policy, failed", [
+CHUNKED_TINY = [
     (chunked(1, 2, 1, p2p=0.5), ONE_F_ONE_B, ((1, 0),)),          # 2,520 plans
     (chunked(2, 1, 1, layout="v", forward=[1, 2], p2p=0.25), Policy("1f1b", True, False), ()),
-], ids=["one-stage-rerouted", "v-split"])
-def test_the_cp_engine_matches_exhaustive_search_with_chunks(spec, policy, failed):
-    truth = exhaustive(spec, policy, failed)
+]
+
+
+@pytest.fixture(scope="module", params=CHUNKED_TINY, ids=["one-stage-rerouted", "v-split"])
+def tiny_truth(request):
+    spec, policy, failed = request.param
+    return spec, policy, failed, exhaustive(spec, policy, failed).best.period
+
+
+@pytest.mark.parametrize("engine", ["cp", "milp"])
+def test_the_exact_engines_match_exhaustive_search_with_chunks(tiny_truth, engine):
+    spec, policy, failed, best = tiny_truth
     warm = heuristic(spec, policy, failed).simulation
-    res = run_cp(spec, policy, failed, 10, warm)
-    assert res.status == "Optimal" and res.exact
-    assert res.objective == pytest.approx(truth.best.period, abs=1e-6)
-    plan = plan_situation(spec, policy, failed, solver="cp", time_limit=10)
-    assert validate(plan) == [] and plan.metrics.period == pytest.approx(truth.best.period)
+    res = run_cp(spec, policy, failed, 10, warm) if engine == "cp" else \
+        run_milp(spec, policy, failed, 60, "highs", warm, node_limit=5000)
+    assert res.status == "Optimal"
+    assert res.objective == pytest.approx(best, abs=1e-6)
+    assert res.bound == pytest.approx(best, abs=1e-6)
+    plan = plan_situation(spec, policy, failed, solver=engine, time_limit=10)
+    assert validate(plan) == [] and plan.metrics.period == pytest.approx(best)
 
 
-def test_the_dp_and_milp_refuse_chunks_in_one_line():
-    spec = chunked(2, 2, 2)
-    for solver in ("dp", "milp"):
-        with pytest.raises(RecycleError, match=f"the {solver} solver plans jobs with one chunk"):
-            plan_situation(spec, Policy(), [(1, 0)], solver=solver)
+def test_the_dp_refuses_chunks_in_one_line():
+    with pytest.raises(RecycleError, match="the dp solver plans jobs with one chunk per worker"):
+        plan_situation(chunked(2, 2, 2), Policy(), [(1, 0)], solver="dp")
