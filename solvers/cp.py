@@ -389,12 +389,26 @@ class CpModel:
         for w, order in enumerate(sched.orders):
             for op in order.tolist():
                 where[op] = w
+        # A pipeline's micro-batches are interchangeable: the warm plan's are relabelled so
+        # that their first forwards start in index order, as the model's symmetry breaking
+        # asks (a heuristic plan that ran them in another order was "not representable").
+        label = {}
+        for d in range(self.spec.pipelines):
+            first = [float(timing.start[self.space.compute(F, d, 0, mb)])
+                     for mb in range(self.spec.microbatches)]
+            for new, old in enumerate(sorted(range(self.spec.microbatches),
+                                             key=lambda mb: (first[mb], mb))):
+                label[d, new] = old
+
+        def op_of(k: int, u: tuple) -> int:
+            return self.space.compute(k, u[0], u[1], label[u[0], u[2]])
+
         values = {}
         for (u, k) in self.start:
-            t = float(timing.start[self.space.compute(k, *u)]) * self.scale
+            t = float(timing.start[op_of(k, u)]) * self.scale
             values[u, k] = int(round(t))
         on_grid = bool(np.allclose(
-            [float(timing.start[self.space.compute(k, *u)]) * self.scale for u, k in values],
+            [float(timing.start[op_of(k, u)]) * self.scale for u, k in values],
             list(values.values()), atol=1e-6))
         ordered = all(values[(d, 0, mb), F] <= values[(d, 0, mb + 1), F]
                       for d in range(self.spec.pipelines)
@@ -409,8 +423,7 @@ class CpModel:
             s = worker_at(S, w)[1]
             if self.policy.stagger:
                 first[w] = min(values[u, F] for u in self.units if w in self.cands[u]
-                               and (len(self.cands[u]) == 1
-                                    or where[self.space.compute(F, *u)] == w))
+                               and (len(self.cands[u]) == 1 or where[op_of(F, u)] == w))
                 z = max(z, ar[s] + tail[s] - first[w])
             else:
                 z = max(z, ar[s] + tail[s])
@@ -420,7 +433,7 @@ class CpModel:
         for (u, k), var in self.start.items():
             m.AddHint(var, values[u, k] + shift)
         for (u, w), lit in self.presence.items():
-            m.AddHint(lit, where[self.space.compute(F, *u)] == w)
+            m.AddHint(lit, where[op_of(F, u)] == w)
         for u, rel_k, s, end, size in self.helpers:  # a complete hint needs no search to repair
             m.AddHint(end, values[u, rel_k] + self.dur[rel_k][s] + shift)
             m.AddHint(size, values[u, rel_k] + self.dur[rel_k][s] - values[u, F])

@@ -300,3 +300,19 @@ def test_a_relaxation_proves_what_the_whole_model_does_not():
     assert plan.metrics.optimal and plan.metrics.lower_bound == 55
     assert plan.metrics.lower_bound_reason == \
         "the CP engine's bound (stages 1, 2 alone as machines)"
+
+
+@pytest.mark.parametrize("failed", [((0, 1), (2, 0)), ((1, 2), (2, 0)), ((1, 2), (3, 0))])
+def test_every_fast_plan_is_a_warm_start(failed):
+    """The issue's cross-check: on a memory-capped staggered 3 x 4 x 8 job with two dead
+    workers some fast plans ran a pipeline's first forwards out of index order, which the
+    model's symmetry breaking forbids ("warm start not representable"); relabelling the
+    micro-batches (interchangeable within a pipeline) makes every one a warm start."""
+    from recycle_planner.solvers.cp import CpModel
+    from recycle_planner.solvers.portfolio import fast_candidates
+
+    spec = make_spec(stages=3, pipelines=4, microbatches=8, forward=[1, 2, 1],
+                     backward_input=[2, 1, 1.5], backward_weight=0.5, p2p=0.25,
+                     memory={"max_inflight": 2})
+    for candidate in fast_candidates(spec, Policy(), failed):
+        assert CpModel(spec, Policy(), failed, candidate.simulation).warm_state == "used"
