@@ -237,32 +237,19 @@ def _event_loop(spec: JobSpec, policy: Policy, space: OpSpace, key_of: list,
             op = item[3]
             heappush(ready_f[w][space.C - 1 - reserve[op]] if op < n else ready_w[w]
                      if W * n <= op < (W + 1) * n else ready_o[w], item[1:])
-        qf = _forward_queue(ready_f[w], cap[w] - inflight[w])
-        qo = ready_o[w]
-        if drain_first:
-            qw = ready_w[w]
-            if forwards_left[w] == 0:
-                qo = qo or qw  # a weight gradient only when no input backward is ready
-            elif qw and (not qo or qw[0] < qo[0]):
-                qo = qw
-        if qf and (not qo or qf[0] < qo[0]):
-            q = qf
-        elif qo:
-            q = qo
-        else:
+        q = _choose(_forward_queue(ready_f[w], cap[w] - inflight[w]), ready_o[w],
+                    ready_w[w] if drain_first else None, forwards_left[w])
+        if q is None:
             if fut:
                 wake[w] = fut[0][0]
                 heappush(events, (wake[w], w))
             continue
         if patient and fut:
-            best = q[0]
-            kind0, u0 = divmod(best[2], n)
-            finish = t + cost[kind0][unit_s[u0]]
-            # The earliest-arriving op that outranks the candidate and comes before it is done.
-            soon = [item for item in fut if item[0] < finish and item[1:3] < best[:2]
-                    and (item[3] >= n or inflight[w] + reserve[item[3]] < cap[w])]
-            if soon:
-                wake[w] = min(item[0] for item in soon)
+            kind0, u0 = divmod(q[0][2], n)
+            soon = _outranking(fut, q[0], t + cost[kind0][unit_s[u0]], n, reserve,
+                               cap[w] - inflight[w])
+            if soon is not None:
+                wake[w] = soon
                 heappush(events, (wake[w], w))
                 continue
         op = heappop(q)[2]
@@ -290,6 +277,32 @@ def _event_loop(spec: JobSpec, policy: Policy, space: OpSpace, key_of: list,
     if any(remaining):  # a bug, not bad input: with every cap >= 1 the last stage always drains
         raise RuntimeError("list scheduling stalled")
     return orders
+
+
+def _choose(qf: list | None, qo: list, qw: list | None, forwards_left: int) -> list | None:
+    """The queue whose head a free worker starts: ready forwards `qf` (None: no room), other
+    ops `qo`, and with drain_first the weight gradients `qw` apart (a weight gradient only
+    when no input backward is ready, once the worker has no forward left to start); None when
+    nothing is ready."""
+    if qw is not None:
+        if forwards_left == 0:
+            qo = qo or qw
+        elif qw and (not qo or qw[0] < qo[0]):
+            qo = qw
+    if qf and (not qo or qf[0] < qo[0]):
+        return qf
+    return qo or None
+
+
+def _outranking(future: list, best: tuple, finish: float, n: int, reserve: list[int],
+                free: int) -> float | None:
+    """Patient list scheduling: when the earliest op of `future` (ready time, key, tie, op)
+    that outranks the candidate `best` (key, tie, op) arrives before the candidate would
+    finish, and the worker would have room for it (a forward leaves its later chunks' reserve,
+    `_forward_queue`), its arrival time; else None."""
+    soon = [item[0] for item in future if item[0] < finish and item[1:3] < best[:2]
+            and (item[3] >= n or reserve[item[3]] < free)]
+    return min(soon) if soon else None
 
 
 def _forward_queue(by_chunk: list[list], free: int) -> list | None:
