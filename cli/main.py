@@ -225,7 +225,10 @@ def policy_options(func):
                              "gradient) and let W fill idle time.")(func)
     func = click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b",
                         show_default=True, help="The pipeline schedule the job runs when "
-                                                "nothing has failed.")(func)
+                                                "nothing has failed. With 'chunks' in the spec: "
+                                                "1f1b is interleaved 1F1B (layout v: ZB-V's "
+                                                "order, fused), zb-h1 interleaved zero bubble "
+                                                "or ZB-V.")(func)
     return func
 
 
