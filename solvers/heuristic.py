@@ -313,6 +313,8 @@ def _forward_queue(by_chunk: list[list], free: int) -> list | None:
     reserve, a worker whose slots all hold chunk-0 micro-batches waits forever for its own
     chunk-1 forwards. With one chunk per worker this is the plain cap."""
     chunks = len(by_chunk)
+    if chunks == 1:  # the common case, on the hot path
+        return by_chunk[0] if free > 0 else None
     best = None
     for c, queue in enumerate(by_chunk):
         if queue and free > chunks - 1 - c and (best is None or queue[0] < best[0]):
