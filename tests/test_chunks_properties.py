@@ -4,7 +4,7 @@ agrees with networkx longest paths, and the default policy never loses to plain 
 
 import networkx as nx
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, strategies as st
 
 from recycle_planner.errors import SpecError
 from recycle_planner.job.policy import BASELINE, Policy
@@ -60,7 +60,6 @@ def make(spec, policy, failed):
         assume(False)
 
 
-@settings(max_examples=30)
 @given(situations())
 def test_every_chunked_plan_is_valid_and_certified(case):
     plan = make(*case)
@@ -72,7 +71,6 @@ def test_every_chunked_plan_is_valid_and_certified(case):
         * per_unit
 
 
-@settings(max_examples=20)
 @given(situations())
 def test_simulator_agrees_with_networkx_on_chunked_plans(case):
     plan = make(*case)
@@ -85,7 +83,6 @@ def test_simulator_agrees_with_networkx_on_chunked_plans(case):
     assert longest_path_length(graph) == pytest.approx(plan.metrics.iteration_time)
 
 
-@settings(max_examples=20)
 @given(chunked_jobs(), st.data())
 def test_default_never_loses_to_plain_rerouting_with_chunks(spec, data):
     assume(spec.pipelines >= 2)
