@@ -81,106 +81,132 @@ def lower_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Bo
 
 
 def all_bounds(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> list[Bound]:
-    """Every bound of the module docstring for this situation (each one is sound alone); a
-    job with several chunks per worker has its own (chunk_bounds.py)."""
+    """Every bound of the module docstring for this situation (each one is sound alone), in
+    passes per stage s: the cycles through its busiest worker (and the late pipeline where it
+    has dead workers), the drains of the stages up to it, its own work; then the crowded ends.
+    A job with several chunks per worker has its own (chunk_bounds.py)."""
     if spec.chunks > 1:
         return chunk_bounds(spec, policy, failed)
-    S, D, M = spec.stages, spec.pipelines, spec.microbatches
-    n = busiest_load(spec, failed)
-    k = dead_per_stage(spec, failed)
-    c = chains(spec, policy)
-    fwd, inp, wgt, tail, caps = c.fwd, c.inp, c.wgt, c.tail, c.caps
-    head, up, round_trip = c.head, c.up, c.round_trip
-    # Forwards that memory forces after a worker's first input backward (`cycles` counts the
-    # weight gradients it forces after the last one).
-    late_f = [max(0, n[s] - caps[s]) * fwd[s] for s in range(S)]
-    work = [n[s] * (fwd[s] + inp[s] + wgt[s]) for s in range(S)]
-
-    def last_forward(s: int, count: int) -> float:
-        """(last forward) The earliest start of a stage-s worker's last forward after its
-        first, when it runs `count` micro-batches: the other forwards run before it, and with
-        more than cap_s micro-batches it waits for count - cap_s weight gradients (and their
-        input backwards), which wait for the round trip, as do count - cap_s - 1 forwards."""
-        over = max(0, count - caps[s])
-        done = (count - 1) * fwd[s] + over * (inp[s] + wgt[s])
-        if over == 0:
-            return done
-        return max(done, round_trip[s] + over * (inp[s] + wgt[s]) + (over - 1) * fwd[s])
-
-    def closing(s: int, j: int) -> float:
-        """Forwards from stage j to s before, and the gradient from s up to j's step after."""
-        before = head[s] - (0.0 if not policy.stagger else head[j])
-        return before + up[s] - up[j] + wgt[j] + tail[j]
-
-    def cycles(s: int, j: int, count: int) -> tuple[float, float, float]:
-        """(last input), (first and last input) and (last forward) through a stage-s worker
-        that runs `count` micro-batches, closing at stage j."""
-        late = max(0, count - caps[s])
-        return (closing(s, j) + count * (fwd[s] + inp[s]) + late * wgt[s],
-                closing(s, j) + round_trip[s] + count * inp[s] + late * (fwd[s] + wgt[s]),
-                closing(s, j) + last_forward(s, count) + round_trip[s] + inp[s])
-
+    ctx = _Situation(spec, policy, failed)
     bounds: list[Bound] = []
-    dead = set(failed)
-    # own[u][j]: the longest cycle through a stage-u worker that runs its own M micro-batches,
-    # closing at stage j (the late-pipeline and drain bounds take it per pipeline).
-    own = [[max(cycles(u, j, M)) for j in range(u + 1)] for u in range(S)]
-
-    def drain(j: int, t: int) -> list[Bound]:
-        """(drain) The cycles closing at stage j in which the last gradients of r pipelines
-        all reach stage t (j <= t, k_t > 0) on D - k_t live workers, one of which runs
-        ceil(r / (D - k_t)) of them."""
-        live = D - k[t]
-        if k[t] == 0:
-            return []
-        # Pipeline d's last gradient, from its live worker at a stage above t that runs its
-        # own M micro-batches, reaches stage t no earlier than in that worker's cycle (the
-        # worker at stage t itself would count its own work twice).
-        per_pipeline = sorted((max((own[u][j] for u in range(t + 1, S) if (d, u) not in dead),
-                                   default=-math.inf) for d in range(D)), reverse=True)
-        # Each extra one costs an input backward at stage t (the last of them then travels
-        # on); at the closing stage also its weight gradient, before the all-reduce.
-        extra = inp[t] + (wgt[t] if t == j else 0.0)
-        return [Bound(per_pipeline[r - 1] + (math.ceil(r / live) - 1) * extra,
-                      f"the last gradients of {r} pipelines reach stage {t} on {live} live "
-                      f"workers, then travel up to stage {j}")
-                for r in range(live + 1, D + 1) if per_pipeline[r - 1] > -math.inf]
-    for s in range(S):
+    for s in range(spec.stages):
         for j in range(s + 1):
-            last, both, gated = cycles(s, j, n[s])
-            bounds.append(Bound(last, f"stage {s}'s last gradient travelling up to stage {j}"))
-            bounds.append(Bound(both, f"stage {s}'s first gradient, its input backwards and its "
-                                      f"last gradient travelling up to stage {j}"))
-            bounds.append(Bound(gated, f"stage {s}'s last forward, after the weight gradients "
-                                       f"that free its memory, travelling up to stage {j}"))
-            live = D - k[s]
-            if k[s] == 0:
-                continue
-            # (late pipeline) The first forwards of the D pipelines at stage s run on `live`
-            # workers, so one of them starts at least (ceil(D / live) - 1) F_s after the
-            # others could; every op of that pipeline from stage s on is that much late, and
-            # each of its live workers at a stage t >= s runs its M micro-batches in a cycle.
-            # Which pipeline is late is not known: the least of them.
-            late = (math.ceil(D / live) - 1) * fwd[s]
-            least = min(max((own[t][j] for t in range(s, S) if (d, t) not in dead),
-                            default=-math.inf) for d in range(D))
-            if least > -math.inf:  # else some pipeline has no live worker from stage s on
-                bounds.append(Bound(late + least,
-                                    f"{live} live stage-{s} workers start {D} pipelines: one "
-                                    f"starts {late:g} late, its gradients travel up to stage {j}"))
+            bounds += ctx.cycle_bounds(s, j)
         for t in range(s + 1):
-            bounds.extend(drain(t, s))
-        if policy.stagger:
-            bounds.append(Bound(work[s] + tail[s], f"work of the busiest stage-{s} worker"))
-            bounds.append(Bound(round_trip[s] + n[s] * (inp[s] + wgt[s]) + late_f[s] + tail[s],
-                                f"round trip to stage {s}'s first gradient plus its backwards"))
-        else:
-            bounds.append(Bound(head[s] + work[s] + tail[s],
-                                f"start of stage {s} plus the work of its busiest worker"))
-            bounds.append(Bound(head[s] + round_trip[s] + n[s] * (inp[s] + wgt[s]) + late_f[s]
-                                + tail[s],
-                                f"stage {s}'s first gradient plus its backwards"))
+            bounds += ctx.drain(t, s)
+        bounds += ctx.own_work(s)
     crowded = crowded_ends(spec, policy, failed, max(b.value for b in bounds))
     if crowded is not None:
         bounds.append(Bound(*crowded))
     return bounds
+
+
+class _Situation:
+    """What every bound of one situation reads: the chains (chains.py), the busiest loads n,
+    the dead per stage k, and each stage's cycles when its worker runs its own micro-batches."""
+
+    def __init__(self, spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]):
+        self.spec, self.policy, self.dead = spec, policy, set(failed)
+        self.n = busiest_load(spec, failed)
+        self.k = dead_per_stage(spec, failed)
+        self.c = chains(spec, policy)
+        S, c, n = spec.stages, self.c, self.n
+        # Forwards that memory forces after a worker's first input backward (`cycles` counts
+        # the weight gradients it forces after the last one).
+        self.late_f = [max(0, n[s] - c.caps[s]) * c.fwd[s] for s in range(S)]
+        self.work = [n[s] * (c.fwd[s] + c.inp[s] + c.wgt[s]) for s in range(S)]
+        # own[u][j]: the longest cycle through a stage-u worker that runs its own M
+        # micro-batches, closing at stage j (the late-pipeline and drain bounds take it per
+        # pipeline).
+        self.own = [[max(self.cycles(u, j, spec.microbatches)) for j in range(u + 1)]
+                    for u in range(S)]
+
+    def last_forward(self, s: int, count: int) -> float:
+        """(last forward) The earliest start of a stage-s worker's last forward after its
+        first, when it runs `count` micro-batches: the other forwards run before it, and with
+        more than cap_s micro-batches it waits for count - cap_s weight gradients (and their
+        input backwards), which wait for the round trip, as do count - cap_s - 1 forwards."""
+        c = self.c
+        over = max(0, count - c.caps[s])
+        done = (count - 1) * c.fwd[s] + over * (c.inp[s] + c.wgt[s])
+        if over == 0:
+            return done
+        return max(done, c.round_trip[s] + over * (c.inp[s] + c.wgt[s]) + (over - 1) * c.fwd[s])
+
+    def closing(self, s: int, j: int) -> float:
+        """Forwards from stage j to s before, and the gradient from s up to j's step after."""
+        c = self.c
+        before = c.head[s] - (0.0 if not self.policy.stagger else c.head[j])
+        return before + c.up[s] - c.up[j] + c.wgt[j] + c.tail[j]
+
+    def cycles(self, s: int, j: int, count: int) -> tuple[float, float, float]:
+        """(last input), (first and last input) and (last forward) through a stage-s worker
+        that runs `count` micro-batches, closing at stage j."""
+        c = self.c
+        late = max(0, count - c.caps[s])
+        closing = self.closing(s, j)
+        return (closing + count * (c.fwd[s] + c.inp[s]) + late * c.wgt[s],
+                closing + c.round_trip[s] + count * c.inp[s] + late * (c.fwd[s] + c.wgt[s]),
+                closing + self.last_forward(s, count) + c.round_trip[s] + c.inp[s])
+
+    def cycle_bounds(self, s: int, j: int) -> list[Bound]:
+        """The three cycles through stage s's busiest worker closing at stage j, and (late
+        pipeline) where stage s has dead workers: the first forwards of the D pipelines at
+        stage s run on its live workers, so one of them starts at least
+        (ceil(D / live) - 1) F_s after the others could; every op of that pipeline from stage
+        s on is that much late, and each of its live workers at a stage t >= s runs its M
+        micro-batches in a cycle. Which pipeline is late is not known: the least of them."""
+        last, both, gated = self.cycles(s, j, self.n[s])
+        out = [Bound(last, f"stage {s}'s last gradient travelling up to stage {j}"),
+               Bound(both, f"stage {s}'s first gradient, its input backwards and its last "
+                           f"gradient travelling up to stage {j}"),
+               Bound(gated, f"stage {s}'s last forward, after the weight gradients that free "
+                            f"its memory, travelling up to stage {j}")]
+        D, S = self.spec.pipelines, self.spec.stages
+        live = D - self.k[s]
+        if self.k[s] == 0:
+            return out
+        late = (math.ceil(D / live) - 1) * self.c.fwd[s]
+        least = min(max((self.own[t][j] for t in range(s, S) if (d, t) not in self.dead),
+                        default=-math.inf) for d in range(D))
+        if least > -math.inf:  # else some pipeline has no live worker from stage s on
+            out.append(Bound(late + least, f"{live} live stage-{s} workers start {D} "
+                                           f"pipelines: one starts {late:g} late, its gradients "
+                                           f"travel up to stage {j}"))
+        return out
+
+    def drain(self, j: int, t: int) -> list[Bound]:
+        """(drain) The cycles closing at stage j in which the last gradients of r pipelines
+        all reach stage t (j <= t, k_t > 0) on D - k_t live workers, one of which runs
+        ceil(r / (D - k_t)) of them."""
+        D, S = self.spec.pipelines, self.spec.stages
+        live = D - self.k[t]
+        if self.k[t] == 0:
+            return []
+        # Pipeline d's last gradient, from its live worker at a stage above t that runs its
+        # own M micro-batches, reaches stage t no earlier than in that worker's cycle (the
+        # worker at stage t itself would count its own work twice).
+        per_pipeline = sorted((max((self.own[u][j] for u in range(t + 1, S)
+                                    if (d, u) not in self.dead), default=-math.inf)
+                               for d in range(D)), reverse=True)
+        # Each extra one costs an input backward at stage t (the last of them then travels
+        # on); at the closing stage also its weight gradient, before the all-reduce.
+        extra = self.c.inp[t] + (self.c.wgt[t] if t == j else 0.0)
+        return [Bound(per_pipeline[r - 1] + (math.ceil(r / live) - 1) * extra,
+                      f"the last gradients of {r} pipelines reach stage {t} on {live} live "
+                      f"workers, then travel up to stage {j}")
+                for r in range(live + 1, D + 1) if per_pipeline[r - 1] > -math.inf]
+
+    def own_work(self, s: int) -> list[Bound]:
+        """(work) and (round trip) of stage s's busiest worker, from its own start with the
+        staggered optimizer, from the iteration's with a barrier."""
+        c, n, work, late_f = self.c, self.n, self.work, self.late_f
+        backwards = n[s] * (c.inp[s] + c.wgt[s])
+        if self.policy.stagger:
+            return [Bound(work[s] + c.tail[s], f"work of the busiest stage-{s} worker"),
+                    Bound(c.round_trip[s] + backwards + late_f[s] + c.tail[s],
+                          f"round trip to stage {s}'s first gradient plus its backwards")]
+        return [Bound(c.head[s] + work[s] + c.tail[s],
+                      f"start of stage {s} plus the work of its busiest worker"),
+                Bound(c.head[s] + c.round_trip[s] + backwards + late_f[s] + c.tail[s],
+                      f"stage {s}'s first gradient plus its backwards")]
