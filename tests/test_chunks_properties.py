@@ -36,6 +36,8 @@ def chunked_jobs(draw):
                      "allreduce": draw(st.sampled_from([0.0, 1.0])), "optimizer": 0.5}}
     if layout == "v":
         data["layout"] = "v"
+    if draw(st.booleans()):  # a memory cap: max_inflight micro-batches' worth of chunks
+        data["memory"] = {"max_inflight": draw(st.integers(1, 2 * S + 2))}
     return JobSpec.from_dict(data)
 
 
@@ -52,11 +54,12 @@ def situations(draw):
 
 
 def make(spec, policy, failed):
-    """The plan, or the case dropped where the interleaved rounds do not divide M."""
+    """The plan, or the case dropped where the interleaved rounds do not divide M or the
+    memory cap is below what the fault-free schedule keeps in flight."""
     try:
         return plan_situation(spec, policy, failed)
     except SpecError as exc:
-        assert "equal rounds" in str(exc)
+        assert "equal rounds" in str(exc) or "the memory budget allows" in str(exc)
         assume(False)
 
 
