@@ -609,6 +609,7 @@ class LeaseKeeper:
         self.on_lost = on_lost
         self.lease = store.grant(ttl)
         self.lost: str | None = None
+        self.unreachable = False  # lost because the store did not answer (not an expiry)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
         self._thread.start()
@@ -622,6 +623,7 @@ class LeaseKeeper:
                 confirmed = time.monotonic()
             except StoreUnavailable as exc:
                 if time.monotonic() - confirmed >= self.ttl:
+                    self.unreachable = True
                     return self._lose(f"lease {self.lease:x} not renewed for {self.ttl:g} s: "
                                       f"{exc}")
 
