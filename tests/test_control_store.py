@@ -153,8 +153,11 @@ def test_a_fence_on_the_election_key_refuses_a_deposed_writer(store, p):
     store.put(leader, "coordinator b")  # ... and the key is made again by someone else
     assert not store.transaction([fence], [(p + "decision", "a's late one", 0)])
     assert store.get(p + "decision").value == "a's"
-    assert store.transaction([Compare(p + "decision", "value", "a's")], deletes=[p + "decision"])
-    assert store.get(p + "decision") is None
+    store.put(p + "ready/1/0", "r")
+    store.put(p + "ready/1/1", "r")
+    assert store.transaction([Compare(p + "decision", "value", "a's")], deletes=[p + "decision"],
+                             delete_prefixes=[p + "ready/1/"])
+    assert store.get(p + "decision") is None and store.get_prefix(p + "ready/")[0] == []
 
 
 def test_a_put_under_an_unknown_lease_is_refused(store, p):

@@ -120,14 +120,15 @@ class Election:
         return min(entries, key=lambda e: e.create_revision, default=None)
 
     def write(self, puts: Iterable[tuple[str, str, int]] = (), deletes: Iterable[str] = (),
-              compares: Iterable[Compare] = ()) -> bool:
+              compares: Iterable[Compare] = (), delete_prefixes: Iterable[str] = ()) -> bool:
         """A leader's write: applied only while this candidate still leads (the fence) and
         the other comparisons hold."""
         if self.leadership is None:
             raise Deposed("not the leader")
         if self.deposed.is_set():
             raise self._deposed()
-        return self.store.transaction([self.leadership.fence, *compares], puts, deletes)
+        return self.store.transaction([self.leadership.fence, *compares], puts, deletes,
+                                      delete_prefixes)
 
     def resign(self) -> None:
         """Leave the election (the next candidate leads at once)."""

@@ -158,10 +158,11 @@ class HostMember:
         self._closed = threading.Event()
         self.keeper = LeaseKeeper(store, ttl, self._lose)
         store.put(keys.host(record.node), record.to_json(), lease=self.keeper.lease)
-        self._watch = store.watch(keys.to_hosts, 0)
-        current = store.get(keys.decision)
-        if current is not None:
-            self.decision = Decision.from_json(current.value)
+        # what was posted before this host's watch starts counts too (an abort to answer)
+        entries, read_at = store.get_prefix(keys.to_hosts)
+        self._watch = store.watch(keys.to_hosts, read_at + 1)
+        for e in sorted(entries, key=lambda e: e.key != keys.decision):
+            self._handle(e.key, e.value)
         self._thread = threading.Thread(target=self._run, name=f"host-{record.node}",
                                         daemon=True)
         self._thread.start()
@@ -180,16 +181,20 @@ class HostMember:
             if event is None or event.kind != PUT:
                 continue
             try:
-                if event.key == self.keys.decision:
-                    self.decision = Decision.from_json(event.value)
-                    self.on_decision(self.decision)
-                elif event.key == self.keys.abort:
-                    self._answer(AbortNotice.from_json(event.value))
+                self._handle(event.key, event.value)
             except StoreUnavailable as exc:
                 return self._lose(str(exc))
 
+    def _handle(self, key: str, value: str) -> None:
+        if key == self.keys.decision:
+            self.decision = Decision.from_json(value)
+            self.on_decision(self.decision)
+        elif key == self.keys.abort:
+            self._answer(AbortNotice.from_json(value))
+
     def _answer(self, notice: AbortNotice) -> None:
-        if notice.gen in self._answered:
+        stale = self.decision is not None and notice.gen < self.decision.gen
+        if notice.gen in self._answered or stale:
             return
         self._answered.add(notice.gen)
         report = HostReady(notice.gen, self.record.node, self.steps())
@@ -319,9 +324,9 @@ class Leader:
                  for r, s in rep.steps.items()}
         decision = protocol.decide(gen, self.pipelines, self.stages, steps, self.lookup,
                                    initial=self.decision is None)
-        stale = [self.keys.ready(self.aborted.gen) + str(n) for n in self.reports]
-        if self.election.write([(self.keys.decision, decision.to_json(), 0)], stale,
-                               [Compare(self.keys.decision, "mod", self.decision_rev)]):
+        if self.election.write([(self.keys.decision, decision.to_json(), 0)],
+                               compares=[Compare(self.keys.decision, "mod", self.decision_rev)],
+                               delete_prefixes=[self.keys.ready(self.aborted.gen)]):
             log.info("generation %d decided: %s, %d members", gen, decision.action,
                      len(decision.members))
             self.on_decision(decision)

@@ -142,9 +142,10 @@ class ControlStore(Protocol):
         """End `lease` now: its keys are deleted."""
 
     def transaction(self, compares: Iterable[Compare], puts: Iterable[tuple[str, str, int]] = (),
-                    deletes: Iterable[str] = ()) -> bool:
-        """If every comparison holds, apply the puts (key, value, lease) and deletes as one
-        change; whether they held."""
+                    deletes: Iterable[str] = (), delete_prefixes: Iterable[str] = ()) -> bool:
+        """If every comparison holds, apply the puts (key, value, lease), the deletes and the
+        prefix deletes as one change; whether they held. (etcd allows 128 operations in one
+        transaction by default: a prefix delete is one, whatever it deletes.)"""
 
     def watch(self, prefix: str, start_revision: int = 0) -> Watch:
         """Changes under `prefix` from `start_revision` on (0: from now)."""
@@ -288,7 +289,7 @@ class MemoryStore:
                 self._lock.wait(wait)
 
     def transaction(self, compares: Iterable[Compare], puts: Iterable[tuple[str, str, int]] = (),
-                    deletes: Iterable[str] = ()) -> bool:
+                    deletes: Iterable[str] = (), delete_prefixes: Iterable[str] = ()) -> bool:
         with self._lock:
             if not all(c.holds(self._data.get(c.key)) for c in compares):
                 return False
@@ -299,6 +300,9 @@ class MemoryStore:
                 self._change(PUT, key, value, lease)
             for key in deletes:
                 if key in self._data:
+                    self._change(DELETE, key)
+            for prefix in delete_prefixes:
+                for key in [k for k in sorted(self._data) if k.startswith(prefix)]:
                     self._change(DELETE, key)
             return True
 
@@ -538,12 +542,14 @@ class EtcdStore:
             pass  # already expired: its keys are gone, which is what revoking wants
 
     def transaction(self, compares: Iterable[Compare], puts: Iterable[tuple[str, str, int]] = (),
-                    deletes: Iterable[str] = ()) -> bool:
+                    deletes: Iterable[str] = (), delete_prefixes: Iterable[str] = ()) -> bool:
         body = {"compare": [_compare(c) for c in compares],
                 "success": [{"request_put": {"key": _b64(k), "value": _b64(v),
                                              **({"lease": lease} if lease else {})}}
                             for k, v, lease in puts]
-                + [{"request_delete_range": {"key": _b64(k)}} for k in deletes],
+                + [{"request_delete_range": {"key": _b64(k)}} for k in deletes]
+                + [{"request_delete_range": {"key": _b64(p), "range_end": _b64(_prefix_end(p))}}
+                   for p in delete_prefixes],
                 "failure": []}
         return bool(self._post("/kv/txn", body).get("succeeded", False))
 
