@@ -24,7 +24,7 @@ from recycle_planner.job.spec import JobSpec
 from recycle_planner.library import Settings, build_library
 
 ROOT = Path(__file__).resolve().parent.parent
-PIPELINES, STAGES, PER_HOST, LEASE = 3, 2, 2, 1.0
+PIPELINES, STAGES, PER_HOST, LEASE = 3, 2, 2, 2.0
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason=(
     "etcd is not installed (make test installs Debian's etcd-server where it runs as root)"))
@@ -136,8 +136,8 @@ def test_the_leader_lost_another_leads_and_decides_a_host_loss_once(job, how):
         os.kill(coords.procs[old].pid, signal.SIGCONT)
         time.sleep(3 * LEASE)
         assert leader_name(store, keys) == new
+    assert wait_for(lambda: coords.decisions(new) == ["2"], 5), coords.lines
     assert sorted(coords.decisions()) == ["1", "2"]   # each generation decided exactly once
-    assert coords.decisions(new) == ["2"]
     assert hosts[0].decision.gen == 2
 
 
@@ -149,6 +149,7 @@ def test_a_host_lost_while_the_coordinators_fail_over(job):
     hosts[2].close(leave=False)
     assert all_hold(hosts[:2], 2, 10), coords.lines
     assert hosts[0].decision.members == (0, 1, 2, 3)
+    assert wait_for(lambda: len(coords.decisions()) == 2, 5), coords.lines
     assert sorted(coords.decisions()) == ["1", "2"]
 
 
@@ -169,7 +170,7 @@ def test_one_etcd_member_killed_changes_nothing(job, cluster):
 def test_quorum_lost_the_store_says_so_to_hosts_and_coordinators(library):
     with EtcdCluster(3) as cluster:
         keys = Keys("quorum")
-        store = EtcdStore(cluster.endpoints, timeout=1)
+        store = EtcdStore(cluster.endpoints, timeout=2)
         coords = Coordinators(cluster, library, keys.job, n=2)
         hosts = start_hosts(store, keys)
         try:
@@ -178,7 +179,7 @@ def test_quorum_lost_the_store_says_so_to_hosts_and_coordinators(library):
             cluster.kill(2)
             t0 = time.monotonic()
             assert wait_for(lambda: all(h.lost for h in hosts), 10)
-            assert time.monotonic() - t0 < LEASE + 4
+            assert time.monotonic() - t0 < LEASE + 2 + 1
             assert "not renewed" in hosts[0].lost
             for proc in coords.procs.values():
                 assert proc.wait(15) == STORE_UNAVAILABLE

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         lookup, pipelines, stages = library_lookup(args.library)
-        store = EtcdStore(args.etcd, timeout=max(1.0, args.lease / 2))
+        store = EtcdStore(args.etcd, timeout=max(2.0, args.lease))
         stand_by_or_lead(store, Keys(args.job), args.name, args.lease, pipelines, stages,
                          lookup, stop,
                          on_decision=lambda d: print(f"decision {d.gen} {d.action} "

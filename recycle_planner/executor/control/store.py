@@ -454,9 +454,11 @@ class _EtcdWatch:
 class EtcdStore:
     """`ControlStore` on an etcd cluster (3.4 or later) through its v3 JSON gateway, with the
     `etcd3gw` client (see docs/runtime-engines.md for why this client). Every call goes to one
-    endpoint and moves to the next when that one cannot be reached; a call that no endpoint
-    answers within `timeout` seconds raises `StoreUnavailable` (etcd answers only with a
-    quorum: reads are linearizable, so a minority member answers nothing)."""
+    endpoint and moves to the next when that one cannot be reached or does not answer within
+    half the `timeout`; a call that no endpoint answers within `timeout` seconds raises
+    `StoreUnavailable` (etcd answers only with a quorum: reads are linearizable, so a minority
+    member answers nothing). Choose `timeout` above etcd's leader election (its
+    `--election-timeout`, 1 s by default), or losing etcd's leader looks like losing etcd."""
 
     def __init__(self, endpoints: str | list[tuple[str, int]], timeout: float = 5.0):
         import etcd3gw  # the one optional import of this module: only a cluster job needs it
@@ -464,7 +466,7 @@ class EtcdStore:
         self._etcd3gw = etcd3gw
         self.endpoints = parse_endpoints(endpoints) if isinstance(endpoints, str) else endpoints
         self.timeout = timeout
-        self._clients = [etcd3gw.client(host=h, port=p, timeout=timeout, api_path="/v3/")
+        self._clients = [etcd3gw.client(host=h, port=p, timeout=timeout / 2, api_path="/v3/")
                          for h, p in self.endpoints]
         self._current = 0
         self._local = threading.local()
