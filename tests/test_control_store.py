@@ -10,7 +10,7 @@ import pytest
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_binary
 from recycle_planner.executor.control.store import (DELETE, PUT, Compare, EtcdStore,
-                                                    LeaseKeeper, MemoryStore, absent,
+                                                    LeaseKeeper, MemoryStore, StoreRefused, absent,
                                                     created_at, parse_endpoints)
 
 NO_ETCD = "etcd is not installed (make test installs Debian's etcd-server where it runs as root)"
@@ -163,7 +163,7 @@ def test_a_fence_on_the_election_key_refuses_a_deposed_writer(store, p):
 def test_a_put_under_an_unknown_lease_is_refused(store, p):
     lease = store.grant(1)
     store.revoke(lease)
-    with pytest.raises(Exception):
+    with pytest.raises(StoreRefused):
         store.put(p + "k", "v", lease=lease)
     assert store.get(p + "k") is None
 

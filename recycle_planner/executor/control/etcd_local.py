@@ -4,8 +4,9 @@ benchmark and trying the failover without a cluster.
 Each member is Debian's `etcd` binary (package `etcd-server`) on its own pair of free ports and
 its own data folder; `kill(i)` and `start(i)` take one member away and bring it back (its data
 kept, as a member that restarts does), so that a test can lose one member or the quorum.
-Timings are tightened (heartbeat 50 ms, election 500 ms) so that a lost leader is replaced in
-about a second, and the least lease etcd grants is 1 s.
+With `fast` (the tests) timings are tightened (heartbeat 50 ms, election 500 ms) so that a lost
+leader is replaced in about a second, and the least lease etcd grants is 1 s; without it etcd
+keeps its defaults (100 ms, 1 s), which a loaded machine needs (the benchmark).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class EtcdCluster:
     """`members` etcd processes on loopback; use as a context manager (stopped and their
     folders removed on exit)."""
 
-    def __init__(self, members: int = 3, folder: Path | None = None, quiet: bool = True):
+    def __init__(self, members: int = 3, folder: Path | None = None, quiet: bool = True,
+                 fast: bool = True):
         binary = etcd_binary()
         if binary is None:
             raise RecycleError("etcd is not installed (Debian: apt-get install etcd-server)")
@@ -62,6 +64,7 @@ class EtcdCluster:
         self.names = [f"m{i}" for i in range(members)]
         self.procs: list[subprocess.Popen | None] = [None] * members
         self.quiet = quiet
+        self.fast = fast
 
     @property
     def endpoints(self) -> str:
@@ -82,7 +85,8 @@ class EtcdCluster:
                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
                 "--initial-cluster", initial, "--initial-cluster-state", state,
                 "--initial-cluster-token", f"recycle-{os.getpid()}-{self.client_ports[0]}",
-                "--heartbeat-interval", "50", "--election-timeout", "500",
+                *(["--heartbeat-interval", "50", "--election-timeout", "500"] if self.fast
+                  else []),
                 "--log-level", "error" if self.quiet else "info"]
 
     def start(self, i: int | None = None) -> None:
@@ -117,7 +121,11 @@ class EtcdCluster:
         proc = self.procs[i]
         if proc is not None and proc.poll() is None:
             proc.send_signal(sig)
-            proc.wait(10)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:  # SIGTERM not heeded in time
+                proc.kill()
+                proc.wait()
         self.procs[i] = None
 
     def stop(self) -> None:

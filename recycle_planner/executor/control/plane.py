@@ -35,6 +35,7 @@ from typing import Callable
 from recycle_planner.executor.control import protocol
 from recycle_planner.executor.control.election import Election
 from recycle_planner.executor.control.protocol import Decision
+from recycle_planner.errors import RecycleError
 from recycle_planner.executor.control.store import (DELETE, PUT, Compare, ControlStore,
                                                     LeaseKeeper, StoreUnavailable)
 
@@ -182,7 +183,7 @@ class HostMember:
                 continue
             try:
                 self._handle(event.key, event.value)
-            except StoreUnavailable as exc:
+            except RecycleError as exc:  # unavailable, or refused: the lease ended under it
                 return self._lose(str(exc))
 
     def _handle(self, key: str, value: str) -> None:
@@ -194,7 +195,7 @@ class HostMember:
 
     def _answer(self, notice: AbortNotice) -> None:
         stale = self.decision is not None and notice.gen < self.decision.gen
-        if notice.gen in self._answered or stale:
+        if notice.gen in self._answered or stale or self.lost is not None:
             return
         self._answered.add(notice.gen)
         report = HostReady(notice.gen, self.record.node, self.steps())

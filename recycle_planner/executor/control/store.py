@@ -35,6 +35,7 @@ import itertools
 import json
 import logging
 import queue
+import random
 import threading
 import time
 from collections import deque
@@ -50,6 +51,10 @@ PUT, DELETE = "put", "delete"
 
 class StoreUnavailable(RecycleError):
     """The control store cannot answer: its endpoints are down or etcd lost its quorum."""
+
+
+class StoreRefused(RecycleError):
+    """The control store answered no: a put under a lease that has expired, for example."""
 
 
 @dataclass(frozen=True)
@@ -221,7 +226,7 @@ class MemoryStore:
 
     def _check_lease(self, lease: int) -> None:
         if lease and lease not in self._leases:
-            raise RecycleError(f"lease {lease:x} not found (expired or revoked)")
+            raise StoreRefused(f"lease {lease:x} not found (expired or revoked)")
 
     def get(self, key: str) -> Entry | None:
         with self._lock:
@@ -468,8 +473,7 @@ class EtcdStore:
         self.timeout = timeout
         self._clients = [etcd3gw.client(host=h, port=p, timeout=timeout / 2, api_path="/v3/")
                          for h, p in self.endpoints]
-        self._current = 0
-        self._local = threading.local()
+        self._current = random.randrange(len(self._clients))  # clients spread over members
 
     def _client(self):
         return self._clients[self._current % len(self._clients)]
@@ -491,6 +495,8 @@ class EtcdStore:
                         exceptions.InternalServerError) as exc:
                     last = exc
                     self._rotate()
+                except exceptions.Etcd3Exception as exc:
+                    raise StoreRefused(f"etcd: {_etcd_reason(exc)}") from None
                 if time.monotonic() > deadline:
                     break
             if time.monotonic() > deadline:
@@ -540,7 +546,7 @@ class EtcdStore:
     def revoke(self, lease: int) -> None:
         try:
             self._post("/kv/lease/revoke", {"ID": lease})
-        except self._etcd3gw.exceptions.Etcd3Exception:
+        except StoreRefused:
             pass  # already expired: its keys are gone, which is what revoking wants
 
     def transaction(self, compares: Iterable[Compare], puts: Iterable[tuple[str, str, int]] = (),
