@@ -245,6 +245,18 @@ class Run:
         self.cluster.__exit__(None, None, None)
 
 
+def expiry(watch, timeout: float) -> float:
+    """When the lost host's key was deleted by etcd (its lease ran out), as this process saw
+    it."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        event = watch.get(deadline - time.time())
+        if event is not None and event.kind == "delete":
+            watch.cancel()
+            return time.time()
+    raise RuntimeError("the lost host's lease did not expire")
+
+
 def measure(ranks: int, lease: float, iteration: float, window: float, procs: int) -> dict:
     t0 = time.time()
     run = Run(ranks, lease, iteration, procs)
@@ -259,9 +271,12 @@ def measure(ranks: int, lease: float, iteration: float, window: float, procs: in
         ops = (etcd_messages(run.cluster) - m0) / (time.time() - w0)
 
         lost = run.hosts - 1
+        watch = run.store.watch(run.keys.host(lost), run.store.revision() + 1)
         t_loss = run.lose(lost)
+        t_expired = expiry(watch, 3 * lease)
         got = run.wait_held(2, 10 * lease + 60)
         host_loss = max(got.values()) - t_loss
+        after_expiry = max(got.values()) - t_expired
         spread = max(got.values()) - min(got.values())
 
         time.sleep(lease)
@@ -277,6 +292,7 @@ def measure(ranks: int, lease: float, iteration: float, window: float, procs: in
                 "start_s": round(started, 1), "ops_per_s": round(ops),
                 "ops_per_host_s": round(ops / run.hosts, 2),
                 "host_loss_to_all_hold_s": round(host_loss, 2),
+                "lease_expiry_to_all_hold_s": round(after_expiry, 2),
                 "decision_spread_s": round(spread, 2),
                 "leader_loss_to_all_hold_s": round(leader_loss, 2),
                 "false_losses": run.false_losses(),
@@ -304,10 +320,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "coordinator":
         return coordinator(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop etcd and the stand-ins too
     rows = [measure(r, args.lease, args.iteration, args.window, args.procs) for r in args.ranks]
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k != "decisions"}), flush=True)
     RESULTS.parent.mkdir(exist_ok=True)
+    kept = json.loads(RESULTS.read_text())["rows"] if RESULTS.exists() else []
+    ran = {(r["ranks"], r["lease_s"]) for r in rows}
+    rows = [r for r in kept if (r["ranks"], r["lease_s"]) not in ran] + rows
     RESULTS.write_text(json.dumps({"machine": machine(), "load": os.getloadavg(),
                                    "rows": rows}, indent=1))
     print(f"median ops/host/s: {statistics.median(r['ops_per_host_s'] for r in rows)}; "
