@@ -158,3 +158,32 @@ def test_a_host_sees_the_store_go_as_lost(keys):
 def test_writing_without_leading_is_refused(keys):
     with pytest.raises(Deposed):
         Election(MemoryStore(), keys.election, "x", 1).write([("k", "v", 0)])
+
+
+def test_lead_then_publishes_the_leaders_store_and_stops_a_deposed_leader(store, keys):
+    from recycle_planner.executor.control.failover import (DEPOSED, lead_then,
+                                                           published_coordinator)
+
+    release, deposed, results = threading.Event(), [], {}
+
+    def coordinator(name):
+        results[name] = lead_then(store, keys, name, 1, f"{name}.example:29400",
+                                  lambda: (release.wait(10), name)[1],
+                                  on_deposed=lambda code: (deposed.append((name, code)),
+                                                           release.set()))
+
+    first = threading.Thread(target=coordinator, args=("a",))
+    first.start()
+    assert published_coordinator(store, keys, 5) == "a.example:29400"
+    second = threading.Thread(target=coordinator, args=("b",))
+    second.start()
+    time.sleep(0.3)
+    assert "b" not in results and store.get(keys.coordinator).value == "a.example:29400"
+    leader = Election(store, keys.election, "observer", 1).leader()
+    store.revoke(leader.lease)            # a's lease ran out: it must stop coordinating
+    first.join(5)
+    assert deposed == [("a", DEPOSED)]
+    assert wait_for(lambda: store.get(keys.coordinator).value == "b.example:29400", 5)
+    release.set()
+    second.join(5)
+    assert results == {"a": "a", "b": "b"} and store.get_prefix(keys.election)[0] == []

@@ -1,9 +1,15 @@
 """Coordinators that fail over: every coordinator campaigns; the leader makes the decisions
 (`plane.Leader`), the others stand by; a deposed leader campaigns again.
 
-`stand_by_or_lead` is the loop a `recycle-planner coordinator --etcd ENDPOINTS` process runs.
-`python -m recycle_planner.executor.control.failover --etcd ... --library DIR` runs it as a
-process of its own (the tests and the benchmark start several and kill the leader).
+`stand_by_or_lead` is the loop a coordinator runs when its decisions are made on the store
+(`plane.Leader`); `python -m recycle_planner.executor.control.failover --etcd ... --library DIR`
+runs it as a process of its own (the tests and the benchmark start several and kill the leader).
+
+`lead_then` puts today's coordinator (`coordinator.coordinate`, whose decisions live in its own
+c10d store) behind the same election: a coordinator stands by until it leads, publishes where
+its store listens (`published_coordinator` is the host agents' side), then coordinates; a
+deposed leader ends its process at once, because writes to its own store are not fenced by
+etcd. This is the hook of `recycle-planner coordinator --etcd ENDPOINTS`.
 
 Exit status: 0 when stopped (SIGTERM, SIGINT), 3 when the control store is unavailable (every
 endpoint down, or etcd lost its quorum): no decision can be made, so the job stops and its
@@ -19,8 +25,9 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.control.election import Deposed, Election
@@ -32,6 +39,61 @@ log = logging.getLogger(__name__)
 
 STORE_UNAVAILABLE = 3
 """Exit status of a coordinator whose control store cannot answer."""
+
+DEPOSED = 4
+"""Exit status of a coordinator that lost its leadership while coordinating (`lead_then`)."""
+
+T = TypeVar("T")
+
+
+def lead_then(store: ControlStore, keys: Keys, identity: str, ttl: float, endpoint: str,
+              run: Callable[[], T], stop: threading.Event | None = None,
+              on_deposed: Callable[[int], None] = os._exit) -> T | None:
+    """Stand by until this coordinator leads (None if `stop` is set first), publish `endpoint`
+    (HOST:PORT of the store it is about to host) under the fence, then return `run()`. When
+    the leadership is lost meanwhile, `on_deposed(DEPOSED)` is called from a watchdog thread
+    (by default the process exits at once: the next leader takes over from the checkpoint)."""
+    election = Election(store, keys.election, identity, ttl)
+    if election.campaign(stop) is None:
+        return None
+    if not election.write([(keys.coordinator, endpoint, 0)]):
+        raise Deposed(f"{identity} lost the election before publishing its endpoint")
+    log.info("%s leads; its store is at %s", identity, endpoint)
+    done = threading.Event()
+
+    def watchdog() -> None:
+        while not done.wait(0.05):
+            if election.deposed.is_set():
+                log.error("%s lost its leadership (%s): stopping at once", identity,
+                          election.reason)
+                return on_deposed(DEPOSED)
+
+    threading.Thread(target=watchdog, name="leadership-watchdog", daemon=True).start()
+    try:
+        return run()
+    finally:
+        done.set()
+        election.resign()
+
+
+def published_coordinator(store: ControlStore, keys: Keys, timeout: float) -> str:
+    """HOST:PORT of the leading coordinator's store, waiting up to `timeout` seconds for one to
+    be published (a host agent's first question)."""
+    entry = store.get(keys.coordinator)
+    if entry is not None:
+        return entry.value
+    _, read_at = store.get_prefix(keys.coordinator)
+    watch = store.watch(keys.coordinator, read_at + 1)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            event = watch.get(deadline - time.monotonic())
+            if event is not None and event.kind == "put":
+                return event.value
+    finally:
+        watch.cancel()
+    raise RecycleError(f"no coordinator published its store under {keys.coordinator} within "
+                       f"{timeout:g} s")
 
 
 def stand_by_or_lead(store: ControlStore, keys: Keys, identity: str, ttl: float,

@@ -9,6 +9,7 @@ generation change, one decision for everyone. Everything lives under `/recycle/{
 - `election/{lease}`, by each coordinator, under its lease (`election.py`);
 - `to-hosts/abort` (`AbortNotice`), by the leader: generation `gen` is abandoned;
 - `to-hosts/decision` (`protocol.Decision`), by the leader: the current generation;
+- `to-hosts/coordinator`, by the leader: where its c10d store listens (`failover.lead_then`);
 - `ready/{gen}/{node}` (`HostReady`), by a host agent, under its lease: deleted with the
   decision it led to;
 - `progress/{node}`, by a host agent, under its lease: the last iteration its workers finished.
@@ -78,6 +79,11 @@ class Keys:
     @property
     def decision(self) -> str:
         return self.to_hosts + "decision"
+
+    @property
+    def coordinator(self) -> str:
+        """Where the leading coordinator's c10d store listens (HOST:PORT)."""
+        return self.to_hosts + "coordinator"
 
     def ready(self, gen: int) -> str:
         return f"{self.root}ready/{gen}/"
