@@ -44,7 +44,8 @@ from recycle_planner.executor.control.election import Election  # noqa: E402
 from recycle_planner.executor.control.etcd_local import EtcdCluster  # noqa: E402
 from recycle_planner.executor.control.failover import stand_by_or_lead  # noqa: E402
 from recycle_planner.executor.control.plane import HostMember, HostRecord, Keys  # noqa: E402
-from recycle_planner.executor.control.store import EtcdStore, StoreUnavailable  # noqa: E402
+from recycle_planner.executor.control.store import (EtcdStore, StoreRefused,  # noqa: E402
+                                                    StoreUnavailable)
 
 PER_HOST = 8          # ranks per host: one whole pipeline of 8 stages
 STAGES = 8
@@ -61,6 +62,7 @@ def lookup(dead):
 def coordinator(args) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     store = EtcdStore(args.etcd, timeout=max(2.0, args.lease))
     stand_by_or_lead(store, Keys(args.job), args.name, args.lease, args.pipelines, STAGES,
                      lookup, stop,
@@ -89,7 +91,7 @@ def hosts_process(conn, endpoints: str, job: str, nodes: list[int], lease: float
                     lambda: {r: step[0] for r in ranks},
                     on_decision=lambda d, node=node: held[node].setdefault(d.gen, time.time()))
                 return
-            except StoreUnavailable:
+            except (StoreUnavailable, StoreRefused):  # refused: its lease ran out meanwhile
                 if attempt == 2:
                     raise
 
@@ -110,7 +112,10 @@ def hosts_process(conn, endpoints: str, job: str, nodes: list[int], lease: float
     threading.Thread(target=progress, daemon=True).start()
     conn.send("up")
     while True:
-        command, arg = conn.recv()
+        try:
+            command, arg = conn.recv()
+        except EOFError:  # the benchmark is gone: so are we
+            command, arg = "stop", None
         if command == "held":   # who of the live members holds generation `arg`, and when
             conn.send({n: held[n].get(arg) for n, m in members.items()
                        if not m._closed.is_set()})
@@ -126,7 +131,10 @@ def hosts_process(conn, endpoints: str, job: str, nodes: list[int], lease: float
             for m in members.values():
                 if not m._closed.is_set():
                     m.close()
-            conn.send("stopped")
+            try:
+                conn.send("stopped")
+            except OSError:
+                pass
             return
 
 
@@ -178,9 +186,10 @@ class Run:
             self.conns.append(parent)
             self.procs.append(proc)
         self.owner = {n: i for i, chunk in enumerate(chunks) for n in chunk}
+        deadline = time.time() + 600
         for conn, proc in zip(self.conns, self.procs):
             while not conn.poll(1):
-                if not proc.is_alive():
+                if not proc.is_alive() or time.time() > deadline:
                     raise RuntimeError("a process of stand-in hosts failed to start")
             assert conn.recv() == "up"
 
@@ -188,7 +197,8 @@ class Run:
         proc = subprocess.Popen([sys.executable, __file__, "coordinator", "--etcd",
                                  self.cluster.endpoints, "--job", self.job, "--name", name,
                                  "--pipelines", str(self.hosts), "--lease", str(self.lease)],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)  # stdin: ends with us
         self.coords[name] = proc
         self.lines[name] = []
         threading.Thread(target=lambda: [self.lines[name].append(x.strip())

@@ -164,12 +164,17 @@ class HostMember:
         self._answered: set[int] = set()
         self._closed = threading.Event()
         self.keeper = LeaseKeeper(store, ttl, self._lose)
-        store.put(keys.host(record.node), record.to_json(), lease=self.keeper.lease)
-        # what was posted before this host's watch starts counts too (an abort to answer)
-        entries, read_at = store.get_prefix(keys.to_hosts)
-        self._watch = store.watch(keys.to_hosts, read_at + 1)
-        for e in sorted(entries, key=lambda e: e.key != keys.decision):
-            self._handle(e.key, e.value)
+        self._watch = None
+        try:
+            store.put(keys.host(record.node), record.to_json(), lease=self.keeper.lease)
+            # what was posted before this host's watch starts counts too (an abort to answer)
+            entries, read_at = store.get_prefix(keys.to_hosts)
+            self._watch = store.watch(keys.to_hosts, read_at + 1)
+            for e in sorted(entries, key=lambda e: e.key != keys.decision):
+                self._handle(e.key, e.value)
+        except BaseException:
+            self.close(leave=True)
+            raise
         self._thread = threading.Thread(target=self._run, name=f"host-{record.node}",
                                         daemon=True)
         self._thread.start()
@@ -182,7 +187,7 @@ class HostMember:
     def _run(self) -> None:
         while not self._closed.is_set():
             try:
-                event = self._watch.get(0.2)
+                event = self._watch.get(5.0)  # cancelling the watch wakes this at once
             except StoreUnavailable as exc:
                 return self._lose(str(exc))
             if event is None or event.kind != PUT:
@@ -217,7 +222,8 @@ class HostMember:
         """Stop; with `leave`, revoke the lease (the host's keys go at once), else let it
         expire as a lost host's does."""
         self._closed.set()
-        self._watch.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
         self.keeper.close(revoke=leave)
 
 

@@ -111,8 +111,9 @@ class Watch(Protocol):
     """Changes under a prefix, in revision order."""
 
     def get(self, timeout: float) -> Event | None:
-        """The next change, or None when none came within `timeout` seconds. Raises
-        `StoreUnavailable` when the watch is broken and cannot be resumed."""
+        """The next change, or None when none came within `timeout` seconds or the watch was
+        cancelled (which wakes a blocked reader). Raises `StoreUnavailable` when the watch is
+        broken and cannot be resumed."""
 
     def cancel(self) -> None:
         """Stop watching."""
@@ -173,7 +174,7 @@ class _MemoryWatch:
     def __init__(self, store: "MemoryStore", prefix: str):
         self.store = store
         self.prefix = prefix
-        self.events: queue.Queue[Event] = queue.Queue()
+        self.events: queue.Queue[Event | None] = queue.Queue()
 
     def get(self, timeout: float) -> Event | None:
         try:
@@ -183,6 +184,7 @@ class _MemoryWatch:
 
     def cancel(self) -> None:
         self.store._unwatch(self)
+        self.events.put(None)  # wakes a reader blocked in get
 
 
 class MemoryStore:
@@ -379,7 +381,7 @@ class _EtcdWatch:
         self.store = store
         self.prefix = prefix
         self.next_revision = start_revision
-        self.events: queue.Queue[Event | BaseException] = queue.Queue()
+        self.events: queue.Queue[Event | BaseException | None] = queue.Queue()
         self._cancelled = False
         self._response = None
         self._opened = threading.Event()
@@ -447,6 +449,7 @@ class _EtcdWatch:
 
     def cancel(self) -> None:
         self._cancelled = True
+        self.events.put(None)  # wakes a reader blocked in get
         response = self._response
         if response is not None:
             try:
