@@ -23,6 +23,7 @@ bench_ondemand.py); everything else is the product's code.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import multiprocessing as mp
 import os
@@ -50,6 +51,46 @@ from recycle_planner.executor.control.store import (EtcdStore, StoreRefused,  # 
 PER_HOST = 8          # ranks per host: one whole pipeline of 8 stages
 STAGES = 8
 RESULTS = Path(__file__).resolve().parent / "results" / "control.json"
+
+
+class LeanEtcdStore(EtcdStore):
+    """`EtcdStore` whose requests go over one kept-open `http.client` connection per thread
+    instead of `requests` (etcd3gw's transport): the same JSON gateway calls, about 0.35 ms of
+    client CPU each instead of 1.5 ms. Used for the stand-in hosts only, so that 2 cores can
+    carry the client side of 1,024 hosts; a real host agent has a host's CPU to itself."""
+
+    def __init__(self, endpoints: str, timeout: float):
+        super().__init__(endpoints, timeout)
+        self._conns = threading.local()
+
+    def _post(self, path: str, body: dict) -> dict:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            host, port = self.endpoints[self._current % len(self.endpoints)]
+            conn = getattr(self._conns, "conn", None)
+            if conn is None or (conn.host, conn.port) != (host, port):
+                conn = http.client.HTTPConnection(host, port, timeout=self.timeout / 2)
+                self._conns.conn = conn
+            try:
+                conn.request("POST", "/v3" + path, json.dumps(body),
+                             {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                data = json.loads(response.read() or b"{}")
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                self._conns.conn = None
+                self._rotate()
+                if time.monotonic() > deadline:
+                    raise StoreUnavailable(f"etcd: {exc}") from None
+                continue
+            if response.status == 200:
+                return data
+            message = data.get("error") or data.get("message") or response.reason
+            if response.status >= 500 and time.monotonic() < deadline:
+                self._rotate()
+                continue
+            raise (StoreUnavailable if response.status >= 500 else StoreRefused)(
+                f"etcd: {message}")
 
 
 def lookup(dead):
@@ -81,7 +122,7 @@ def hosts_process(conn, endpoints: str, job: str, nodes: list[int], lease: float
     members: dict[int, HostMember] = {}
 
     def start(node):
-        store = EtcdStore(endpoints, timeout=max(5.0, lease))
+        store = LeanEtcdStore(endpoints, timeout=max(5.0, lease))
         ranks = tuple(range(node * PER_HOST, (node + 1) * PER_HOST))
         held[node] = {}
         for attempt in range(3):  # a loaded etcd may time a first request out
