@@ -3,11 +3,11 @@
 A real 3-member etcd (on loopback), two real coordinators (`failover.stand_by_or_lead`: the
 election, `plane.Leader` and `protocol.decide`) and one stand-in host agent per 8 ranks: a real
 `plane.HostMember` (its lease, its host key, its watch, its answers to aborts) whose workers are
-replaced by a step count and one progress report per iteration. The stand-ins run as threads in
-a few processes. Measured, per size:
+replaced by a step count. The stand-ins run as threads in a few processes. Measured, per size:
 
 - control operations per second in steady state (every request the stand-ins and the
-  coordinators send to etcd, counted by etcd itself: its gRPC messages received);
+  coordinators send to etcd, counted by etcd itself: its gRPC messages received); in steady
+  state that is lease renewals only, one per host and coordinator per third of the lease;
 - a host lost (its agent stops renewing, as when it vanishes): the time from the loss to every
   surviving host holding the next decision;
 - the leading coordinator SIGKILLed together with a host: from then to every survivor holding
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -114,11 +115,10 @@ def coordinator(args) -> None:
 
 # -- a process of stand-in host agents ---------------------------------------------------------
 
-def hosts_process(conn, endpoints: str, job: str, nodes: list[int], lease: float,
-                  iteration: float) -> None:
+def hosts_process(conn, endpoints: str, job: str, nodes: list[int], lease: float) -> None:
     keys = Keys(job)
     held: dict[int, dict[int, float]] = {}          # node -> gen -> when it held it
-    step = [0]
+    step = [100]  # every rank's step count (the restart iteration of every decision)
     members: dict[int, HostMember] = {}
 
     def start(node):
@@ -138,19 +138,6 @@ def hosts_process(conn, endpoints: str, job: str, nodes: list[int], lease: float
 
     with ThreadPoolExecutor(4) as pool:  # a host's first lease must not expire while others start
         list(pool.map(start, nodes))
-    stop = threading.Event()
-
-    def progress():  # one report per host per iteration, spread over the iteration
-        while not stop.wait(iteration):
-            step[0] += 1
-            for m in list(members.values()):
-                if m.lost is None and not m._closed.is_set():
-                    try:
-                        m.report_progress(step[0])
-                    except Exception:
-                        pass
-
-    threading.Thread(target=progress, daemon=True).start()
     conn.send("up")
     while True:
         try:
@@ -168,7 +155,6 @@ def hosts_process(conn, endpoints: str, job: str, nodes: list[int], lease: float
             members[arg].close(leave=False)
             conn.send(t)
         elif command == "stop":
-            stop.set()
             for m in members.values():
                 if not m._closed.is_set():
                     m.close()
@@ -196,15 +182,17 @@ def etcd_messages(cluster: EtcdCluster) -> float:
 
 
 class Run:
-    def __init__(self, ranks: int, lease: float, iteration: float, procs: int):
-        self.ranks, self.lease, self.iteration = ranks, lease, iteration
+    def __init__(self, ranks: int, lease: float, procs: int, logs: Path | None = None):
+        self.logs = logs
+        self.ranks, self.lease = ranks, lease
         self.hosts = ranks // PER_HOST
         self.job = f"bench{ranks}"
         self.keys = Keys(self.job)
         self.coords: dict[str, subprocess.Popen] = {}
         self.lines: dict[str, list[str]] = {}
         self.conns, self.procs = [], []
-        self.cluster = EtcdCluster(3, fast=False).__enter__()
+        self.cluster = EtcdCluster(3, fast=False, quiet=logs is None,
+                                   folder=logs / "etcd" if logs else None).__enter__()
         self.store = EtcdStore(self.cluster.endpoints, timeout=max(5.0, lease))
         try:
             self._start(procs)
@@ -213,7 +201,7 @@ class Run:
             raise
 
     def _start(self, procs: int) -> None:
-        lease, iteration = self.lease, self.iteration
+        lease = self.lease
         for name in ("c0", "c1"):
             self._coordinator(name)
         ctx = mp.get_context("fork")
@@ -221,7 +209,7 @@ class Run:
         for chunk in chunks:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=hosts_process, args=(child, self.cluster.endpoints,
-                                                           self.job, chunk, lease, iteration),
+                                                           self.job, chunk, lease),
                                daemon=True)
             proc.start()
             self.conns.append(parent)
@@ -239,7 +227,8 @@ class Run:
                                  self.cluster.endpoints, "--job", self.job, "--name", name,
                                  "--pipelines", str(self.hosts), "--lease", str(self.lease)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)  # stdin: ends with us
+                                stderr=open(self.logs / f"{name}.log", "w") if self.logs
+                                else subprocess.DEVNULL, text=True)  # stdin: ends with us
         self.coords[name] = proc
         self.lines[name] = []
         threading.Thread(target=lambda: [self.lines[name].append(x.strip())
@@ -308,9 +297,10 @@ def expiry(watch, timeout: float) -> float:
     raise RuntimeError("the lost host's lease did not expire")
 
 
-def measure(ranks: int, lease: float, iteration: float, window: float, procs: int) -> dict:
+def measure(ranks: int, lease: float, window: float, procs: int,
+            logs: Path | None) -> dict:
     t0 = time.time()
-    run = Run(ranks, lease, iteration, procs)
+    run = Run(ranks, lease, procs, logs)
     try:
         started = time.time() - t0
         first = run.wait_held(1, 120)
@@ -339,7 +329,7 @@ def measure(ranks: int, lease: float, iteration: float, window: float, procs: in
         leader_loss = max(got.values()) - t_kill
         new = run.leader()
         assert new != old
-        return {"ranks": ranks, "hosts": run.hosts, "lease_s": lease, "iteration_s": iteration,
+        return {"ranks": ranks, "hosts": run.hosts, "lease_s": lease,
                 "start_s": round(started, 1), "ops_per_s": round(ops),
                 "ops_per_host_s": round(ops / run.hosts, 2),
                 "host_loss_to_all_hold_s": round(host_loss, 2),
@@ -363,16 +353,19 @@ def main() -> None:
     c.add_argument("--lease", type=float, required=True)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--lease", type=float, default=4.0)
-    parser.add_argument("--iteration", type=float, default=2.0,
-                        help="seconds per training iteration (one progress report per host)")
     parser.add_argument("--window", type=float, default=10.0,
                         help="seconds of steady state measured")
     parser.add_argument("--procs", type=int, default=4, help="processes of stand-in hosts")
+    parser.add_argument("--logs", type=Path, help="keep etcd's and the coordinators' logs here")
     args = parser.parse_args()
     if args.command == "coordinator":
         return coordinator(args)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop etcd and the stand-ins too
-    rows = [measure(r, args.lease, args.iteration, args.window, args.procs) for r in args.ranks]
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+        logging.basicConfig(level=logging.INFO)
+    rows = [measure(r, args.lease, args.window, args.procs, args.logs)
+            for r in args.ranks]
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k != "decisions"}), flush=True)
     RESULTS.parent.mkdir(exist_ok=True)

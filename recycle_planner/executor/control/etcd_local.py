@@ -58,6 +58,7 @@ class EtcdCluster:
         self.size = members
         self._own_folder = folder is None
         self.folder = Path(folder or tempfile.mkdtemp(prefix="recycle-etcd-"))
+        self.folder.mkdir(parents=True, exist_ok=True)
         ports = free_ports(2 * members)
         self.client_ports = ports[:members]
         self.peer_ports = ports[members:]

@@ -12,7 +12,9 @@ generation change, one decision for everyone. Everything lives under `/recycle/{
 - `to-hosts/coordinator`, by the leader: where its c10d store listens (`failover.lead_then`);
 - `ready/{gen}/{node}` (`HostReady`), by a host agent, under its lease: deleted with the
   decision it led to;
-- `progress/{node}`, by a host agent, under its lease: the last iteration its workers finished.
+
+In steady state nothing but lease renewals reaches etcd: per-iteration results (iterations done,
+losses, checkpoints) are data, not membership, and stay on the coordinator's c10d store.
 
 A host agent (`HostMember`) keeps its lease, watches `to-hosts/` and answers an abort with its
 ranks' step counts. The leader (`Leader`) watches the whole job prefix: a host key deleted
@@ -87,9 +89,6 @@ class Keys:
 
     def ready(self, gen: int) -> str:
         return f"{self.root}ready/{gen}/"
-
-    def progress(self, node: int) -> str:
-        return f"{self.root}progress/{node}"
 
 
 @dataclass(frozen=True)
@@ -211,11 +210,6 @@ class HostMember:
         self._answered.add(notice.gen)
         report = HostReady(notice.gen, self.record.node, self.steps())
         self.store.put(self.keys.ready(notice.gen) + str(self.record.node), report.to_json(),
-                       lease=self.keeper.lease)
-
-    def report_progress(self, iteration: int) -> None:
-        """The last iteration this host's workers finished (one put per host per iteration)."""
-        self.store.put(self.keys.progress(self.record.node), str(iteration),
                        lease=self.keeper.lease)
 
     def close(self, leave: bool = True) -> None:
