@@ -136,7 +136,7 @@ def hosts_process(conn, endpoints: str, job: str, nodes: list[int], lease: float
                 if attempt == 2:
                     raise
 
-    with ThreadPoolExecutor(4) as pool:  # a host's first lease must not expire while others start
+    with ThreadPoolExecutor(2) as pool:  # a host's first lease must not expire while others start
         list(pool.map(start, nodes))
     conn.send("up")
     while True:
