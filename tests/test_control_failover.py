@@ -190,3 +190,62 @@ def test_quorum_lost_the_store_says_so_to_hosts_and_coordinators(library):
                 h.close(leave=False)
             coords.stop()
             store.close()
+
+
+def test_the_leaders_link_cut_another_leads_and_the_old_leader_decides_nothing(library,
+                                                                                tmp_path):
+    """Hosts as network namespaces: etcd in one, a coordinator in each of two more, the
+    stand-in host agents in a third; the leader's link is set down (nothing is closed), a host
+    is lost, then the link comes back."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers.netns import COORD_ADDR, IP, Hosts, unavailable
+
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"no network namespaces: {why}")
+    with Hosts(3) as net, EtcdCluster(3, host=COORD_ADDR, wrap=(IP, "netns", "exec", net.coord),
+                                      folder=tmp_path / "etcd") as cluster:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        logs = {f"c{i}": tmp_path / f"c{i}.log" for i in range(2)}
+        for i, (name, path) in enumerate(logs.items()):
+            net.popen(net.hosts[i], [sys.executable, "-m",
+                                     "recycle_planner.executor.control.failover", "--etcd",
+                                     cluster.endpoints, "--job", "cut", "--library",
+                                     str(library), "--lease", str(LEASE), "--name", name],
+                      open(path, "w"), env=env)
+        hosts = subprocess.Popen(
+            [IP, "netns", "exec", net.hosts[2], sys.executable,
+             str(ROOT / "tests" / "helpers" / "control_hosts.py"), "--etcd", cluster.endpoints,
+             "--job", "cut", "--hosts", str(PIPELINES), "--per-host", str(PER_HOST),
+             "--lease", str(LEASE)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        lines: list[str] = []
+        threading.Thread(target=lambda: [lines.append(x.strip()) for x in hosts.stdout],
+                         daemon=True).start()
+
+        def leader():
+            names = [x.split()[1] for x in lines if x.startswith("leader ")]
+            return names[-1] if names else None
+
+        def decisions(name):
+            return [x.split()[1] for x in logs[name].read_text().splitlines()
+                    if x.startswith("decision ")]
+
+        try:
+            assert wait_for(lambda: "hold 1 0,1,2,3,4,5" in lines, 60), lines
+            old = leader()
+            ns = net.hosts[int(old[1:])]
+            subprocess.run([IP, "-n", ns, "link", "set", "eth0", "down"], check=True)
+            assert wait_for(lambda: leader() not in (old, "None", None), 4 * LEASE), lines
+            new = leader()
+            hosts.stdin.write("lose 1\n")
+            hosts.stdin.flush()
+            assert wait_for(lambda: "hold 2 0,1,4,5" in lines, 10 + 2 * LEASE), lines
+            subprocess.run([IP, "-n", ns, "link", "set", "eth0", "up"], check=True)
+            time.sleep(3 * LEASE)
+            assert leader() == new
+            assert decisions(new) == ["2"] and decisions(old) == ["1"]  # once each, no split
+            assert not any(x.startswith("hold 3") for x in lines)
+        finally:
+            hosts.stdin.close()
+            hosts.wait(10)
