@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from recycle_planner.executor.control.election import Election
-from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_binary
+from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_missing
 from recycle_planner.executor.control.failover import STORE_UNAVAILABLE
 from recycle_planner.executor.control.plane import HostMember, HostRecord, Keys, wait_for
 from recycle_planner.executor.control.store import EtcdStore
@@ -26,8 +26,7 @@ from recycle_planner.library import Settings, build_library
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINES, STAGES, PER_HOST, LEASE = 3, 2, 2, 2.0
 
-pytestmark = pytest.mark.skipif(etcd_binary() is None, reason=(
-    "etcd is not installed (make test installs Debian's etcd-server where it runs as root)"))
+pytestmark = pytest.mark.skipif(etcd_missing() is not None, reason=str(etcd_missing()))
 
 
 @pytest.fixture(scope="module")

@@ -7,20 +7,19 @@ import time
 import pytest
 
 from recycle_planner.executor.control.election import Deposed, Election
-from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_binary
+from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_missing
 from recycle_planner.executor.control.failover import stand_by_or_lead
 from recycle_planner.executor.control.plane import (HostMember, HostRecord, Keys, Leader,
                                                     wait_for)
 from recycle_planner.executor.control.store import EtcdStore, MemoryStore
 
-NO_ETCD = "etcd is not installed (make test installs Debian's etcd-server where it runs as root)"
 PIPELINES, STAGES, PER_HOST = 3, 2, 2   # 3 hosts, each one whole pipeline
 
 
 @pytest.fixture(scope="module")
 def etcd():
-    if etcd_binary() is None:
-        pytest.skip(NO_ETCD)
+    if etcd_missing() is not None:
+        pytest.skip(etcd_missing())
     with EtcdCluster(1) as cluster:
         yield cluster
 

@@ -8,18 +8,17 @@ import time
 import pytest
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_binary
+from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_missing
 from recycle_planner.executor.control.store import (DELETE, PUT, Compare, EtcdStore,
                                                     LeaseKeeper, MemoryStore, StoreRefused, absent,
                                                     created_at, parse_endpoints)
 
-NO_ETCD = "etcd is not installed (make test installs Debian's etcd-server where it runs as root)"
 
 
 @pytest.fixture(scope="module")
 def etcd():
-    if etcd_binary() is None:
-        pytest.skip(NO_ETCD)
+    if etcd_missing() is not None:
+        pytest.skip(etcd_missing())
     with EtcdCluster(1) as cluster:
         yield cluster
 

@@ -31,6 +31,19 @@ def etcd_binary() -> str | None:
     return shutil.which("etcd") or shutil.which("etcd", path="/usr/bin:/usr/sbin")
 
 
+def etcd_missing() -> str | None:
+    """Why a real etcd cannot be used here (no server binary, or no `etcd3gw` client), or
+    None. The tests skip with this reason."""
+    if etcd_binary() is None:
+        return ("etcd is not installed (make test installs Debian's etcd-server where it runs "
+                "as root with apt-get)")
+    try:
+        import etcd3gw  # noqa: F401
+    except ImportError:
+        return "the etcd3gw client is not installed (pip install -e '.[etcd]')"
+    return None
+
+
 def free_ports(count: int) -> list[int]:
     """`count` distinct ports that are free on 127.0.0.1 now."""
     socks = []
