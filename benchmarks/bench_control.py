@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import machine  # noqa: E402
 
+from recycle_planner.executor.config import WorkerConfig  # noqa: E402
 from recycle_planner.executor.control.election import Election  # noqa: E402
 from recycle_planner.executor.control.etcd_local import EtcdCluster  # noqa: E402
 from recycle_planner.executor.control.failover import stand_by_or_lead  # noqa: E402
@@ -352,7 +353,8 @@ def main() -> None:
     c.add_argument("--pipelines", type=int, required=True)
     c.add_argument("--lease", type=float, required=True)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 8192])
-    parser.add_argument("--lease", type=float, default=4.0)
+    parser.add_argument("--lease", type=float, default=WorkerConfig.lease,
+                        help="seconds (default: the executor's lease, %(default)s)")
     parser.add_argument("--window", type=float, default=10.0,
                         help="seconds of steady state measured")
     parser.add_argument("--procs", type=int, default=4, help="processes of stand-in hosts")

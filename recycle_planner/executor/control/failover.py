@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from recycle_planner.errors import RecycleError
+from recycle_planner.executor.config import WorkerConfig
 from recycle_planner.executor.control.election import Deposed, Election
 from recycle_planner.executor.control.plane import Keys, Leader, Lookup
 from recycle_planner.executor.control.protocol import Decision
@@ -143,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--etcd", required=True, help="etcd endpoints, HOST:PORT[,HOST:PORT]")
     parser.add_argument("--job", default="recycle", help="the job's name (its key prefix)")
     parser.add_argument("--library", required=True, type=Path, help="the plan library folder")
-    parser.add_argument("--lease", type=float, default=4.0,
-                        help="seconds without renewal after which a leader is replaced")
+    parser.add_argument("--lease", type=float, default=WorkerConfig.lease,
+                        help="seconds without renewal after which a leader (or a host) is "
+                             "replaced: the executor's one lease (default %(default)s)")
     parser.add_argument("--name", default=f"{socket.gethostname()}:{os.getpid()}",
                         help="this coordinator's name in the election")
     args = parser.parse_args(argv)
