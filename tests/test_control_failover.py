@@ -232,6 +232,7 @@ def test_the_leaders_link_cut_another_leads_and_the_old_leader_decides_nothing(l
 
         try:
             assert wait_for(lambda: "hold 1 0,1,2,3,4,5" in lines, 60), lines
+            assert wait_for(lambda: leader() not in (None, "None"), 10), lines
             old = leader()
             ns = net.hosts[int(old[1:])]
             subprocess.run([IP, "-n", ns, "link", "set", "eth0", "down"], check=True)

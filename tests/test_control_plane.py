@@ -109,6 +109,9 @@ def test_host_loss_gives_every_survivor_the_next_decision(store, keys):
         assert second.members == (0, 1, 2, 3) and second.dead == ((2, 0), (2, 1))
         assert (second.restart, second.plan) == (7, "plan-dead-2")
         assert took < 1 + 2.5, took      # the lease (1 s) plus the reports and the decision
+        # (a host may hear of the decision before its writer's call returns)
+        assert wait_for(lambda: len(decisions) >= 2, 5)
+        time.sleep(0.2)
         assert [d.gen for d in decisions] == [1, 2]  # each generation decided once
         assert store.get(keys.host(2)) is None
         assert store.get_prefix(keys.root + "ready/")[0] == []  # reports gone with their use
@@ -134,6 +137,7 @@ def test_a_new_leader_finishes_the_collection_its_predecessor_started(store, key
     threads = coordinators(store, keys, ["second"], stop, decisions)
     try:
         assert wait_for(lambda: all(m.decision and m.decision.gen == 1 for m in members), 10)
+        assert wait_for(lambda: decisions, 5)
         time.sleep(0.3)
         assert [d.gen for d in decisions] == [1]
     finally:
