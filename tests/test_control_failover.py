@@ -17,7 +17,8 @@ import pytest
 from recycle_planner.executor.control.election import Election
 from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_missing
 from recycle_planner.executor.control.failover import STORE_UNAVAILABLE
-from recycle_planner.executor.control.plane import HostMember, HostRecord, Keys, wait_for
+from helpers.waiting import wait_for
+from recycle_planner.executor.control.plane import HostMember, HostRecord, Keys
 from recycle_planner.executor.control.store import EtcdStore
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
@@ -196,7 +197,6 @@ def test_the_leaders_link_cut_another_leads_and_the_old_leader_decides_nothing(l
     """Hosts as network namespaces: etcd in one, a coordinator in each of two more, the
     stand-in host agents in a third; the leader's link is set down (nothing is closed), a host
     is lost, then the link comes back."""
-    sys.path.insert(0, str(ROOT / "tests"))
     from helpers.netns import COORD_ADDR, IP, Hosts, unavailable
 
     why = unavailable()

@@ -9,8 +9,8 @@ import pytest
 from recycle_planner.executor.control.election import Deposed, Election
 from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_missing
 from recycle_planner.executor.control.failover import stand_by_or_lead
-from recycle_planner.executor.control.plane import (HostMember, HostRecord, Keys, Leader,
-                                                    wait_for)
+from helpers.waiting import wait_for
+from recycle_planner.executor.control.plane import HostMember, HostRecord, Keys, Leader
 from recycle_planner.executor.control.store import EtcdStore, MemoryStore
 
 PIPELINES, STAGES, PER_HOST = 3, 2, 2   # 3 hosts, each one whole pipeline

@@ -34,7 +34,6 @@ import functools
 import json
 import logging
 import threading
-import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -293,7 +292,7 @@ class Leader:
             if kind == PUT:
                 self.hosts[node] = HostRecord.from_json(value)
             elif self.hosts.pop(node, None) is not None and decide:
-                self._host_lost(node)
+                log.info("host %d lost (its lease ended)", node)
         elif key == k.decision and kind == PUT:
             self.decision, self.decision_rev = decode_decision(value), revision
         elif key == k.abort and kind == PUT:
@@ -308,9 +307,6 @@ class Leader:
                 self.reports.pop(int(node), None)
         if decide:
             self._settle()
-
-    def _host_lost(self, node: int) -> None:
-        log.info("host %d lost (its lease ended)", node)
 
     def _post_abort(self, gen: int, reason: str) -> None:
         """Abandon generation `gen`; reports already there (a predecessor's abort) count."""
@@ -357,13 +353,3 @@ class Leader:
                      len(decision.members))
             self.on_decision(decision)
         self.reports = {}
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, step: float = 0.01) -> bool:
-    """Until `predicate()` holds (True) or `timeout` seconds pass (False)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(step)
-    return True
