@@ -50,7 +50,7 @@ class Coordinators:
             name = f"c{i}"
             self.lines[name] = []
             proc = subprocess.Popen(
-                [sys.executable, "-m", "recycle_planner.executor.control.failover",
+                [sys.executable, "-m", "recycle_planner.executor.control.failover", "decide",
                  "--etcd", cluster.endpoints, "--job", job, "--library", str(library),
                  "--lease", str(LEASE), "--name", name],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
@@ -110,6 +110,13 @@ def job(cluster, library, request):
         h.close()
     coords.stop()
     store.close()
+
+
+def alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def all_hold(hosts, gen, timeout):
@@ -208,7 +215,8 @@ def test_the_leaders_link_cut_another_leads_and_the_old_leader_decides_nothing(l
         logs = {f"c{i}": tmp_path / f"c{i}.log" for i in range(2)}
         for i, (name, path) in enumerate(logs.items()):
             net.popen(net.hosts[i], [sys.executable, "-m",
-                                     "recycle_planner.executor.control.failover", "--etcd",
+                                     "recycle_planner.executor.control.failover", "decide",
+                                     "--etcd",
                                      cluster.endpoints, "--job", "cut", "--library",
                                      str(library), "--lease", str(LEASE), "--name", name],
                       open(path, "w"), env=env)
@@ -249,3 +257,52 @@ def test_the_leaders_link_cut_another_leads_and_the_old_leader_decides_nothing(l
         finally:
             hosts.stdin.close()
             hosts.wait(10)
+
+
+def test_coordinate_and_follow_move_a_job_to_the_next_leader(cluster, tmp_path):
+    """The process wrappers around today's commands, with stand-ins for them: the leader runs
+    its coordinator command, a host agent command runs against it (and stops as a host agent
+    does when it loses its coordinator); the leader is SIGKILLed, so is its coordinator (no
+    coordinator outlives its leadership); the next leader runs its coordinator with --resume
+    and the host agent runs again against it."""
+    from recycle_planner.executor.config import COORDINATOR_LOST
+
+    job = "wrappers"
+    stand_in = ("import os, sys, time; print('coordinating', sys.argv[1:], os.getpid(), "
+                "flush=True); time.sleep(120)")
+    coords, outs = {}, {}
+    for name in ("c0", "c1"):
+        outs[name] = tmp_path / f"{name}.out"
+        coords[name] = subprocess.Popen(
+            [sys.executable, "-m", "recycle_planner.executor.control.failover", "coordinate",
+             "--etcd", cluster.endpoints, "--job", job, "--lease", str(LEASE), "--name", name,
+             "--endpoint", f"{name}.example:29400", "--", sys.executable, "-c", stand_in],
+            stdout=open(outs[name], "w"), stderr=subprocess.DEVNULL)
+    runs = tmp_path / "agent-runs"
+    agent = ("import sys; runs = open(sys.argv[2], 'a'); runs.write(sys.argv[1] + '\\n'); "
+             f"runs.close(); n = len(open(sys.argv[2]).read().split()); "
+             f"sys.exit({COORDINATOR_LOST} if n == 1 else 0)")
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "recycle_planner.executor.control.failover", "follow",
+         "--etcd", cluster.endpoints, "--job", job, "--lease", str(LEASE), "--timeout", "30",
+         "--", sys.executable, "-c", agent, "{coordinator}", str(runs)])
+    store = EtcdStore(cluster.endpoints, timeout=2)
+    try:
+        keys = Keys(job)
+        assert wait_for(lambda: runs.exists() and runs.read_text().split(), 30)
+        old = leader_name(store, keys)
+        new = "c1" if old == "c0" else "c0"
+        assert runs.read_text().split() == [f"{old}.example:29400"]
+        assert wait_for(lambda: "coordinating []" in outs[old].read_text(), 10)
+        coords[old].kill()
+        assert follower.wait(30) == 0
+        assert runs.read_text().split() == [f"{old}.example:29400", f"{new}.example:29400"]
+        assert wait_for(lambda: "coordinating ['--resume']" in outs[new].read_text(), 10)
+        pid = int(outs[old].read_text().split()[-1])
+        assert wait_for(lambda: not alive(pid), 5)  # the deposed leader's coordinator died too
+    finally:
+        follower.kill()
+        for proc in coords.values():
+            proc.terminate()
+            proc.wait(10)
+        store.close()

@@ -171,13 +171,13 @@ def test_lead_then_publishes_the_leaders_store_and_stops_a_deposed_leader(store,
 
     def coordinator(name):
         results[name] = lead_then(store, keys, name, 1, f"{name}.example:29400",
-                                  lambda: (release.wait(10), name)[1],
+                                  lambda previous: (release.wait(10), (name, previous))[1],
                                   on_deposed=lambda code: (deposed.append((name, code)),
                                                            release.set()))
 
     first = threading.Thread(target=coordinator, args=("a",))
     first.start()
-    assert published_coordinator(store, keys, 5) == "a.example:29400"
+    assert published_coordinator(store, keys, 5)[0] == "a.example:29400"
     second = threading.Thread(target=coordinator, args=("b",))
     second.start()
     time.sleep(0.3)
@@ -189,4 +189,5 @@ def test_lead_then_publishes_the_leaders_store_and_stops_a_deposed_leader(store,
     assert wait_for(lambda: store.get(keys.coordinator).value == "b.example:29400", 5)
     release.set()
     second.join(5)
-    assert results == {"a": "a", "b": "b"} and store.get_prefix(keys.election)[0] == []
+    assert results == {"a": ("a", None), "b": ("b", "a.example:29400")}
+    assert store.get_prefix(keys.election)[0] == []
