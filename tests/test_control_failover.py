@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from recycle_planner.executor.control.election import Election
-from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_binary
+from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_missing
 from recycle_planner.executor.control.failover import STORE_UNAVAILABLE
-from recycle_planner.executor.control.plane import HostMember, HostRecord, Keys, wait_for
+from helpers.waiting import wait_for
+from recycle_planner.executor.control.plane import HostMember, HostRecord, Keys
 from recycle_planner.executor.control.store import EtcdStore
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
@@ -26,8 +27,7 @@ from recycle_planner.library import Settings, build_library
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINES, STAGES, PER_HOST, LEASE = 3, 2, 2, 2.0
 
-pytestmark = pytest.mark.skipif(etcd_binary() is None, reason=(
-    "etcd is not installed (make test installs Debian's etcd-server where it runs as root)"))
+pytestmark = pytest.mark.skipif(etcd_missing() is not None, reason=str(etcd_missing()))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ class Coordinators:
             name = f"c{i}"
             self.lines[name] = []
             proc = subprocess.Popen(
-                [sys.executable, "-m", "recycle_planner.executor.control.failover",
+                [sys.executable, "-m", "recycle_planner.executor.control.failover", "decide",
                  "--etcd", cluster.endpoints, "--job", job, "--library", str(library),
                  "--lease", str(LEASE), "--name", name],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
@@ -110,6 +110,13 @@ def job(cluster, library, request):
         h.close()
     coords.stop()
     store.close()
+
+
+def alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def all_hold(hosts, gen, timeout):
@@ -190,3 +197,112 @@ def test_quorum_lost_the_store_says_so_to_hosts_and_coordinators(library):
                 h.close(leave=False)
             coords.stop()
             store.close()
+
+
+def test_the_leaders_link_cut_another_leads_and_the_old_leader_decides_nothing(library,
+                                                                                tmp_path):
+    """Hosts as network namespaces: etcd in one, a coordinator in each of two more, the
+    stand-in host agents in a third; the leader's link is set down (nothing is closed), a host
+    is lost, then the link comes back."""
+    from helpers.netns import COORD_ADDR, IP, Hosts, unavailable
+
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"no network namespaces: {why}")
+    with Hosts(3) as net, EtcdCluster(3, host=COORD_ADDR, wrap=(IP, "netns", "exec", net.coord),
+                                      folder=tmp_path / "etcd") as cluster:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        logs = {f"c{i}": tmp_path / f"c{i}.log" for i in range(2)}
+        for i, (name, path) in enumerate(logs.items()):
+            net.popen(net.hosts[i], [sys.executable, "-m",
+                                     "recycle_planner.executor.control.failover", "decide",
+                                     "--etcd",
+                                     cluster.endpoints, "--job", "cut", "--library",
+                                     str(library), "--lease", str(LEASE), "--name", name],
+                      open(path, "w"), env=env)
+        hosts = subprocess.Popen(
+            [IP, "netns", "exec", net.hosts[2], sys.executable,
+             str(ROOT / "tests" / "helpers" / "control_hosts.py"), "--etcd", cluster.endpoints,
+             "--job", "cut", "--hosts", str(PIPELINES), "--per-host", str(PER_HOST),
+             "--lease", str(LEASE)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        lines: list[str] = []
+        threading.Thread(target=lambda: [lines.append(x.strip()) for x in hosts.stdout],
+                         daemon=True).start()
+
+        def leader():
+            names = [x.split()[1] for x in lines if x.startswith("leader ")]
+            return names[-1] if names else None
+
+        def decisions(name):
+            return [x.split()[1] for x in logs[name].read_text().splitlines()
+                    if x.startswith("decision ")]
+
+        try:
+            assert wait_for(lambda: "hold 1 0,1,2,3,4,5" in lines, 60), lines
+            assert wait_for(lambda: leader() not in (None, "None"), 10), lines
+            old = leader()
+            ns = net.hosts[int(old[1:])]
+            subprocess.run([IP, "-n", ns, "link", "set", "eth0", "down"], check=True)
+            assert wait_for(lambda: leader() not in (old, "None", None), 4 * LEASE), lines
+            new = leader()
+            hosts.stdin.write("lose 1\n")
+            hosts.stdin.flush()
+            assert wait_for(lambda: "hold 2 0,1,4,5" in lines, 10 + 2 * LEASE), lines
+            subprocess.run([IP, "-n", ns, "link", "set", "eth0", "up"], check=True)
+            time.sleep(3 * LEASE)
+            assert leader() == new
+            assert decisions(new) == ["2"] and decisions(old) == ["1"]  # once each, no split
+            assert not any(x.startswith("hold 3") for x in lines)
+        finally:
+            hosts.stdin.close()
+            hosts.wait(10)
+
+
+def test_coordinate_and_follow_move_a_job_to_the_next_leader(cluster, tmp_path):
+    """The process wrappers around today's commands, with stand-ins for them: the leader runs
+    its coordinator command, a host agent command runs against it (and stops as a host agent
+    does when it loses its coordinator); the leader is SIGKILLed, so is its coordinator (no
+    coordinator outlives its leadership); the next leader runs its coordinator with --resume
+    and the host agent runs again against it."""
+    from recycle_planner.executor.config import COORDINATOR_LOST
+
+    job = "wrappers"
+    stand_in = ("import os, sys, time; print('coordinating', sys.argv[1:], os.getpid(), "
+                "flush=True); time.sleep(120)")
+    coords, outs = {}, {}
+    for name in ("c0", "c1"):
+        outs[name] = tmp_path / f"{name}.out"
+        coords[name] = subprocess.Popen(
+            [sys.executable, "-m", "recycle_planner.executor.control.failover", "coordinate",
+             "--etcd", cluster.endpoints, "--job", job, "--lease", str(LEASE), "--name", name,
+             "--endpoint", f"{name}.example:29400", "--", sys.executable, "-c", stand_in],
+            stdout=open(outs[name], "w"), stderr=subprocess.DEVNULL)
+    runs = tmp_path / "agent-runs"
+    agent = ("import sys; runs = open(sys.argv[2], 'a'); runs.write(sys.argv[1] + '\\n'); "
+             f"runs.close(); n = len(open(sys.argv[2]).read().split()); "
+             f"sys.exit({COORDINATOR_LOST} if n == 1 else 0)")
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "recycle_planner.executor.control.failover", "follow",
+         "--etcd", cluster.endpoints, "--job", job, "--lease", str(LEASE), "--timeout", "30",
+         "--", sys.executable, "-c", agent, "{coordinator}", str(runs)])
+    store = EtcdStore(cluster.endpoints, timeout=2)
+    try:
+        keys = Keys(job)
+        assert wait_for(lambda: runs.exists() and runs.read_text().split(), 30)
+        old = leader_name(store, keys)
+        new = "c1" if old == "c0" else "c0"
+        assert runs.read_text().split() == [f"{old}.example:29400"]
+        assert wait_for(lambda: "coordinating []" in outs[old].read_text(), 10)
+        coords[old].kill()
+        assert follower.wait(30) == 0
+        assert runs.read_text().split() == [f"{old}.example:29400", f"{new}.example:29400"]
+        assert wait_for(lambda: "coordinating ['--resume']" in outs[new].read_text(), 10)
+        pid = int(outs[old].read_text().split()[-1])
+        assert wait_for(lambda: not alive(pid), 5)  # the deposed leader's coordinator died too
+    finally:
+        follower.kill()
+        for proc in coords.values():
+            proc.terminate()
+            proc.wait(10)
+        store.close()

@@ -7,20 +7,19 @@ import time
 import pytest
 
 from recycle_planner.executor.control.election import Deposed, Election
-from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_binary
+from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_missing
 from recycle_planner.executor.control.failover import stand_by_or_lead
-from recycle_planner.executor.control.plane import (HostMember, HostRecord, Keys, Leader,
-                                                    wait_for)
+from helpers.waiting import wait_for
+from recycle_planner.executor.control.plane import HostMember, HostRecord, Keys, Leader
 from recycle_planner.executor.control.store import EtcdStore, MemoryStore
 
-NO_ETCD = "etcd is not installed (make test installs Debian's etcd-server where it runs as root)"
 PIPELINES, STAGES, PER_HOST = 3, 2, 2   # 3 hosts, each one whole pipeline
 
 
 @pytest.fixture(scope="module")
 def etcd():
-    if etcd_binary() is None:
-        pytest.skip(NO_ETCD)
+    if etcd_missing() is not None:
+        pytest.skip(etcd_missing())
     with EtcdCluster(1) as cluster:
         yield cluster
 
@@ -110,6 +109,9 @@ def test_host_loss_gives_every_survivor_the_next_decision(store, keys):
         assert second.members == (0, 1, 2, 3) and second.dead == ((2, 0), (2, 1))
         assert (second.restart, second.plan) == (7, "plan-dead-2")
         assert took < 1 + 2.5, took      # the lease (1 s) plus the reports and the decision
+        # (a host may hear of the decision before its writer's call returns)
+        assert wait_for(lambda: len(decisions) >= 2, 5)
+        time.sleep(0.2)
         assert [d.gen for d in decisions] == [1, 2]  # each generation decided once
         assert store.get(keys.host(2)) is None
         assert store.get_prefix(keys.root + "ready/")[0] == []  # reports gone with their use
@@ -135,6 +137,7 @@ def test_a_new_leader_finishes_the_collection_its_predecessor_started(store, key
     threads = coordinators(store, keys, ["second"], stop, decisions)
     try:
         assert wait_for(lambda: all(m.decision and m.decision.gen == 1 for m in members), 10)
+        assert wait_for(lambda: decisions, 5)
         time.sleep(0.3)
         assert [d.gen for d in decisions] == [1]
     finally:
@@ -158,3 +161,33 @@ def test_a_host_sees_the_store_go_as_lost(keys):
 def test_writing_without_leading_is_refused(keys):
     with pytest.raises(Deposed):
         Election(MemoryStore(), keys.election, "x", 1).write([("k", "v", 0)])
+
+
+def test_lead_then_publishes_the_leaders_store_and_stops_a_deposed_leader(store, keys):
+    from recycle_planner.executor.control.failover import (DEPOSED, lead_then,
+                                                           published_coordinator)
+
+    release, deposed, results = threading.Event(), [], {}
+
+    def coordinator(name):
+        results[name] = lead_then(store, keys, name, 1, f"{name}.example:29400",
+                                  lambda previous: (release.wait(10), (name, previous))[1],
+                                  on_deposed=lambda code: (deposed.append((name, code)),
+                                                           release.set()))
+
+    first = threading.Thread(target=coordinator, args=("a",))
+    first.start()
+    assert published_coordinator(store, keys, 5)[0] == "a.example:29400"
+    second = threading.Thread(target=coordinator, args=("b",))
+    second.start()
+    time.sleep(0.3)
+    assert "b" not in results and store.get(keys.coordinator).value == "a.example:29400"
+    leader = Election(store, keys.election, "observer", 1).leader()
+    store.revoke(leader.lease)            # a's lease ran out: it must stop coordinating
+    first.join(5)
+    assert deposed == [("a", DEPOSED)]
+    assert wait_for(lambda: store.get(keys.coordinator).value == "b.example:29400", 5)
+    release.set()
+    second.join(5)
+    assert results == {"a": ("a", None), "b": ("b", "a.example:29400")}
+    assert store.get_prefix(keys.election)[0] == []

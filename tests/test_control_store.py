@@ -8,18 +8,17 @@ import time
 import pytest
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_binary
+from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_missing
 from recycle_planner.executor.control.store import (DELETE, PUT, Compare, EtcdStore,
-                                                    LeaseKeeper, MemoryStore, absent,
+                                                    LeaseKeeper, MemoryStore, StoreRefused, absent,
                                                     created_at, parse_endpoints)
 
-NO_ETCD = "etcd is not installed (make test installs Debian's etcd-server where it runs as root)"
 
 
 @pytest.fixture(scope="module")
 def etcd():
-    if etcd_binary() is None:
-        pytest.skip(NO_ETCD)
+    if etcd_missing() is not None:
+        pytest.skip(etcd_missing())
     with EtcdCluster(1) as cluster:
         yield cluster
 
@@ -163,7 +162,7 @@ def test_a_fence_on_the_election_key_refuses_a_deposed_writer(store, p):
 def test_a_put_under_an_unknown_lease_is_refused(store, p):
     lease = store.grant(1)
     store.revoke(lease)
-    with pytest.raises(Exception):
+    with pytest.raises(StoreRefused):
         store.put(p + "k", "v", lease=lease)
     assert store.get(p + "k") is None
 

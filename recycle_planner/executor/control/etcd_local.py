@@ -4,8 +4,9 @@ benchmark and trying the failover without a cluster.
 Each member is Debian's `etcd` binary (package `etcd-server`) on its own pair of free ports and
 its own data folder; `kill(i)` and `start(i)` take one member away and bring it back (its data
 kept, as a member that restarts does), so that a test can lose one member or the quorum.
-Timings are tightened (heartbeat 50 ms, election 500 ms) so that a lost leader is replaced in
-about a second, and the least lease etcd grants is 1 s.
+With `fast` (the tests) timings are tightened (heartbeat 50 ms, election 500 ms) so that a lost
+leader is replaced in about a second, and the least lease etcd grants is 1 s; without it etcd
+keeps its defaults (100 ms, 1 s), which a loaded machine needs (the benchmark).
 """
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ def etcd_binary() -> str | None:
     return shutil.which("etcd") or shutil.which("etcd", path="/usr/bin:/usr/sbin")
 
 
+def etcd_missing() -> str | None:
+    """Why a real etcd cannot be used here (no server binary, or no `etcd3gw` client), or
+    None. The tests skip with this reason."""
+    if etcd_binary() is None:
+        return ("etcd is not installed (make test installs Debian's etcd-server where it runs "
+                "as root with apt-get)")
+    try:
+        import etcd3gw  # noqa: F401
+    except ImportError:
+        return "the etcd3gw client is not installed (pip install -e '.[etcd]')"
+    return None
+
+
 def free_ports(count: int) -> list[int]:
     """`count` distinct ports that are free on 127.0.0.1 now."""
     socks = []
@@ -48,7 +62,10 @@ class EtcdCluster:
     """`members` etcd processes on loopback; use as a context manager (stopped and their
     folders removed on exit)."""
 
-    def __init__(self, members: int = 3, folder: Path | None = None, quiet: bool = True):
+    def __init__(self, members: int = 3, folder: Path | None = None, quiet: bool = True,
+                 fast: bool = True, host: str = "127.0.0.1", wrap: tuple[str, ...] = ()):
+        """`host`: the address the members listen on; `wrap`: a command prefix that runs each
+        member elsewhere (`ip netns exec NS`: the tests' network namespaces)."""
         binary = etcd_binary()
         if binary is None:
             raise RecycleError("etcd is not installed (Debian: apt-get install etcd-server)")
@@ -56,33 +73,38 @@ class EtcdCluster:
         self.size = members
         self._own_folder = folder is None
         self.folder = Path(folder or tempfile.mkdtemp(prefix="recycle-etcd-"))
+        self.folder.mkdir(parents=True, exist_ok=True)
         ports = free_ports(2 * members)
         self.client_ports = ports[:members]
         self.peer_ports = ports[members:]
         self.names = [f"m{i}" for i in range(members)]
         self.procs: list[subprocess.Popen | None] = [None] * members
         self.quiet = quiet
+        self.fast = fast
+        self.host = host
+        self.wrap = tuple(wrap)
 
     @property
     def endpoints(self) -> str:
         """The client endpoints, as `--etcd` takes them."""
-        return ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+        return ",".join(f"{self.host}:{p}" for p in self.client_ports)
 
     def endpoint(self, i: int) -> str:
-        return f"127.0.0.1:{self.client_ports[i]}"
+        return f"{self.host}:{self.client_ports[i]}"
 
     def _command(self, i: int, state: str) -> list[str]:
-        initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names,
-                                                                        self.peer_ports))
-        return [self.binary, "--name", self.names[i],
+        h = self.host
+        initial = ",".join(f"{n}=http://{h}:{p}" for n, p in zip(self.names, self.peer_ports))
+        return [*self.wrap, self.binary, "--name", self.names[i],
                 "--data-dir", str(self.folder / self.names[i]),
-                "--listen-client-urls", f"http://127.0.0.1:{self.client_ports[i]}",
-                "--advertise-client-urls", f"http://127.0.0.1:{self.client_ports[i]}",
-                "--listen-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
+                "--listen-client-urls", f"http://{h}:{self.client_ports[i]}",
+                "--advertise-client-urls", f"http://{h}:{self.client_ports[i]}",
+                "--listen-peer-urls", f"http://{h}:{self.peer_ports[i]}",
+                "--initial-advertise-peer-urls", f"http://{h}:{self.peer_ports[i]}",
                 "--initial-cluster", initial, "--initial-cluster-state", state,
                 "--initial-cluster-token", f"recycle-{os.getpid()}-{self.client_ports[0]}",
-                "--heartbeat-interval", "50", "--election-timeout", "500",
+                *(["--heartbeat-interval", "50", "--election-timeout", "500"] if self.fast
+                  else []),
                 "--log-level", "error" if self.quiet else "info"]
 
     def start(self, i: int | None = None) -> None:
@@ -98,6 +120,15 @@ class EtcdCluster:
         from recycle_planner.executor.control.store import EtcdStore, StoreUnavailable
 
         deadline = time.monotonic() + timeout
+        if self.wrap:  # elsewhere: ask etcd's own client there
+            ctl = shutil.which("etcdctl") or "etcdctl"
+            while subprocess.run([*self.wrap, ctl, "--endpoints", self.endpoints,
+                                  "endpoint", "health"], capture_output=True).returncode:
+                if time.monotonic() > deadline:
+                    raise RecycleError(f"etcd did not become ready in {timeout:g} s; logs "
+                                       f"in {self.folder}")
+                time.sleep(0.2)
+            return
         store = EtcdStore(self.endpoints, timeout=1.0)
         try:
             while True:
@@ -117,7 +148,11 @@ class EtcdCluster:
         proc = self.procs[i]
         if proc is not None and proc.poll() is None:
             proc.send_signal(sig)
-            proc.wait(10)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:  # SIGTERM not heeded in time
+                proc.kill()
+                proc.wait()
         self.procs[i] = None
 
     def stop(self) -> None:

@@ -1,14 +1,23 @@
-"""Coordinators that fail over: every coordinator campaigns; the leader makes the decisions
-(`plane.Leader`), the others stand by; a deposed leader campaigns again.
+"""Coordinators that fail over: every coordinator campaigns; the leader acts, the others stand
+by; a deposed leader stops acting at once.
 
-`stand_by_or_lead` is the loop a `recycle-planner coordinator --etcd ENDPOINTS` process runs.
-`python -m recycle_planner.executor.control.failover --etcd ... --library DIR` runs it as a
-process of its own (the tests and the benchmark start several and kill the leader).
+Two ways to lead, one election (`election.py`), as subcommands of
+`python -m recycle_planner.executor.control.failover`:
 
-Exit status: 0 when stopped (SIGTERM, SIGINT), 3 when the control store is unavailable (every
-endpoint down, or etcd lost its quorum): no decision can be made, so the job stops and its
-workers write a consistent checkpoint (`--resume` continues).
-"""
+- `decide`: the decisions themselves live on etcd (`stand_by_or_lead` runs `plane.Leader`); a
+  deposed leader campaigns again. The tests and the benchmark start several and kill the leader.
+- `coordinate -- recycle-planner coordinator ...`: today's coordinator, whose decisions live in
+  its own c10d store, runs only while this process leads (`coordinate`, on `lead_then`): it
+  publishes where that store listens, a later leader adds `--resume` (the workers of the lost
+  one stopped with a checkpoint), and a deposed leader's coordinator is killed at once (its own
+  store is not fenced by etcd). `follow -- recycle-planner launch ... --rdzv-endpoint
+  {coordinator} ...` runs a host agent against the leader's store, and again against the next
+  leader after a failover (`follow`).
+
+Exit status: that of the command (`coordinate`, `follow`); 0 when stopped (SIGTERM, SIGINT); 3
+when the control store is unavailable (every endpoint down, or etcd lost its quorum): no
+decision can be made, so the job stops and its workers write a consistent checkpoint
+(`--resume` continues); 4 for a leader deposed while coordinating."""
 
 from __future__ import annotations
 
@@ -17,12 +26,15 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 from recycle_planner.errors import RecycleError
+from recycle_planner.executor.config import WorkerConfig
 from recycle_planner.executor.control.election import Deposed, Election
 from recycle_planner.executor.control.plane import Keys, Leader, Lookup
 from recycle_planner.executor.control.protocol import Decision
@@ -32,6 +44,128 @@ log = logging.getLogger(__name__)
 
 STORE_UNAVAILABLE = 3
 """Exit status of a coordinator whose control store cannot answer."""
+
+DEPOSED = 4
+"""Exit status of a coordinator that lost its leadership while coordinating (`lead_then`)."""
+
+T = TypeVar("T")
+
+
+def lead_then(store: ControlStore, keys: Keys, identity: str, ttl: float, endpoint: str,
+              run: Callable[[str | None], T], stop: threading.Event | None = None,
+              on_deposed: Callable[[int], None] = os._exit) -> T | None:
+    """Stand by until this coordinator leads (None if `stop` is set first), publish `endpoint`
+    (HOST:PORT of the store it is about to host) under the fence, then return
+    `run(previous)`, `previous` being the endpoint a former leader published (None for the
+    job's first leader: the others continue its run). When the leadership is lost meanwhile,
+    `on_deposed(DEPOSED)` is called from a watchdog thread (by default the process exits at
+    once: the next leader takes over from the checkpoint)."""
+    election = Election(store, keys.election, identity, ttl)
+    if election.campaign(stop) is None:
+        return None
+    before = store.get(keys.coordinator)
+    if not election.write([(keys.coordinator, endpoint, 0)]):
+        raise Deposed(f"{identity} lost the election before publishing its endpoint")
+    log.info("%s leads; its store is at %s", identity, endpoint)
+    done = threading.Event()
+
+    def watchdog() -> None:
+        while not done.wait(0.05):
+            if election.deposed.is_set():
+                log.error("%s lost its leadership (%s): stopping at once", identity,
+                          election.reason)
+                return on_deposed(DEPOSED)
+
+    threading.Thread(target=watchdog, name="leadership-watchdog", daemon=True).start()
+    try:
+        return run(before.value if before is not None else None)
+    finally:
+        done.set()
+        election.resign()
+
+
+def published_coordinator(store: ControlStore, keys: Keys, timeout: float,
+                          after: int = 0) -> tuple[str, int]:
+    """HOST:PORT of the leading coordinator's store and the revision it was published at,
+    waiting up to `timeout` seconds for one published after revision `after` (a host agent's
+    first question, and its question after losing a coordinator)."""
+    entry = store.get(keys.coordinator)
+    if entry is not None and entry.mod_revision > after:
+        return entry.value, entry.mod_revision
+    _, read_at = store.get_prefix(keys.coordinator)
+    watch = store.watch(keys.coordinator, read_at + 1)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            event = watch.get(deadline - time.monotonic())
+            if event is not None and event.kind == "put" and event.revision > after:
+                return event.value, event.revision
+    finally:
+        watch.cancel()
+    raise RecycleError(f"no coordinator published its store under {keys.coordinator} within "
+                       f"{timeout:g} s")
+
+
+COORDINATOR = "{coordinator}"
+"""In a host agent's command (`follow`), replaced by the leader's HOST:PORT."""
+
+
+def coordinate(store: ControlStore, keys: Keys, identity: str, ttl: float, endpoint: str,
+               command: list[str], stop: threading.Event | None = None) -> int | None:
+    """Run `command` (`recycle-planner coordinator ...`, hosting its store at `endpoint`)
+    while this process leads; a leader that follows another adds `--resume`, so that it
+    continues from the checkpoint its predecessor's workers wrote. Deposed: the command's
+    processes are killed at once and this process exits with `DEPOSED`. Returns the
+    command's exit status (None: stopped before leading)."""
+    child: list[subprocess.Popen] = []
+
+    def run(previous: str | None) -> int:
+        resume = ["--resume"] if previous is not None and "--resume" not in command else []
+        child.append(subprocess.Popen([*command, *resume], start_new_session=True,
+                                      preexec_fn=_die_with_parent))
+        return _wait(child[0], stop)
+
+    def deposed(code: int) -> None:
+        for proc in child:
+            os.killpg(proc.pid, signal.SIGKILL)
+        os._exit(code)
+
+    return lead_then(store, keys, identity, ttl, endpoint, run, stop, on_deposed=deposed)
+
+
+def _wait(proc: subprocess.Popen, stop: threading.Event | None) -> int:
+    """`proc`'s exit status; `stop` (SIGTERM or SIGINT to this process) is passed on to it as
+    SIGTERM, which the executor's commands answer by stopping with a checkpoint."""
+    if stop is not None:
+        threading.Thread(target=lambda: stop.wait() and proc.poll() is None
+                         and proc.terminate(), daemon=True).start()
+    return proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the coordinator's child: be SIGKILLed when this process dies, however it dies, so
+    that a coordinator never outlives the leadership it ran under (Linux's PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def follow(store: ControlStore, keys: Keys, command: list[str], timeout: float,
+           stop: threading.Event | None = None) -> int:
+    """Run a host agent's `command` (`recycle-planner launch --nnodes ... --rdzv-endpoint
+    {coordinator} ...`) against the leading coordinator, and again against the next leader
+    each time it stops because it lost its coordinator (`COORDINATOR_LOST`: its workers wrote
+    a checkpoint). Returns the host agent's last exit status."""
+    from recycle_planner.executor.config import COORDINATOR_LOST
+
+    after = 0
+    while True:
+        endpoint, after = published_coordinator(store, keys, timeout, after)
+        log.info("host agent follows the coordinator at %s", endpoint)
+        code = _wait(subprocess.Popen([a.replace(COORDINATOR, endpoint) for a in command]),
+                     stop)
+        if code != COORDINATOR_LOST or (stop is not None and stop.is_set()):
+            return code
 
 
 def stand_by_or_lead(store: ControlStore, keys: Keys, identity: str, ttl: float,
@@ -76,15 +210,31 @@ def library_lookup(folder: Path) -> tuple[Lookup, int, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m recycle_planner.executor.control.failover",
-        description="A coordinator that campaigns on etcd and, while it leads, makes the "
-                    "job's membership decisions; the others stand by.")
-    parser.add_argument("--etcd", required=True, help="etcd endpoints, HOST:PORT[,HOST:PORT]")
-    parser.add_argument("--job", default="recycle", help="the job's name (its key prefix)")
-    parser.add_argument("--library", required=True, type=Path, help="the plan library folder")
-    parser.add_argument("--lease", type=float, default=4.0,
-                        help="seconds without renewal after which a leader is replaced")
-    parser.add_argument("--name", default=f"{socket.gethostname()}:{os.getpid()}",
-                        help="this coordinator's name in the election")
+        description="Coordinators that fail over on etcd: every coordinator campaigns, one "
+                    "leads, the others stand by.")
+    sub = parser.add_subparsers(dest="mode", required=True)
+    decide = sub.add_parser("decide", help="make the job's membership decisions on etcd "
+                                           "while leading (plane.Leader)")
+    lead = sub.add_parser("coordinate", help="run COMMAND (recycle-planner coordinator ...) "
+                                             "while leading; a later leader adds --resume")
+    host = sub.add_parser("follow", help="run a host agent's COMMAND against the leader's "
+                                         "store ({coordinator} in it), again after a failover")
+    for p in (decide, lead, host):
+        p.add_argument("--etcd", required=True, help="etcd endpoints, HOST:PORT[,HOST:PORT]")
+        p.add_argument("--job", default="recycle", help="the job's name (its key prefix)")
+        p.add_argument("--lease", type=float, default=WorkerConfig.lease,
+                       help="seconds without renewal after which a leader (or a host) is "
+                            "replaced: the executor's one lease (default %(default)s)")
+    for p in (decide, lead):
+        p.add_argument("--name", default=f"{socket.gethostname()}:{os.getpid()}",
+                       help="this coordinator's name in the election")
+    decide.add_argument("--library", required=True, type=Path, help="the plan library folder")
+    lead.add_argument("--endpoint", required=True,
+                      help="HOST:PORT where COMMAND's store listens (what host agents dial)")
+    host.add_argument("--timeout", type=float, default=300.0,
+                      help="seconds to wait for a leader to publish its store")
+    for p in (lead, host):
+        p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from recycle_planner.executor.control.store import EtcdStore
@@ -93,10 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        store, keys = EtcdStore(args.etcd, timeout=max(2.0, args.lease)), Keys(args.job)
+        if args.mode != "decide":
+            command = args.command[1:] if args.command[:1] == ["--"] else args.command
+            if not command:
+                raise RecycleError(f"{args.mode}: no command after --")
+            if args.mode == "follow":
+                return follow(store, keys, command, args.timeout, stop)
+            code = coordinate(store, keys, args.name, args.lease, args.endpoint, command, stop)
+            return 0 if code is None else code
         lookup, pipelines, stages = library_lookup(args.library)
-        store = EtcdStore(args.etcd, timeout=max(2.0, args.lease))
-        stand_by_or_lead(store, Keys(args.job), args.name, args.lease, pipelines, stages,
-                         lookup, stop,
+        stand_by_or_lead(store, keys, args.name, args.lease, pipelines, stages, lookup, stop,
                          on_decision=lambda d: print(f"decision {d.gen} {d.action} "
                                                      f"{len(d.members)}", flush=True),
                          on_lead=lambda rev: print(f"leading {rev}", flush=True))

@@ -8,10 +8,14 @@ generation change, one decision for everyone. Everything lives under `/recycle/{
   store when the host is lost;
 - `election/{lease}`, by each coordinator, under its lease (`election.py`);
 - `to-hosts/abort` (`AbortNotice`), by the leader: generation `gen` is abandoned;
-- `to-hosts/decision` (`protocol.Decision`), by the leader: the current generation;
+- `to-hosts/decision` (`protocol.Decision`, deflated: `encode_decision`), by the leader: the
+  current generation;
+- `to-hosts/coordinator`, by the leader: where its c10d store listens (`failover.lead_then`);
 - `ready/{gen}/{node}` (`HostReady`), by a host agent, under its lease: deleted with the
   decision it led to;
-- `progress/{node}`, by a host agent, under its lease: the last iteration its workers finished.
+
+In steady state nothing but lease renewals reaches etcd: per-iteration results (iterations done,
+losses, checkpoints) are data, not membership, and stay on the coordinator's c10d store.
 
 A host agent (`HostMember`) keeps its lease, watches `to-hosts/` and answers an abort with its
 ranks' step counts. The leader (`Leader`) watches the whole job prefix: a host key deleted
@@ -25,20 +29,38 @@ generation is decided twice and none is lost.
 
 from __future__ import annotations
 
+import base64
+import functools
 import json
 import logging
 import threading
-import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from recycle_planner.executor.control import protocol
 from recycle_planner.executor.control.election import Election
 from recycle_planner.executor.control.protocol import Decision
+from recycle_planner.errors import RecycleError
 from recycle_planner.executor.control.store import (DELETE, PUT, Compare, ControlStore,
                                                     LeaseKeeper, StoreUnavailable)
 
 log = logging.getLogger(__name__)
+
+
+def encode_decision(decision: Decision) -> str:
+    """A decision as stored on etcd: its JSON, deflated and base64-encoded. At 8,192 ranks the
+    JSON of the first decision (every member, and a source for each) is about 100 kB, and every
+    host's watch receives it at once; deflated it is a few kB (consecutive ranks compress well),
+    which keeps etcd's fan-out and each host's decoding small."""
+    return base64.b64encode(zlib.compress(decision.to_json().encode(), 9)).decode()
+
+
+@functools.lru_cache(maxsize=4)
+def decode_decision(text: str) -> Decision:
+    """The decision `encode_decision` stored (about 12 ms at 8,192 ranks; host members that
+    share a process, as the benchmark's stand-ins do, decode each decision once)."""
+    return Decision.from_json(zlib.decompress(base64.b64decode(text)))
 
 
 def job_prefix(job: str) -> str:
@@ -78,11 +100,13 @@ class Keys:
     def decision(self) -> str:
         return self.to_hosts + "decision"
 
+    @property
+    def coordinator(self) -> str:
+        """Where the leading coordinator's c10d store listens (HOST:PORT)."""
+        return self.to_hosts + "coordinator"
+
     def ready(self, gen: int) -> str:
         return f"{self.root}ready/{gen}/"
-
-    def progress(self, node: int) -> str:
-        return f"{self.root}progress/{node}"
 
 
 @dataclass(frozen=True)
@@ -157,12 +181,17 @@ class HostMember:
         self._answered: set[int] = set()
         self._closed = threading.Event()
         self.keeper = LeaseKeeper(store, ttl, self._lose)
-        store.put(keys.host(record.node), record.to_json(), lease=self.keeper.lease)
-        # what was posted before this host's watch starts counts too (an abort to answer)
-        entries, read_at = store.get_prefix(keys.to_hosts)
-        self._watch = store.watch(keys.to_hosts, read_at + 1)
-        for e in sorted(entries, key=lambda e: e.key != keys.decision):
-            self._handle(e.key, e.value)
+        self._watch = None
+        try:
+            store.put(keys.host(record.node), record.to_json(), lease=self.keeper.lease)
+            # what was posted before this host's watch starts counts too (an abort to answer)
+            entries, read_at = store.get_prefix(keys.to_hosts)
+            self._watch = store.watch(keys.to_hosts, read_at + 1)
+            for e in sorted(entries, key=lambda e: e.key != keys.decision):
+                self._handle(e.key, e.value)
+        except BaseException:
+            self.close(leave=True)
+            raise
         self._thread = threading.Thread(target=self._run, name=f"host-{record.node}",
                                         daemon=True)
         self._thread.start()
@@ -175,42 +204,38 @@ class HostMember:
     def _run(self) -> None:
         while not self._closed.is_set():
             try:
-                event = self._watch.get(0.2)
+                event = self._watch.get(5.0)  # cancelling the watch wakes this at once
             except StoreUnavailable as exc:
                 return self._lose(str(exc))
             if event is None or event.kind != PUT:
                 continue
             try:
                 self._handle(event.key, event.value)
-            except StoreUnavailable as exc:
+            except RecycleError as exc:  # unavailable, or refused: the lease ended under it
                 return self._lose(str(exc))
 
     def _handle(self, key: str, value: str) -> None:
         if key == self.keys.decision:
-            self.decision = Decision.from_json(value)
+            self.decision = decode_decision(value)
             self.on_decision(self.decision)
         elif key == self.keys.abort:
             self._answer(AbortNotice.from_json(value))
 
     def _answer(self, notice: AbortNotice) -> None:
         stale = self.decision is not None and notice.gen < self.decision.gen
-        if notice.gen in self._answered or stale:
+        if notice.gen in self._answered or stale or self.lost is not None:
             return
         self._answered.add(notice.gen)
         report = HostReady(notice.gen, self.record.node, self.steps())
         self.store.put(self.keys.ready(notice.gen) + str(self.record.node), report.to_json(),
                        lease=self.keeper.lease)
 
-    def report_progress(self, iteration: int) -> None:
-        """The last iteration this host's workers finished (one put per host per iteration)."""
-        self.store.put(self.keys.progress(self.record.node), str(iteration),
-                       lease=self.keeper.lease)
-
     def close(self, leave: bool = True) -> None:
         """Stop; with `leave`, revoke the lease (the host's keys go at once), else let it
         expire as a lost host's does."""
         self._closed.set()
-        self._watch.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
         self.keeper.close(revoke=leave)
 
 
@@ -267,9 +292,9 @@ class Leader:
             if kind == PUT:
                 self.hosts[node] = HostRecord.from_json(value)
             elif self.hosts.pop(node, None) is not None and decide:
-                self._host_lost(node)
+                log.info("host %d lost (its lease ended)", node)
         elif key == k.decision and kind == PUT:
-            self.decision, self.decision_rev = Decision.from_json(value), revision
+            self.decision, self.decision_rev = decode_decision(value), revision
         elif key == k.abort and kind == PUT:
             self.aborted = AbortNotice.from_json(value)
         elif key.startswith(k.root + "ready/") and kind == PUT:
@@ -282,9 +307,6 @@ class Leader:
                 self.reports.pop(int(node), None)
         if decide:
             self._settle()
-
-    def _host_lost(self, node: int) -> None:
-        log.info("host %d lost (its lease ended)", node)
 
     def _post_abort(self, gen: int, reason: str) -> None:
         """Abandon generation `gen`; reports already there (a predecessor's abort) count."""
@@ -324,20 +346,10 @@ class Leader:
                  for r, s in rep.steps.items()}
         decision = protocol.decide(gen, self.pipelines, self.stages, steps, self.lookup,
                                    initial=self.decision is None)
-        if self.election.write([(self.keys.decision, decision.to_json(), 0)],
+        if self.election.write([(self.keys.decision, encode_decision(decision), 0)],
                                compares=[Compare(self.keys.decision, "mod", self.decision_rev)],
                                delete_prefixes=[self.keys.ready(self.aborted.gen)]):
             log.info("generation %d decided: %s, %d members", gen, decision.action,
                      len(decision.members))
             self.on_decision(decision)
         self.reports = {}
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, step: float = 0.01) -> bool:
-    """Until `predicate()` holds (True) or `timeout` seconds pass (False)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(step)
-    return True

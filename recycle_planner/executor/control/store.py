@@ -35,6 +35,7 @@ import itertools
 import json
 import logging
 import queue
+import random
 import threading
 import time
 from collections import deque
@@ -50,6 +51,10 @@ PUT, DELETE = "put", "delete"
 
 class StoreUnavailable(RecycleError):
     """The control store cannot answer: its endpoints are down or etcd lost its quorum."""
+
+
+class StoreRefused(RecycleError):
+    """The control store answered no: a put under a lease that has expired, for example."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +111,9 @@ class Watch(Protocol):
     """Changes under a prefix, in revision order."""
 
     def get(self, timeout: float) -> Event | None:
-        """The next change, or None when none came within `timeout` seconds. Raises
-        `StoreUnavailable` when the watch is broken and cannot be resumed."""
+        """The next change, or None when none came within `timeout` seconds or the watch was
+        cancelled (which wakes a blocked reader). Raises `StoreUnavailable` when the watch is
+        broken and cannot be resumed."""
 
     def cancel(self) -> None:
         """Stop watching."""
@@ -168,7 +174,7 @@ class _MemoryWatch:
     def __init__(self, store: "MemoryStore", prefix: str):
         self.store = store
         self.prefix = prefix
-        self.events: queue.Queue[Event] = queue.Queue()
+        self.events: queue.Queue[Event | None] = queue.Queue()
 
     def get(self, timeout: float) -> Event | None:
         try:
@@ -178,6 +184,7 @@ class _MemoryWatch:
 
     def cancel(self) -> None:
         self.store._unwatch(self)
+        self.events.put(None)  # wakes a reader blocked in get
 
 
 class MemoryStore:
@@ -221,7 +228,7 @@ class MemoryStore:
 
     def _check_lease(self, lease: int) -> None:
         if lease and lease not in self._leases:
-            raise RecycleError(f"lease {lease:x} not found (expired or revoked)")
+            raise StoreRefused(f"lease {lease:x} not found (expired or revoked)")
 
     def get(self, key: str) -> Entry | None:
         with self._lock:
@@ -374,7 +381,7 @@ class _EtcdWatch:
         self.store = store
         self.prefix = prefix
         self.next_revision = start_revision
-        self.events: queue.Queue[Event | BaseException] = queue.Queue()
+        self.events: queue.Queue[Event | BaseException | None] = queue.Queue()
         self._cancelled = False
         self._response = None
         self._opened = threading.Event()
@@ -442,6 +449,7 @@ class _EtcdWatch:
 
     def cancel(self) -> None:
         self._cancelled = True
+        self.events.put(None)  # wakes a reader blocked in get
         response = self._response
         if response is not None:
             try:
@@ -468,8 +476,7 @@ class EtcdStore:
         self.timeout = timeout
         self._clients = [etcd3gw.client(host=h, port=p, timeout=timeout / 2, api_path="/v3/")
                          for h, p in self.endpoints]
-        self._current = 0
-        self._local = threading.local()
+        self._current = random.randrange(len(self._clients))  # clients spread over members
 
     def _client(self):
         return self._clients[self._current % len(self._clients)]
@@ -491,6 +498,8 @@ class EtcdStore:
                         exceptions.InternalServerError) as exc:
                     last = exc
                     self._rotate()
+                except exceptions.Etcd3Exception as exc:
+                    raise StoreRefused(f"etcd: {_etcd_reason(exc)}") from None
                 if time.monotonic() > deadline:
                     break
             if time.monotonic() > deadline:
@@ -540,7 +549,7 @@ class EtcdStore:
     def revoke(self, lease: int) -> None:
         try:
             self._post("/kv/lease/revoke", {"ID": lease})
-        except self._etcd3gw.exceptions.Etcd3Exception:
+        except StoreRefused:
             pass  # already expired: its keys are gone, which is what revoking wants
 
     def transaction(self, compares: Iterable[Compare], puts: Iterable[tuple[str, str, int]] = (),
