@@ -32,7 +32,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor.control.agent import _last_line, exit_how
+from recycle_planner.executor.control.pool import exit_how, last_line
 from recycle_planner.executor.config import (CONFIG_ENV, CONFIG_ERROR, CONFIG_KEY,
                                              COORDINATOR_LOST, RDZV_TIMEOUT, WorkerConfig)
 from recycle_planner.executor.control import messages as msg
@@ -238,7 +238,7 @@ class HostAgent:
                 del self.workers[rank]
                 how = "left (exit status 0)" if code == 0 else exit_how(code, self.lease)
                 msg.put(self.store, msg.WorkerExit(rank, w.incarnation, code, how,
-                                                   _last_line(w.log_path)))
+                                                   last_line(w.log_path)))
                 if code != CONFIG_ERROR and self.restarts.get(rank, 0) < c.max_restarts:
                     pending[rank] = now + c.restart_delay
                 self.on_event(f"host {self.node_rank}: worker rank {rank} {how}")
