@@ -214,6 +214,22 @@ class LaunchResult:
 
 
 @dataclass(frozen=True)
+class Recovery:
+    """One death and what it cost (seconds from launch): the worker ("pipeline:stage"),
+    when it died, the first iteration completed after it, how long after the death that
+    iteration ended (`seconds`) and the next generation was formed (`replanned_after`)."""
+
+    worker: str
+    t_death: float
+    first_iteration: int
+    seconds: float
+    replanned_after: float | None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class GenerationRecord:
     """What one generation predicted and what it measured (times in ms). `measured_ms`: the
     median time between consecutive iterations it completed; `replayed_ms`: its plan
@@ -262,7 +278,8 @@ def launch(target: str | Sequence[str], config: LaunchConfig, args: Sequence[str
     if isinstance(target, str):
         check_target(target)
         command = worker_command(target, args)
-        config = preflight(config, load_job(target, args) if _is_factory(target) else None)
+        config = preflight(config, (lambda: load_job(target, args)) if _is_factory(target)
+                           else None)
     else:
         command = list(target)
         config = preflight(config, None)
@@ -291,13 +308,18 @@ def _is_factory(target: str) -> bool:
     return not (target.endswith(".py") and ":" not in target)
 
 
-def preflight(config: LaunchConfig, job: Job | None) -> LaunchConfig:
+def preflight(config: LaunchConfig, job_of: Callable[[], Job] | None) -> LaunchConfig:
     """What can be checked before any process starts, so that a wrong worker count, a job
     that names no library, a missing library or a job file that fails to load is one line at
-    once rather than after every worker's start-up. (`--resume` with nothing to resume is
-    checked when the run folder is claimed.) A training script (not a job factory) names its
+    once rather than after every worker's start-up, and `--resume` with nothing to resume
+    before even the job is loaded. A training script (not a job factory) names its
     library only in its workers, which check it. Returns `config` naming the job's library,
-    whose lock the run then holds."""
+    whose lock the run then holds. `job_of` loads the job (a job factory), once the checks
+    that need no job have passed."""
+    if config.resume and latest_checkpoint(config.run_dir) is None:  # before the job loads
+        raise RecycleError(f"--resume: no complete checkpoint in "
+                           f"{Path(config.run_dir) / 'checkpoints'} to resume from")
+    job = job_of() if job_of is not None else None
     if config.library is not None:
         spec = PlanLibrary.open(config.library).spec
     elif config.spec is not None:
@@ -955,9 +977,8 @@ class Agent:
                 i, e = after[0]
                 formed = [ev["t"] for ev in self.events
                           if ev["kind"] == "generation" and ev["gen"] > death["gen"]]
-                recoveries.append({"worker": death["worker"], "t_death": death["t"],
-                                   "first_iteration": i, "seconds": e - death["t"],
-                                   "replanned_after": formed[0] - death["t"] if formed else None})
+                recoveries.append(Recovery(death["worker"], death["t"], i, e - death["t"],
+                                           formed[0] - death["t"] if formed else None).to_json())
         for fault in self.config.faults:
             if fault.point != "hold" and msg.get(self.store, msg.FaultFired, rank=fault.rank,
                                                  incarnation=0) is None:
