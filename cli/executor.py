@@ -11,7 +11,9 @@ import click
 
 from recycle_planner.cli.options import number
 from recycle_planner.cli.progress import Ticker
-from recycle_planner.executor.config import (BUCKET_MB, GRACE, RDZV_TIMEOUT, UNDO_COPY,
+from recycle_planner.executor.config import (BACKEND, BACKENDS, BUCKET_MB, CHECKPOINT_EVERY,
+                                             GRACE, HEARTBEAT, LEASE, MAX_RESTARTS,
+                                             PG_TIMEOUT, RDZV_TIMEOUT, RUN_DIR, UNDO_COPY,
                                              UNDO_PLACES)
 from recycle_planner.library.ondemand import (ON_DEMAND_BUDGET, REFINE_BUDGET, REFINE_MARGIN,
                                               REFINE_WHICH)
@@ -46,22 +48,22 @@ def _settings(f):
         click.option("--refine-margin", type=number("refine_margin"),
                      default=REFINE_MARGIN, show_default=True, metavar="FRACTION",
                      help="Switch to a refined plan only if its period is this much shorter."),
-        click.option("--run-dir", default="recycle-run", show_default=True,
+        click.option("--run-dir", default=RUN_DIR, show_default=True,
                      type=click.Path(file_okay=False, path_type=Path),
                      help="Checkpoints, worker logs and result.json go here (on a cluster: a "
                           "shared filesystem every host mounts at the same path)."),
-        click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo",
+        click.option("--backend", type=click.Choice(BACKENDS), default=BACKEND,
                      show_default=True, help="gloo on CPU; nccl on GPUs (one per worker)."),
-        click.option("--lease", "--hang-timeout", "lease", type=number("lease"),
-                     default=4.0, show_default=True, metavar="SECONDS",
+        click.option("--lease", type=number("lease"),
+                     default=LEASE, show_default=True, metavar="SECONDS",
                      help="A worker whose heartbeat stops (host gone, process stopped) or "
                           "whose training thread makes no progress this long outside "
                           "communication is dead. Must exceed the longest single op, "
                           "data() included."),
-        click.option("--heartbeat", type=number("heartbeat"), default=0.2,
+        click.option("--heartbeat", type=number("heartbeat"), default=HEARTBEAT,
                      show_default=True, metavar="SECONDS",
                      help="Seconds between a worker's heartbeats."),
-        click.option("--pg-timeout", type=number("pg_timeout"), default=60.0,
+        click.option("--pg-timeout", type=number("pg_timeout"), default=PG_TIMEOUT,
                      show_default=True, metavar="SECONDS",
                      help="Timeout of every process group (a backstop: failures are caught "
                           "by the lease and the groups aborted)."),
@@ -80,7 +82,8 @@ def _settings(f):
                      help="On SIGTERM (preemption), stop within this long: every worker "
                           "undoes a half-finished iteration and a consistent checkpoint is "
                           "written, which --resume continues."),
-        click.option("--checkpoint-every", type=number("checkpoint_every"), default=100,
+        click.option("--checkpoint-every", type=number("checkpoint_every"),
+                     default=CHECKPOINT_EVERY,
                      show_default=True, metavar="ITERATIONS",
                      help="Checkpoint every so many iterations (0: only the final one, and "
                           "one when training has to stop)."),
@@ -112,7 +115,7 @@ def _launch_config(nproc: int, library, run_dir, backend, lease, heartbeat, pg_t
 
     check_writable(run_dir, folder=True)  # before any worker starts
     return LaunchConfig(nproc=nproc, run_dir=str(run_dir), backend=backend,
-                        heartbeat=heartbeat, hang_timeout=lease, pg_timeout=pg_timeout,
+                        heartbeat=heartbeat, lease=lease, pg_timeout=pg_timeout,
                         checkpoint_every=checkpoint_every, resume=resume,
                         library=str(library) if library else None,
                         faults=[parse_fault(f) for f in faults], **more)
@@ -161,7 +164,8 @@ def _show(as_json: bool):
 @click.option("--restart-delay", type=number("restart_delay"), default=None,
               metavar="SECONDS", help="Restart a dead worker this long after it died; it "
                                       "re-joins at an iteration boundary (default: never).")
-@click.option("--max-restarts", type=number("max_restarts"), default=3, show_default=True,
+@click.option("--max-restarts", type=number("max_restarts"), default=MAX_RESTARTS,
+              show_default=True,
               help="Restarts per worker (with --restart-delay).")
 @_settings
 def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,

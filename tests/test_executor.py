@@ -65,7 +65,7 @@ def test_cli_two_kills_and_a_rejoin_on_2x2(tmp_path):
     lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=2)
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "recycle_planner.cli", "launch", "-n", "4", "--run-dir",
-           str(run), "--restart-delay", "0", "--hang-timeout", "5",
+           str(run), "--restart-delay", "0", "--lease", "5",
            "--inject-fault", "2:2:F1", "--inject-fault", "1:4:optimizer",
            "--inject-fault", "0:6:hold", "--inject-fault", "0:9:hold", TINY, "--",
            "--library", str(lib), "--iterations", "12"]
@@ -102,7 +102,7 @@ def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path):
     faults = [parse_fault(f) for f in ("3:3:W3:kill:after-step=1,2,4,5", "4:3:recovery",
                                        "2:6:I0:hang")]
     config = LaunchConfig(nproc=6, run_dir=str(tmp_path / "run"), faults=faults,
-                          hang_timeout=3.0, heartbeat=0.1)
+                          lease=3.0, heartbeat=0.1)
     result = launch(TINY, config, args)
     gens = _events(result, "generation")
     assert [g["dead"] for g in gens] == [[], [[1, 0], [1, 1]], [[0, 2], [1, 0], [1, 1]]]
@@ -133,7 +133,7 @@ def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_pa
     run = tmp_path / "run"
     faults = [parse_fault(f) for f in ("2:2:B1", "1:4:F0:stall")]
     config = LaunchConfig(nproc=4, run_dir=str(run), faults=faults, pg_timeout=60.0,
-                          hang_timeout=1.0, on_demand=False)
+                          lease=1.0, on_demand=False)
     with pytest.raises(TrainingStopped, match="beyond this library's threshold of 1") as info:
         launch(TINY, config, args)
     stopped = info.value.result

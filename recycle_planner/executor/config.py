@@ -9,6 +9,25 @@ from dataclasses import dataclass, field
 
 from recycle_planner.errors import RecycleError
 
+RUN_DIR = "recycle-run"
+"""Where a run's checkpoints, logs and result go by default."""
+BACKENDS = ("gloo", "nccl")
+BACKEND = "gloo"
+HEARTBEAT = 0.2
+"""Seconds between a worker's heartbeats."""
+LEASE = 4.0
+"""Seconds without a heartbeat (or without progress of the training thread) after which a
+worker is dead: the one name for it everywhere (`--lease`, `LaunchConfig.lease`,
+`WorkerConfig.lease`)."""
+PG_TIMEOUT = 60.0
+"""Seconds: the timeout of every process group (a backstop; never torch's 30 min)."""
+CHECKPOINT_EVERY = 100
+"""Iterations between periodic checkpoints (0: only the final one)."""
+STARTUP_TIMEOUT = 300.0
+"""Seconds the launcher waits for every worker's hello."""
+MAX_RESTARTS = 3
+"""Restarts per worker (with a restart delay)."""
+
 CONFIG_ENV = "RECYCLE_CONFIG"
 CONFIG_KEY = "config"
 """Where a coordinator posts the workers' settings (`WorkerConfig` JSON) for its host agents."""
@@ -44,13 +63,13 @@ checkpoint; `--resume` continues from it."""
 class WorkerConfig:
     """Settings the launcher passes to every worker (as JSON in RECYCLE_CONFIG)."""
 
-    run_dir: str = "recycle-run"
-    backend: str = "gloo"
-    heartbeat: float = 0.2          # seconds between heartbeats
-    lease: float = 4.0              # seconds: no heartbeat or no progress for this long: dead
-    pg_timeout: float = 60.0        # seconds: process group timeout (never torch's 30 min)
+    run_dir: str = RUN_DIR
+    backend: str = BACKEND
+    heartbeat: float = HEARTBEAT    # seconds between heartbeats
+    lease: float = LEASE            # seconds: no heartbeat or no progress for this long: dead
+    pg_timeout: float = PG_TIMEOUT  # seconds: process group timeout
     poll: float = 0.002             # seconds between store polls while waiting
-    checkpoint_every: int = 100     # iterations; 0: only the final checkpoint
+    checkpoint_every: int = CHECKPOINT_EVERY  # iterations; 0: only the final checkpoint
     resume: bool = False
     library: str | None = None      # overrides the job's library
     threads: int = 1                # torch intra-op threads per worker

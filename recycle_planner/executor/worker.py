@@ -47,6 +47,7 @@ from recycle_planner.errors import RecycleError
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control import protocol as P
 from recycle_planner.executor.control.link import LOST, ControlLost, Link, StoreLink
+from recycle_planner.executor.control.runfolder import append_losses
 from recycle_planner.executor.config import (CONFIG_ERROR, COORDINATOR_LOST, EXECUTOR_ERROR,
                                              FENCED, STALLED, WorkerConfig)
 from recycle_planner.executor.data.boundary import Layout, call, layout_of
@@ -101,7 +102,10 @@ class Worker:
         self.d, self.s = P.worker_of(self.rank, self.S)
         self.device = prepare(config.backend, os.environ)
         self.timeout = timedelta(seconds=config.pg_timeout)
-        self.link = link or StoreLink.from_env(config)
+        self.link = _Tracked(link or StoreLink.from_env(config))
+        self._link_asked = time.monotonic()   # when the link's watch thread last asked
+        self._lost_once = threading.Lock()    # one thread stops the worker on a lost control
+        self._recent_losses: dict[int, dict] = {}
         module = job.build_stage(self.s).to(self.device)
         optimizer, scheduler = job.build_state(module)
         self.state = StageState(module, optimizer, scheduler=scheduler,
@@ -125,8 +129,10 @@ class Worker:
     # -- life ---------------------------------------------------------------------------------
 
     def run(self) -> None:
-        self.link.watch(self._beat, self._watched, self._on_abort)
+        self.link.watch(self._beat, self._watched_by_link, self._on_abort)
         threading.Thread(target=self._stall_watch, name="recycle-stall", daemon=True).start()
+        threading.Thread(target=self._control_watch, name="recycle-control-watch",
+                         daemon=True).start()
         _on_sigterm(self.config.grace)
         try:
             self._live()
@@ -295,6 +301,8 @@ class Worker:
 
     def _record_losses(self, gen: int, iteration: int, losses: dict) -> None:
         if losses:
+            self._recent_losses[iteration] = losses  # kept for a lost control plane
+            self._recent_losses.pop(iteration - 3, None)
             self.link.send(msg.Losses(iteration, self.rank, gen, tuple(
                 (p, m, v) for (p, m), v in sorted(losses.items()))))
 
@@ -316,6 +324,9 @@ class Worker:
         differ by at most one step, so every stage writes the least count among them and
         that checkpoint completes (whoever writes last adds the manifest); `--resume`
         continues from the newest complete one."""
+        if not self._lost_once.acquire(blocking=False):
+            while True:  # the other thread stops the worker (and exits the process)
+                time.sleep(3600)
         log.error("lost the coordinator (%s): stopping with a checkpoint", reason)
         self._stopped = True
         if self.runtime is not None:
@@ -334,9 +345,22 @@ class Worker:
             for k in written:
                 if write_manifest(self.config.run_dir, k, self.S, {"reason": reason}):
                     log.info("checkpoint of iteration %d complete", k)
+        self._save_recent_losses()
         log.error("stage %d's state written for iteration(s) %s in %s", self.s,
                   written or "none (not this stage's writer)", self.config.run_dir)
         _exit(COORDINATOR_LOST)
+
+    def _save_recent_losses(self) -> None:
+        """The losses of the last iterations, which may not have reached the lost control
+        plane, into the run folder's losses.jsonl (every last-stage worker holds all D*M of
+        them), so that the resumed run's result has every iteration's loss."""
+        rows = [{"iteration": i, "loss": sum(v.values()) / len(v), "gen": None,
+                 "attempt": None}
+                for i, v in sorted(self._recent_losses.items()) if len(v) == self.D * self.M]
+        try:
+            append_losses(self.config.run_dir, rows)
+        except OSError as exc:
+            log.error("could not save the last losses: %s", exc)
 
     def _resume(self) -> None:
         found = latest_checkpoint(self.config.run_dir)
@@ -375,6 +399,12 @@ class Worker:
 
     def _beat(self) -> msg.Heartbeat:
         return msg.Heartbeat(self.rank, self.incarnation, time.time())
+
+    def _watched_by_link(self) -> int:
+        """`_watched`, asked by the link's watch thread before each of its store reads: when
+        it stops asking, a read is stuck (`_control_watch`)."""
+        self._link_asked = time.monotonic()
+        return self._watched()
 
     def _watched(self) -> int:
         """The generation whose abort the link watches (-1: none)."""
@@ -426,6 +456,33 @@ class Worker:
                     os._exit(STALLED)
             time.sleep(min(0.02, self.config.heartbeat))
 
+    def _control_watch(self) -> None:
+        """A control plane that cannot be reached without closing a socket (its link cut, its
+        host gone): the store's reads then block until TCP gives up (about 15 minutes), and
+        its writes go into the socket's buffer unanswered, so the link never says so. The
+        link's watch thread asks which generation to watch before each read (every 20 ms);
+        not asked for a lease, a read is stuck: the control plane is lost. Abort the
+        generation (a training thread blocked on a peer is released and then blocks on the
+        store too), wait up to a lease for the
+        training thread to be in a control call (its state is then at a step boundary) and
+        stop with a checkpoint from here, as the training thread would on `ControlLost`."""
+        lease, beat = self.config.lease, self.config.heartbeat
+        while not self._stopped:
+            time.sleep(min(0.05, beat))
+            silent = time.monotonic() - self._link_asked
+            if silent <= lease + beat or self._stopped:
+                continue
+            log.error("no answer from the control plane for %.1f s: it is lost", silent)
+            self._on_abort(self._watched(), LOST)
+            deadline = time.monotonic() + lease
+            while self.link.in_call is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if self.link.in_call is None:  # the training thread is stuck elsewhere
+                log.error("the training thread is not at a step boundary: no checkpoint")
+                _exit(COORDINATOR_LOST)
+            self._coordinator_lost(f"no answer for {silent:.1f} s (link cut or its host "
+                                   f"gone)")
+
     def _announce_fault(self, fault: Fault) -> None:
         self.link.send(msg.FaultFired(self.rank, self.incarnation, time.time(), str(fault)))
 
@@ -455,6 +512,30 @@ def _output_layout(module: torch.nn.Module, sample: Any, device: torch.device,
     except Exception:  # noqa: BLE001 - any failure on meta: fall back to real compute
         out = run(device, tree_map(lambda t: torch.zeros_like(t, device=device), sample))
     return layout_of(out)
+
+
+class _Tracked:
+    """The worker's link, noting when the training thread is inside a control call (where
+    its state is at a step boundary, so that a lost control plane can be checkpointed from
+    another thread while it blocks there)."""
+
+    def __init__(self, link: Link):
+        self._link = link
+        self.in_call: float | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._link, name)
+        if name not in ("send", "wait", "peek", "decision") or \
+                threading.current_thread() is not threading.main_thread():
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.in_call = time.monotonic()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.in_call = None
+        return call
 
 
 class ExecutorError(RecycleError):

@@ -5,7 +5,7 @@ every worker failure; it hosts the TCP store all workers meet in. It starts one 
 worker with torchrun's environment variables, then loops:
 
 - a worker process that exits is dead (the launcher is its parent, so it knows within
-  milliseconds); a worker whose heartbeats stop for `hang_timeout` seconds is hung and gets
+  milliseconds); a worker whose heartbeats stop for `lease` seconds is hung and gets
   SIGKILL, which makes it dead;
 - on a death (or a communication error a worker reports) it posts the generation's abort
   notice, gathers the survivors' step counts, and posts the next generation's decision
@@ -15,7 +15,7 @@ worker with torchrun's environment variables, then loops:
   checkpoint) only when a stage has no live worker left. A background process then refines
   such a plan; when it is better by a margin, the survivors switch to it at an iteration
   boundary (nothing in training waits for it). A worker that does not report within the
-  group timeout plus `hang_timeout` of the abort is stuck and gets killed; a failure during
+  group timeout plus `lease` of the abort is stuck and gets killed; a failure during
   recovery is just one more death;
 - with `restart_delay` set, a dead worker is started again after that many seconds; when it
   says hello the live workers stop at an iteration boundary, it copies its stage's state from
@@ -27,8 +27,8 @@ worker with torchrun's environment variables, then loops:
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
-import os
 import select
 import signal
 import socket
@@ -39,20 +39,23 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch.distributed as dist
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control import protocol as P
+from recycle_planner.executor.control.pool import LocalPool, Proc, WorkerPool, last_line
 from recycle_planner.executor.control.runfolder import RunFolder, claim
 from recycle_planner.executor.faults import Fault
 from recycle_planner.executor.job import Job, load_job
 from recycle_planner.executor.data.state import latest_checkpoint, write_manifest
-from recycle_planner.executor.config import (BUCKET_MB, CONFIG_ENV, CONFIG_ERROR,
-                                             EXECUTOR_ERROR, FENCED, GRACE, STALLED,
-                                             UNDO_COPY, UNDO_PLACES, WorkerConfig)
+from recycle_planner.executor.config import (BACKEND, BUCKET_MB, CHECKPOINT_EVERY,
+                                             CONFIG_ERROR, GRACE, HEARTBEAT, LEASE,
+                                             MAX_RESTARTS, PG_TIMEOUT, RUN_DIR,
+                                             STARTUP_TIMEOUT, UNDO_COPY, UNDO_PLACES,
+                                             WorkerConfig)
 from recycle_planner.files.planfile import read_plan
 from recycle_planner.job.spec import load_spec
 from recycle_planner.job.workers import dead_per_stage, format_workers
@@ -72,6 +75,37 @@ RESULT_VERSION = 2
 and the plans' predicted periods."""
 
 
+class Status(str, enum.Enum):
+    """How a run ended: COMPLETED (every iteration trained), STOPPED (a clean stop with a
+    checkpoint: no live worker for a stage, beyond the threshold, SIGTERM), FAILED (the job
+    cannot run, or a bug in user code). A `str`, so that result.json keeps the words."""
+
+    COMPLETED = "completed"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Phase(enum.Enum):
+    """Where the launcher (or coordinator) is, like torch elastic's `WorkerState`:
+    STARTING (waiting for every hello, then the first decision), RUNNING (a generation
+    trains), GATHERING (it was abandoned or is leaving at a boundary: collecting the members'
+    step counts for the next decision), EXITING (the last iteration is done everywhere: the
+    workers leave), STOPPING (a stop decision: the members write their checkpoint)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    GATHERING = "gathering"
+    EXITING = "exiting"
+    STOPPING = "stopping"
+
+
+OVER = (Phase.EXITING, Phase.STOPPING)
+"""Training is over: every worker exit is expected."""
+
+
 class TrainingStopped(RecycleError):
     """Training ended before its last iteration: failures beyond the library's threshold, a
     stage with no live worker, or a worker that cannot run the job."""
@@ -86,17 +120,17 @@ class LaunchConfig:
     """How to run the workers. Times in seconds."""
 
     nproc: int
-    run_dir: str = "recycle-run"
-    backend: str = "gloo"
+    run_dir: str = RUN_DIR
+    backend: str = BACKEND
     master_addr: str = "127.0.0.1"
     master_port: int = 0                  # 0: any free port
-    heartbeat: float = 0.2
-    hang_timeout: float = 4.0             # the lease: no heartbeat (or no progress) this long
-    pg_timeout: float = 60.0              # process-group timeout of every generation
-    startup_timeout: float = 300.0
+    heartbeat: float = HEARTBEAT
+    lease: float = LEASE                  # no heartbeat (or no progress) this long: dead
+    pg_timeout: float = PG_TIMEOUT        # process-group timeout of every generation
+    startup_timeout: float = STARTUP_TIMEOUT
     restart_delay: float | None = None    # restart a dead worker after this long (re-join)
-    max_restarts: int = 3                 # restarts per rank
-    checkpoint_every: int = 100           # iterations between checkpoints (0: final only)
+    max_restarts: int = MAX_RESTARTS      # restarts per rank
+    checkpoint_every: int = CHECKPOINT_EVERY  # iterations between checkpoints (0: final only)
     resume: bool = False                  # start from the run folder's latest checkpoint
     start_over: bool = False              # discard the run folder's earlier run (runfolder.py)
     grace: float = GRACE                  # SIGTERM: a consistent checkpoint within this long
@@ -134,7 +168,7 @@ class LaunchConfig:
     def worker_config(self, log_dir: Path | None = None) -> WorkerConfig:
         return WorkerConfig(run_dir=str(Path(self.run_dir).resolve()), backend=self.backend,
                             log_dir=str(log_dir.resolve()) if log_dir is not None else None,
-                            heartbeat=self.heartbeat, lease=self.hang_timeout,
+                            heartbeat=self.heartbeat, lease=self.lease,
                             pg_timeout=self.pg_timeout,
                             poll=self.poll, checkpoint_every=self.checkpoint_every,
                             resume=self.resume, library=self.library,
@@ -151,7 +185,7 @@ class LaunchResult:
     (`replanned_after`) and until the first iteration it completed (`seconds`);
     `events`: what happened, in order."""
 
-    status: str                          # completed | stopped | failed
+    status: Status
     message: str
     iterations: int
     losses: list[float | None]
@@ -176,6 +210,22 @@ class LaunchResult:
     version: int = RESULT_VERSION
 
     def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One death and what it cost (seconds from launch): the worker ("pipeline:stage"),
+    when it died, the first iteration completed after it, how long after the death that
+    iteration ended (`seconds`) and the next generation was formed (`replanned_after`)."""
+
+    worker: str
+    t_death: float
+    first_iteration: int
+    seconds: float
+    replanned_after: float | None
+
+    def to_json(self) -> dict:
         return asdict(self)
 
 
@@ -228,26 +278,28 @@ def launch(target: str | Sequence[str], config: LaunchConfig, args: Sequence[str
     if isinstance(target, str):
         check_target(target)
         command = worker_command(target, args)
-        config = preflight(config, load_job(target, args) if _is_factory(target) else None)
+        config = preflight(config, (lambda: load_job(target, args)) if _is_factory(target)
+                           else None)
     else:
         command = list(target)
         config = preflight(config, None)
-    return run_agent(Agent, config, command, on_event)
+    return run_agent(config, on_event, LocalPool, command)
 
 
-def run_agent(kind, config: LaunchConfig, command: list[str], on_event, *more) -> LaunchResult:
+def run_agent(config: LaunchConfig, on_event, pool: type, *pool_args: Any) -> LaunchResult:
     """Claim the run folder, prepare the library and hold its lock for the run's life (the
-    run adds the plans it makes on demand), then run `kind` (`Agent` or `Coordinator`)."""
+    run adds the plans it makes on demand), then run an `Agent` over the workers of `pool`
+    (`LocalPool`, or `HostPool` for a coordinator)."""
     folder = claim(config.run_dir, config.resume, config.start_over)
     try:
         config = prepare_library(config)
         with contextlib.ExitStack() as stack:
             if config.library is not None and config.on_demand:
                 stack.enter_context(library_lock(config.library, f"a run in {config.run_dir}"))
-            result = kind(command, config, on_event, folder, *more).run()
+            result = Agent(config, on_event, folder, pool, *pool_args).run()
     finally:
         folder.release()
-    if result.status != "completed":
+    if result.status != Status.COMPLETED:
         raise TrainingStopped(result.message, result)
     return result
 
@@ -256,13 +308,18 @@ def _is_factory(target: str) -> bool:
     return not (target.endswith(".py") and ":" not in target)
 
 
-def preflight(config: LaunchConfig, job: Job | None) -> LaunchConfig:
+def preflight(config: LaunchConfig, job_of: Callable[[], Job] | None) -> LaunchConfig:
     """What can be checked before any process starts, so that a wrong worker count, a job
     that names no library, a missing library or a job file that fails to load is one line at
-    once rather than after every worker's start-up. (`--resume` with nothing to resume is
-    checked when the run folder is claimed.) A training script (not a job factory) names its
+    once rather than after every worker's start-up, and `--resume` with nothing to resume
+    before even the job is loaded. A training script (not a job factory) names its
     library only in its workers, which check it. Returns `config` naming the job's library,
-    whose lock the run then holds."""
+    whose lock the run then holds. `job_of` loads the job (a job factory), once the checks
+    that need no job have passed."""
+    if config.resume and latest_checkpoint(config.run_dir) is None:  # before the job loads
+        raise RecycleError(f"--resume: no complete checkpoint in "
+                           f"{Path(config.run_dir) / 'checkpoints'} to resume from")
+    job = job_of() if job_of is not None else None
     if config.library is not None:
         spec = PlanLibrary.open(config.library).spec
     elif config.spec is not None:
@@ -308,6 +365,17 @@ def _check_size(spec, nproc: int, where) -> None:
 
 
 @dataclass
+class _Round:
+    """What the launcher gathers during one generation; a fresh one with every decision, so
+    that nothing is reset by hand (what the generation *is* stays in its frozen
+    `protocol.Decision`: members and their incarnations, dead set, restart, plan)."""
+
+    ready: dict[int, int | None] = field(default_factory=dict)  # members' step counts
+    aborted_at: float | None = None      # when its abort was posted
+    join_posted: bool = False            # a re-join or plan switch was asked for
+
+
+@dataclass
 class _Refinement:
     """A background process improving the plan of one situation (`library/ondemand.py`)."""
 
@@ -315,19 +383,6 @@ class _Refinement:
     popen: subprocess.Popen
     out: Path
     started: float
-
-
-@dataclass
-class _Proc:
-    rank: int
-    incarnation: int
-    popen: subprocess.Popen
-    log_path: Path
-    started: float
-    hello: msg.Hello | None = None
-    last_beat: float = 0.0               # when `beat` last changed (this process's clock)
-    beat: msg.Heartbeat | None = None
-    killed: bool = False                 # killed for a lost lease, exit not yet reaped
 
 
 def host_store(addr: str, port: int, timeout: float, option: str) -> dist.TCPStore:
@@ -348,11 +403,11 @@ def host_store(addr: str, port: int, timeout: float, option: str) -> dist.TCPSto
 
 
 class Agent:
-    PORT_OPTION = "--master-port"
+    """The launcher's (or coordinator's) membership logic over a `WorkerPool`: leases,
+    generations and decisions, checkpoints, losses, the result."""
 
-    def __init__(self, command: list[str], config: LaunchConfig,
-                 on_event: Callable[[dict], None] | None, folder: RunFolder):
-        self.command = command
+    def __init__(self, config: LaunchConfig, on_event: Callable[[dict], None] | None,
+                 folder: RunFolder, pool: type, *pool_args: Any):
         self.config = config
         self.on_event = on_event
         self.folder = folder
@@ -362,23 +417,21 @@ class Agent:
         self.previous_losses = folder.earlier_losses() if config.resume else {}
         self.next_loss = 0                          # the next iteration to add to losses.jsonl
         self.store = host_store(config.master_addr, config.master_port,
-                                config.startup_timeout, self.PORT_OPTION)
+                                config.startup_timeout, pool.PORT_OPTION)
         self.port = self.store.port
+        self.pool: WorkerPool = pool(self, *pool_args)
         self.t0 = time.time()
-        self.procs: dict[int, _Proc] = {}          # live processes by rank
+        self.procs: dict[int, Proc] = {}          # live processes by rank
         self.restarts: dict[int, int] = {}
         self.restart_at: dict[int, float] = {}
         self.events: list[dict] = []
         self.deaths: list[dict] = []
         self.lib: PlanLibrary | None = None
         self.stages = 0
-        self.phase = "starting"
+        self.phase = Phase.STARTING
         self.gen = -1
         self.decision: P.Decision | None = None
-        self.member_inc: dict[int, int] = {}
-        self.aborted_at: float | None = None
-        self.join_posted = False
-        self.ready: dict[int, int | None] = {}
+        self.round = _Round()                      # what this generation gathered so far
         self.next_beat_check = 0.0
         self.next_checkpoint = config.checkpoint_every
         self.idle_reconfigurations = 0
@@ -421,9 +474,9 @@ class Agent:
                 self._preemption(now)
                 if self.outcome is not None:
                     break
-                getattr(self, f"_phase_{self.phase}")(now)
-                select.select([wake_r], [], [], self.config.idle_poll if self.phase ==
-                              "running" and previous is not None else self.config.poll)
+                PHASES[self.phase](self, now)
+                select.select([wake_r], [], [], self.config.idle_poll if self.phase is
+                              Phase.RUNNING and previous is not None else self.config.poll)
                 try:
                     while wake_r.recv(512):
                         pass
@@ -438,7 +491,7 @@ class Agent:
             wake_r.close()
             wake_w.close()
             self._stop_refinements()
-            self._kill_all()
+            self.pool.close(self.procs, self.outcome)
 
     def _on_sigterm(self, signum, frame) -> None:
         if self.preempted is None:
@@ -456,63 +509,44 @@ class Agent:
             self.preempt_said = True
             self._event("preempted", f"SIGTERM: stopping with a checkpoint within the "
                                      f"{grace:g} s grace period")
-            if self.phase == "starting":
-                self._finish_with("stopped", "SIGTERM before training started: nothing to "
+            if self.phase is Phase.STARTING:
+                self._finish_with(Status.STOPPED, "SIGTERM before training started: nothing to "
                                              "checkpoint")
-            elif self.phase == "running":
+            elif self.phase is Phase.RUNNING:
                 self._abort("SIGTERM (preemption)")
             return
-        if now - self.preempted > 0.9 * grace and self.phase != "exiting":
+        if now - self.preempted > 0.9 * grace and self.phase is not Phase.EXITING:
             found = latest_checkpoint(self.run_dir) if self.stages else None
-            self._finish_with("stopped", f"SIGTERM: the workers did not stop within the "
+            self._finish_with(Status.STOPPED, f"SIGTERM: the workers did not stop within the "
                                          f"{grace:g} s grace period; "
                               + (f"latest complete checkpoint: iteration {found[0]} in "
                                  f"{found[1]}" if found else "no complete checkpoint"))
 
     def _start(self) -> None:
-        for rank in range(self.config.nproc):
-            self._spawn(rank, 0)
-        self._event("start", f"{self.config.nproc} workers started, store on port "
-                             f"{self.port}, logs in {self.log_dir}")
-
-    def _spawn(self, rank: int, incarnation: int) -> None:
-        c = self.config
-        env = dict(os.environ)
-        env.update({
-            "RANK": str(rank), "WORLD_SIZE": str(c.nproc), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(c.nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(c.nproc), "MASTER_ADDR": c.master_addr,
-            "MASTER_PORT": str(self.port), "TORCHELASTIC_RESTART_COUNT": str(incarnation),
-            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "recycle",
-            "OMP_NUM_THREADS": str(c.threads),
-            CONFIG_ENV: c.worker_config(self.log_dir).to_json(),
-        })
-        path = self.log_dir / f"rank{rank}.{incarnation}.log"
-        with open(path, "wb") as out:
-            popen = subprocess.Popen(self.command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.procs[rank] = _Proc(rank, incarnation, popen, path, time.time())
+        for proc in self.pool.start():
+            self.procs[proc.rank] = proc
+        self._event("start", self.pool.describe())
 
     # -- watching processes --------------------------------------------------------------------
 
     def _reap(self) -> None:
-        for rank, proc in list(self.procs.items()):
-            code = proc.popen.poll()
-            if code is None:
-                continue
-            del self.procs[rank]
-            if self.phase in ("exiting", "stopping"):
+        for proc in self.pool.started():
+            self.procs[proc.rank] = proc
+        for ended in self.pool.exits(self.procs):
+            proc = ended.proc
+            del self.procs[proc.rank]
+            if self.phase in OVER:
                 continue  # training is over: every exit is expected
-            if code == CONFIG_ERROR:
-                self._finish_with("failed", f"worker {self._name(rank)} cannot run the job: "
-                                            f"{_last_line(proc.log_path)}")
+            if ended.code == CONFIG_ERROR:
+                self._finish_with(Status.FAILED, f"worker {self._name(proc.rank)} cannot run "
+                                                 f"the job: {ended.last_line}")
                 return
-            self._death(proc, exit_how(code, self.config.hang_timeout))
+            self._death(proc, ended.how)
 
     def _heartbeats(self, now: float) -> None:
-        """A worker's lease: its heartbeat value must change at least every `hang_timeout`
+        """A worker's lease: its heartbeat value must change at least every `lease`
         seconds of this process's clock (never compared with the worker's clock)."""
-        if now < self.next_beat_check or self.phase in ("exiting", "stopping"):
+        if now < self.next_beat_check or self.phase in OVER:
             return
         self.next_beat_check = now + self.config.heartbeat
         for rank, proc in list(self.procs.items()):
@@ -521,16 +555,27 @@ class Agent:
             beat = msg.get(self.store, msg.Heartbeat, rank=rank, incarnation=proc.incarnation)
             if beat is not None and beat != proc.beat:
                 proc.beat, proc.last_beat = beat, now
-            if now - proc.last_beat > self.config.hang_timeout:
+            if now - proc.last_beat > self.config.lease:
                 self._lease_expired(proc, now - proc.last_beat)
 
-    def _lease_expired(self, proc: _Proc, silent: float) -> None:
+    def _lease_expired(self, proc: Proc, silent: float) -> None:
         self._event("hang", f"worker {self._name(proc.rank)} sent no heartbeat for "
-                            f"{silent:.1f} s: killing it", rank=proc.rank)
-        proc.killed = True  # once: it is dead as soon as its exit is reaped
-        self._kill(proc)
+                            f"{silent:.1f} s (host gone, processes stopped, or training "
+                            f"thread stalled): killing it", rank=proc.rank)
+        self._kill(proc, f"lost its lease: no heartbeat for {silent:.1f} s")
 
-    def _death(self, proc: _Proc, how: str) -> None:
+    def _kill(self, proc: Proc, how: str) -> None:
+        """Kill `proc` once; it is dead when its exit is reaped, or at once if the pool
+        cannot see it exit (a worker on a host that may be gone)."""
+        if proc.killed:
+            return
+        proc.killed = True
+        if self.pool.kill(proc) and self.procs.get(proc.rank) is proc:
+            del self.procs[proc.rank]
+            if self.phase not in OVER:
+                self._death(proc, how)
+
+    def _death(self, proc: Proc, how: str) -> None:
         rank = proc.rank
         if self.first_death_log is None:
             self.first_death_log = proc.log_path
@@ -543,21 +588,21 @@ class Agent:
         self._event("death", f"worker {self._name(rank)} {how}"
                              + (f" (injected fault {info['fault']})" if "fault" in info else ""),
                     **{k: v for k, v in info.items() if k not in ("worker",)})
-        if self.config.restart_delay is not None and \
+        if self.pool.restarts and self.config.restart_delay is not None and \
                 self.restarts.get(rank, 0) < self.config.max_restarts:
             self.restart_at[rank] = time.time() + self.config.restart_delay
-        member = self.member_inc.get(rank) == proc.incarnation
-        if self.phase in ("running", "gathering") and member:
+        member = self._member_inc().get(rank) == proc.incarnation
+        if self.phase in (Phase.RUNNING, Phase.GATHERING) and member:
             self._abort(f"worker {self._name(rank)} {how}")
 
     def _restart_due(self, now: float) -> None:
-        if self.phase not in ("starting", "running", "gathering"):
+        if self.phase in OVER:
             return
         for rank, when in list(self.restart_at.items()):
             if now >= when:
                 del self.restart_at[rank]
                 self.restarts[rank] = self.restarts.get(rank, 0) + 1
-                self._spawn(rank, self.restarts[rank])
+                self.procs[rank] = self.pool.restart(rank, self.restarts[rank])
                 self._event("restart", f"worker {self._name(rank)} restarted (incarnation "
                                        f"{self.restarts[rank]})", rank=rank)
 
@@ -580,13 +625,13 @@ class Agent:
     def _phase_starting(self, now: float) -> None:
         if now - self.t0 > self.config.startup_timeout:
             waiting = sorted(r for r, p in self.procs.items() if p.hello is None)
-            self._finish_with("failed", f"workers {waiting} did not start within "
+            self._finish_with(Status.FAILED, f"workers {waiting} did not start within "
                                         f"{self.config.startup_timeout:.0f} s (see their logs)")
             return
         if any(p.hello is None for p in self.procs.values()) or self.lib is None:
             if not self.procs and self.lib is None and not self.restart_at:
-                last = _last_line(self.first_death_log) if self.first_death_log else ""
-                self._finish_with("failed", f"every worker died before starting: {last} (see "
+                last = last_line(self.first_death_log) if self.first_death_log else ""
+                self._finish_with(Status.FAILED, f"every worker died before starting: {last} (see "
                                             f"the logs in {self.log_dir})")
             return
         if self.restart_at:
@@ -599,10 +644,10 @@ class Agent:
         if msg.count(self.store, msg.CommError, gen=gen) > 0:
             self._abort("a worker reported a communication error")
             return
-        if (self._joiners() or self.plan_switch) and not self.join_posted:
+        if (self._joiners() or self.plan_switch) and not self.round.join_posted:
             msg.put(self.store, msg.JoinRequest(gen))
-            self.join_posted = True
-            self.phase = "gathering"
+            self.round.join_posted = True
+            self.phase = Phase.GATHERING
             if self._joiners():
                 self._event("join", "restarted workers " + ", ".join(
                     self._name(r) for r in self._joiners()) + " asked to join: switching at "
@@ -615,7 +660,7 @@ class Agent:
 
     def _phase_gathering(self, now: float) -> None:
         gen = self.gen
-        if self.aborted_at is None:
+        if self.round.aborted_at is None:
             if msg.count(self.store, msg.CommError, gen=gen) > 0:
                 self._abort("a worker reported a communication error")
                 return
@@ -623,23 +668,23 @@ class Agent:
                 return
         members = self._live_members()
         for rank in members:
-            if rank not in self.ready:
+            if rank not in self.round.ready:
                 ready = msg.get(self.store, msg.Ready, gen=gen, rank=rank)
                 if ready is not None:
-                    self.ready[rank] = ready.steps
-        missing = [r for r in members if r not in self.ready]
+                    self.round.ready[rank] = ready.steps
+        missing = [r for r in members if r not in self.round.ready]
         if missing:
             # A live worker blocked on a stuck peer notices within the group timeout; one that
             # has not reported by then (plus the hang timeout) is itself stuck.
-            limit = self.config.pg_timeout + self.config.hang_timeout
-            if self.aborted_at is not None and now - self.aborted_at > limit:
+            limit = self.config.pg_timeout + self.config.lease
+            if self.round.aborted_at is not None and now - self.round.aborted_at > limit:
                 for rank in missing:
                     self._event("hang", f"worker {self._name(rank)} did not leave generation "
                                         f"{gen} within {limit:.1f} s: killing it", rank=rank)
-                    self._kill(self.procs[rank])
-                self.aborted_at = now
+                    self._kill(self.procs[rank], f"did not leave generation {gen}")
+                self.round.aborted_at = now
             return
-        steps = {r: self.ready[r] for r in members}
+        steps = {r: self.round.ready[r] for r in members}
         for rank in self._joiners():
             steps[rank] = None
         dead_before = set(self.decision.dead)
@@ -650,14 +695,14 @@ class Agent:
                 and not any(v is None for v in steps.values()) and not switched:
             self.idle_reconfigurations += 1
             if self.idle_reconfigurations > 3:
-                self._finish_with("failed", "workers keep reporting communication errors "
+                self._finish_with(Status.FAILED, "workers keep reporting communication errors "
                                             "although none died (see the logs)")
         else:
             self.idle_reconfigurations = 0
 
     def _phase_exiting(self, now: float) -> None:
         if not self.procs or now - self.exit_started > 60:
-            self.outcome = ("completed", f"trained {self.final_iterations} iterations")
+            self.outcome = (Status.COMPLETED, f"trained {self.final_iterations} iterations")
 
     def _phase_stopping(self, now: float) -> None:
         members = self._live_members()
@@ -676,7 +721,7 @@ class Agent:
                      if found else "no complete checkpoint (a stage's parameters died with "
                                    "its last worker; set checkpoint_every to keep some)")
         self.final_iterations = restart
-        self.outcome = ("failed" if self.bug else "stopped",
+        self.outcome = (Status.FAILED if self.bug else Status.STOPPED,
                         f"training stopped at iteration {restart}: {self.decision.reason}\n"
                         f"{where}" if self.bug else
                         f"training stopped at iteration {restart}: {self.decision.reason}; "
@@ -731,8 +776,7 @@ class Agent:
         if self.config.checkpoint_every:  # the next one the workers will write
             every = self.config.checkpoint_every
             self.next_checkpoint = (decision.restart // every + 1) * every
-        self.member_inc = {r: self.procs[r].incarnation for r in decision.members}
-        self.ready, self.aborted_at, self.join_posted = {}, None, False
+        self.round = _Round()
         for rank in steps:
             proc = self.procs.get(rank)
             if proc is not None and msg.get(self.store, msg.Welcome, rank=rank,
@@ -742,7 +786,7 @@ class Agent:
         if decision.action == "stop":
             self._event("stop", f"generation {gen}: {decision.reason.splitlines()[0]}", gen=gen,
                         restart=decision.restart)
-            self.phase, self.exit_started = "stopping", time.time()
+            self.phase, self.exit_started = Phase.STOPPING, time.time()
             self._dismiss_newcomers()
             return
         joined = [r for r, k in steps.items() if k is None]
@@ -758,7 +802,7 @@ class Agent:
                     degradation=decision.degradation, period=period, restart=decision.restart,
                     joined=joined if not initial else [],
                     steps={str(r): k for r, k in sorted(steps.items())})
-        self.phase = "running"
+        self.phase = Phase.RUNNING
         self._maybe_refine(dead_per_stage(lib.spec, decision.dead))
 
     # -- plans made at run time ----------------------------------------------------------------
@@ -830,7 +874,7 @@ class Agent:
             placement = tuple(tuple(g) for g in plan.mapping["placement"])
             self.lib.add(plan, placement, REFINED, refine_settings_hash(
                 self.config.refine_budget))
-            if self.phase == "running" and self.decision is not None and \
+            if self.phase is Phase.RUNNING and self.decision is not None and \
                     dead_per_stage(self.lib.spec, self.decision.dead) == counts:
                 self.plan_switch = True
 
@@ -842,23 +886,27 @@ class Agent:
         self.refinements.clear()
 
     def _abort(self, reason: str) -> None:
-        if self.phase == "gathering" and self.aborted_at is not None:
+        if self.phase is Phase.GATHERING and self.round.aborted_at is not None:
             return
         msg.put(self.store, msg.Abort(self.gen, reason))
-        self.aborted_at = time.time()
-        self.phase = "gathering"
+        self.round.aborted_at = time.time()
+        self.phase = Phase.GATHERING
         self._event("abort", f"generation {self.gen} abandoned: {reason}", gen=self.gen)
+
+    def _member_inc(self) -> Mapping[int, int]:
+        """The incarnation of each member the current decision counts on."""
+        return self.decision.incarnations if self.decision is not None else {}
 
     def _live_members(self) -> list[int]:
         """Members of the current generation whose process (that incarnation) still runs."""
         return [r for r in self.decision.members
-                if r in self.procs and self.procs[r].incarnation == self.member_inc.get(r)]
+                if r in self.procs and self.procs[r].incarnation == self._member_inc().get(r)]
 
     def _joiners(self) -> list[int]:
         """Processes that said hello but are not (this incarnation) members: restarted
         workers waiting to join."""
         return sorted(r for r, p in self.procs.items()
-                      if p.hello is not None and self.member_inc.get(r) != p.incarnation)
+                      if p.hello is not None and self._member_inc().get(r) != p.incarnation)
 
     def _check_done(self) -> bool:
         members = self._live_members()  # Store.check is true when every key is there
@@ -869,7 +917,7 @@ class Agent:
         self.final_iterations = done.steps
         write_manifest(self.run_dir, self.final_iterations, self.stages)
         msg.put(self.store, msg.Finish(self.gen))
-        self.phase, self.exit_started = "exiting", time.time()
+        self.phase, self.exit_started = Phase.EXITING, time.time()
         self._dismiss_newcomers()
         return True
 
@@ -877,11 +925,11 @@ class Agent:
         """Training is over: restarted workers that have not joined have nothing to do."""
         self.restart_at.clear()
         members = set(self._live_members())
-        for rank, proc in self.procs.items():
+        for rank, proc in list(self.procs.items()):
             if rank not in members:
                 self._event("dismiss", f"restarted worker {self._name(rank)} arrived after the "
                                        f"end: stopping it", rank=rank)
-                self._kill(proc)
+                self._kill(proc, "arrived after the end")
 
     def _checkpoints(self) -> None:
         every = self.config.checkpoint_every
@@ -896,7 +944,7 @@ class Agent:
 
     # -- the end -----------------------------------------------------------------------------
 
-    def _finish_with(self, status: str, message: str) -> None:
+    def _finish_with(self, status: Status, message: str) -> None:
         self.outcome = (status, message)
 
     def _result(self) -> LaunchResult:
@@ -932,9 +980,8 @@ class Agent:
                 i, e = after[0]
                 formed = [ev["t"] for ev in self.events
                           if ev["kind"] == "generation" and ev["gen"] > death["gen"]]
-                recoveries.append({"worker": death["worker"], "t_death": death["t"],
-                                   "first_iteration": i, "seconds": e - death["t"],
-                                   "replanned_after": formed[0] - death["t"] if formed else None})
+                recoveries.append(Recovery(death["worker"], death["t"], i, e - death["t"],
+                                           formed[0] - death["t"] if formed else None).to_json())
         for fault in self.config.faults:
             if fault.point != "hold" and msg.get(self.store, msg.FaultFired, rank=fault.rank,
                                                  incarnation=0) is None:
@@ -1025,20 +1072,7 @@ class Agent:
             self.next_loss += 1
         self.folder.add_losses(rows)
 
-    def _kill_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.popen.poll() is None:
-                _kill(proc)
-        for proc in self.procs.values():
-            try:
-                proc.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-
     # -- helpers -----------------------------------------------------------------------------
-
-    def _kill(self, proc: _Proc) -> None:
-        _kill(proc)
 
     def _name(self, rank: int) -> str:
         if not self.stages:
@@ -1054,39 +1088,12 @@ class Agent:
             self.on_event(event)
 
 
-def _kill(proc: _Proc) -> None:
-    try:
-        os.kill(proc.popen.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def exit_how(code: int, lease: float) -> str:
-    """How a worker process ended, from its exit status, in words for the events."""
-    if code == 0:
-        return "exited with status 0 before the end"
-    if code == FENCED:
-        return "was fenced (it read a decision that excludes it, and left)"
-    if code == EXECUTOR_ERROR:
-        return "failed inside the executor (not in user code; see its log)"
-    if code == STALLED:
-        return f"stalled (its training thread made no progress for the {lease:g} s lease)"
-    return f"killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def _last_line(path: Path) -> str:
-    try:
-        lines = [l.strip() for l in path.read_text(errors="replace").splitlines() if l.strip()]
-    except OSError:
-        return "(no log)"
-    for line in reversed(lines):
-        if "ERROR" in line or "Error" in line:
-            return line.split(": ", 1)[-1] if "ERROR" in line else line
-    return lines[-1] if lines else "(empty log)"
+PHASES: dict[Phase, Callable[[Agent, float], None]] = {
+    Phase.STARTING: Agent._phase_starting,
+    Phase.RUNNING: Agent._phase_running,
+    Phase.GATHERING: Agent._phase_gathering,
+    Phase.EXITING: Agent._phase_exiting,
+    Phase.STOPPING: Agent._phase_stopping,
+}
+"""What the launcher does in each phase, on every pass of its loop (the same for the
+coordinator, which differs only in how it learns of its workers)."""

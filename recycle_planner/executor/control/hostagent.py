@@ -23,6 +23,7 @@ import select
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,7 +33,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor.control.agent import _last_line, exit_how
+from recycle_planner.executor.control.pool import exit_how, last_line
 from recycle_planner.executor.config import (CONFIG_ENV, CONFIG_ERROR, CONFIG_KEY,
                                              COORDINATOR_LOST, RDZV_TIMEOUT, WorkerConfig)
 from recycle_planner.executor.control import messages as msg
@@ -213,16 +214,37 @@ class HostAgent:
             self.on_event(f"host {self.node_rank}: SIGTERM: waiting up to {self.grace:g} s for "
                           f"the job's stop")
 
+    def _watch_loop(self) -> None:
+        """The loop's store calls block until TCP gives up (about 15 minutes) when the
+        coordinator's link is cut: a loop that made no pass for twice the lease means the
+        coordinator is lost. The workers notice it too and stop with a checkpoint; wait for
+        them, then leave with COORDINATOR_LOST."""
+        while True:
+            time.sleep(0.1)
+            if time.monotonic() - self.loop_at > 2 * self.lease:
+                break
+        code = self._coordinator_lost(f"no answer from the store for {2 * self.lease:g} s")
+        for w in self.workers.values():
+            if w.popen.poll() is None:
+                os.kill(w.popen.pid, signal.SIGKILL)
+        logging.shutdown()
+        os._exit(code)
+
     def _loop(self, wake) -> int:
         c = self.config
         pending: dict[int, float] = {}      # rank -> when to restart it
+        self.loop_at = time.monotonic()
+        threading.Thread(target=self._watch_loop, name="recycle-agent-watch",
+                         daemon=True).start()
         while True:
+            self.loop_at = time.monotonic()
             if self.preempted is not None and time.time() - self.preempted > self.grace:
                 self.on_event(f"host {self.node_rank}: no stop within the grace period: "
                               f"killing the workers")
                 return 128 + signal.SIGTERM
             outcome = msg.get(self.store, msg.Outcome)
             if outcome is not None:
+                self.loop_at = float("inf")  # the job is over: no more store calls to watch
                 self._wait_for_workers(30.0)
                 msg.put(self.store, msg.Bye(self.node_rank))
                 self.on_event(f"host {self.node_rank}: job {outcome.status}")
@@ -238,7 +260,7 @@ class HostAgent:
                 del self.workers[rank]
                 how = "left (exit status 0)" if code == 0 else exit_how(code, self.lease)
                 msg.put(self.store, msg.WorkerExit(rank, w.incarnation, code, how,
-                                                   _last_line(w.log_path)))
+                                                   last_line(w.log_path)))
                 if code != CONFIG_ERROR and self.restarts.get(rank, 0) < c.max_restarts:
                     pending[rank] = now + c.restart_delay
                 self.on_event(f"host {self.node_rank}: worker rank {rank} {how}")
@@ -269,6 +291,7 @@ class HostAgent:
 
     def _coordinator_lost(self, reason: str) -> int:
         """Workers notice the lost store within their lease, checkpoint and exit: wait."""
+        self.loop_at = float("inf")  # said once, by whichever thread noticed first
         self.on_event(f"host {self.node_rank}: lost the coordinator ({reason}); waiting for "
                       f"the workers to write their checkpoint")
         self._wait_for_workers(120.0)

@@ -107,16 +107,21 @@ class RunFolder:
             self._fd = None
 
     def add_losses(self, rows: list[dict]) -> None:
-        """Append iterations' losses (`{"iteration", "loss", "gen", "attempt"}`)."""
-        if rows:
-            with open(self.run_dir / LOSSES, "a") as out:
-                out.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
-                out.flush()
-                os.fsync(out.fileno())
+        append_losses(self.run_dir, rows)
 
     def earlier_losses(self) -> dict[int, float]:
         """Every iteration's loss written by this run's attempts so far (the latest wins)."""
         return read_losses(self.run_dir)
+
+
+def append_losses(run_dir: str | Path, rows: list[dict]) -> None:
+    """Append iterations' losses (`{"iteration", "loss", "gen", "attempt"}`) to losses.jsonl
+    (by the launcher as they complete; by last-stage workers that lost the control plane)."""
+    if rows:
+        with open(Path(run_dir) / LOSSES, "a") as out:
+            out.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+            out.flush()
+            os.fsync(out.fileno())
 
 
 def read_losses(run_dir: str | Path) -> dict[int, float]:

@@ -1,0 +1,264 @@
+"""Where the workers run: one interface, two implementations (like torch elastic's agent over
+its `WorkerGroup`).
+
+The launcher's membership logic (`agent.Agent`: leases, generations, decisions, results) is the
+same whether the workers are its own child processes or run on other hosts under host agents;
+only how a process is started, seen to exit, killed and told the job is over differs:
+
+- `LocalPool`: the launcher starts every worker itself (torchrun's environment), reaps its
+  exit within milliseconds (it is the parent), kills it with SIGKILL and restarts it after
+  `--restart-delay`;
+- `HostPool`: the coordinator of a cluster job starts nothing; each host agent
+  (`hostagent.py`) reports its host, the incarnations it started and every exit in the store;
+  a worker whose lease expired is declared dead at once (its host may be gone) and a kill
+  notice is posted for its host agent, should the host come back; the job's outcome is
+  posted for the agents at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Protocol
+
+from recycle_planner.executor.config import CONFIG_ENV, CONFIG_KEY, STALLED
+from recycle_planner.executor.control import messages as msg
+
+if TYPE_CHECKING:
+    from recycle_planner.executor.control.agent import Agent
+
+
+@dataclass
+class Proc:
+    """One worker process (one incarnation of a rank) as the launcher sees it."""
+
+    rank: int
+    incarnation: int
+    popen: subprocess.Popen | None       # None: it runs on another host
+    log_path: Path
+    started: float
+    hello: msg.Hello | None = None
+    last_beat: float = 0.0               # when `beat` last changed (this process's clock)
+    beat: msg.Heartbeat | None = None
+    killed: bool = False                 # killed for a lost lease, exit not yet reaped
+
+
+@dataclass(frozen=True)
+class Exit:
+    """A worker process that ended: its exit status and its log's last error line."""
+
+    proc: Proc
+    code: int
+    how: str
+    last_line: str
+
+
+class WorkerPool(Protocol):
+    PORT_OPTION: str                     # the CLI option naming the store's port
+    restarts: bool                       # whether the launcher restarts dead workers itself
+
+    def start(self) -> list[Proc]:
+        """Start (or await) every worker; the processes the launcher knows of now."""
+
+    def started(self) -> list[Proc]:
+        """Processes started since the last call by someone else (a host agent)."""
+
+    def exits(self, procs: dict[int, Proc]) -> list[Exit]:
+        """Which of `procs` ended since the last call."""
+
+    def kill(self, proc: Proc) -> bool:
+        """Kill `proc`; True when it is dead now (nothing will report its exit)."""
+
+    def restart(self, rank: int, incarnation: int) -> Proc:
+        """Start `rank` again (only when `restarts`)."""
+
+    def close(self, procs: dict[int, Proc], outcome: tuple[str, str] | None) -> None:
+        """Training is over (`outcome`: status and message, None if the launcher failed):
+        end or release every worker."""
+
+    def describe(self) -> str:
+        """The start event's words."""
+
+
+class LocalPool:
+    """The launcher's own child processes, one per worker."""
+
+    PORT_OPTION = "--master-port"
+    restarts = True
+
+    def __init__(self, agent: "Agent", command: list[str]):
+        self.agent = agent
+        self.command = command
+
+    def start(self) -> list[Proc]:
+        return [self._spawn(rank, 0) for rank in range(self.agent.config.nproc)]
+
+    def started(self) -> list[Proc]:
+        return []
+
+    def restart(self, rank: int, incarnation: int) -> Proc:
+        return self._spawn(rank, incarnation)
+
+    def _spawn(self, rank: int, incarnation: int) -> Proc:
+        a, c = self.agent, self.agent.config
+        env = dict(os.environ)
+        env.update({
+            "RANK": str(rank), "WORLD_SIZE": str(c.nproc), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(c.nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(c.nproc), "MASTER_ADDR": c.master_addr,
+            "MASTER_PORT": str(a.port), "TORCHELASTIC_RESTART_COUNT": str(incarnation),
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "recycle",
+            "OMP_NUM_THREADS": str(c.threads),
+            CONFIG_ENV: c.worker_config(a.log_dir).to_json(),
+        })
+        path = a.log_dir / f"rank{rank}.{incarnation}.log"
+        with open(path, "wb") as out:
+            popen = subprocess.Popen(self.command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return Proc(rank, incarnation, popen, path, time.time())
+
+    def exits(self, procs: dict[int, Proc]) -> list[Exit]:
+        ended = []
+        for proc in procs.values():
+            code = proc.popen.poll()
+            if code is not None:
+                ended.append(Exit(proc, code, exit_how(code, self.agent.config.lease),
+                                  last_line(proc.log_path)))
+        return ended
+
+    def kill(self, proc: Proc) -> bool:
+        try:
+            os.kill(proc.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return False  # its exit is reaped like any other
+
+    def close(self, procs: dict[int, Proc], outcome) -> None:
+        for proc in procs.values():
+            if proc.popen.poll() is None:
+                self.kill(proc)
+        for proc in procs.values():
+            try:
+                proc.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def describe(self) -> str:
+        return (f"{self.agent.config.nproc} workers started, store on port {self.agent.port}, "
+                f"logs in {self.agent.log_dir}")
+
+
+class HostPool:
+    """Workers on `nnodes` hosts, each started by its host agent, seen through the store."""
+
+    PORT_OPTION = "--port"
+    restarts = False  # host agents restart their own workers
+
+    def __init__(self, agent: "Agent", nnodes: int):
+        self.agent = agent
+        self.nnodes = nnodes
+        self.hosts: dict[int, msg.HostUp] = {}
+        self.incarnation: dict[int, int] = {}
+
+    def start(self) -> list[Proc]:
+        a = self.agent
+        a.store.set(CONFIG_KEY, a.config.worker_config(a.log_dir).to_json())
+        # a placeholder per rank until its host agent reports
+        return [Proc(rank, 0, None, a.log_dir, time.time()) for rank in range(a.config.nproc)]
+
+    def started(self) -> list[Proc]:
+        a = self.agent
+        for node in range(self.nnodes):
+            host = None if node in self.hosts else msg.get(a.store, msg.HostUp, node=node)
+            if host is not None:
+                self.hosts[node] = host
+                a._event("host", f"host {node} ({host.hostname}) runs ranks "
+                                 f"{list(host.ranks)}", node=node)
+        new = []
+        for rank in range(a.config.nproc):
+            inc = self.incarnation.get(rank, 0) + 1
+            if rank not in a.procs and msg.get(a.store, msg.Spawned, rank=rank,
+                                               incarnation=inc) is not None:
+                self.incarnation[rank] = inc
+                new.append(Proc(rank, inc, None, a.log_dir, time.time()))
+                a._event("restart", f"worker {a._name(rank)} started again by its host agent "
+                                    f"(incarnation {inc})", rank=rank)
+        return new
+
+    def exits(self, procs: dict[int, Proc]) -> list[Exit]:
+        ended = []
+        for rank, proc in procs.items():
+            report = msg.get(self.agent.store, msg.WorkerExit, rank=rank,
+                             incarnation=proc.incarnation)
+            if report is not None:
+                ended.append(Exit(proc, report.code, report.how, report.last_line))
+        return ended
+
+    def kill(self, proc: Proc) -> bool:
+        """The coordinator cannot wait for a process it does not own: the worker is dead now,
+        and its host agent kills it should the host come back."""
+        msg.put(self.agent.store, msg.Kill(proc.rank, proc.incarnation))
+        return True
+
+    def restart(self, rank: int, incarnation: int) -> Proc:
+        raise NotImplementedError("host agents restart their own workers")
+
+    def close(self, procs: dict[int, Proc], outcome) -> None:
+        """Tell the host agents the job is over and give them a moment to read it."""
+        store = self.agent.store
+        status, message = outcome if outcome is not None else ("failed",
+                                                               "the coordinator failed")
+        try:
+            msg.put(store, msg.Outcome(str(status), message))
+        except (RuntimeError, OSError):
+            return
+        deadline = time.time() + 10
+        while time.time() < deadline and not all(
+                msg.get(store, msg.Bye, node=n) is not None for n in self.hosts):
+            time.sleep(0.05)
+
+    def describe(self) -> str:
+        c = self.agent.config
+        return (f"coordinator for {self.nnodes} hosts x {c.nproc // self.nnodes} workers, store "
+                f"on port {self.agent.port}; waiting for the host agents")
+
+
+PoolFactory = Callable[..., WorkerPool]
+
+
+def exit_how(code: int, lease: float) -> str:
+    """How a worker process ended, from its exit status, in words for the events."""
+    from recycle_planner.executor.config import EXECUTOR_ERROR, FENCED
+
+    if code == 0:
+        return "exited with status 0 before the end"
+    if code == STALLED:
+        return f"stalled (its training thread made no progress for the {lease:g} s lease)"
+    if code == FENCED:
+        return "was fenced (it read a decision that excludes it, and left)"
+    if code == EXECUTOR_ERROR:
+        return "failed inside the executor (not in user code; see its log)"
+    return f"killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def last_line(path: Path) -> str:
+    """The last error line of a worker's log (or its last line), for one-line reports."""
+    try:
+        lines = [l.strip() for l in path.read_text(errors="replace").splitlines() if l.strip()]
+    except OSError:
+        return "(no log)"
+    for line in reversed(lines):
+        if "ERROR" in line or "Error" in line:
+            return line.split(": ", 1)[-1] if "ERROR" in line else line
+    return lines[-1] if lines else "(empty log)"
