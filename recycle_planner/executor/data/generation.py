@@ -59,7 +59,8 @@ class Generation:
         t1 = time.perf_counter()
         comm = Comm(self.backend, self.store, decision.gen, list(decision.members), self.rank,
                     [r for r in decision.members if r % self.stages == self.stage],
-                    self.stage, self.timeout)
+                    self.stage, self.timeout, runtime.device, self.aborted,
+                    scalars=runtime.hook is not None)
         with self._lock:
             self.comm = runtime.comm = comm
             if self.aborted.is_set():
@@ -80,9 +81,20 @@ class Generation:
         if not self.program.stagger:
             self.comm.barrier()
 
-    def end(self) -> None:
-        """The generation ends cleanly at an iteration boundary: every send is received."""
-        self.comm.flush_sends()
+    def end(self, limit: float) -> None:
+        """The generation ends cleanly at an iteration boundary once every send is received,
+        waited for at most `limit` seconds (and not past an abort): else `PeerFailure`, and
+        the groups are aborted instead of shut down (NCCL's shutdown would wait for a send
+        to a vanished peer with no limit)."""
+        self.comm.drain(limit)
+
+    def explains(self, exc: BaseException) -> bool:
+        """Whether an exception raised by user code may come from a failed operation rather
+        than a bug: on NCCL a failed receive leaves its buffer half-written without a word
+        (`wait` never raises), and a model fed garbage may raise. True when the generation
+        was abandoned or an operation of it failed."""
+        comm = self.comm
+        return self.aborted.is_set() or (comm is not None and comm.failed())
 
     def abort(self) -> None:
         """Release every operation blocked in the groups (any thread)."""
@@ -95,11 +107,12 @@ class Generation:
         """Forget the iteration's state and drop the groups (aborted first after a failure):
         closing is what tells the peers blocked on this worker."""
         self.runtime.reset()
-        self.runtime.comm = None
-        with self._lock:
-            comm, self.comm = self.comm, None
-        if comm is not None:
+        comm = self.comm
+        if comm is not None:  # still reachable by `abort` from another thread meanwhile
             comm.close(failed=failed)
+        with self._lock:
+            self.comm = None
+        self.runtime.comm = None
 
     def _rendezvous(self, size: int) -> None:
         """Wait until every member has arrived before creating the groups: a member that dies

@@ -409,6 +409,14 @@ class StageRuntime:
             self.loss_work = self.comm.allreduce_start(values, "loss all-reduce")
 
     def optimizer_step(self, k: int, ins: Instr, iteration: int) -> None:
+        """The step gate first: the iteration's receives and the stage's all-reduces complete
+        and error-free, the device
+        done, the generation not abandoned (`Comm.confirm`); else `PeerFailure`, the step is
+        neither taken nor counted and the iteration is redone. Every stage passes it before
+        counting a step, so a stage's counted step i+1 implies the data of iteration i+1
+        from its neighbours arrived, which they sent only after counting step i: no stage is
+        ever more than one step ahead of another, what `decide` can undo."""
+        self.comm.confirm_received("the iteration's receives and all-reduces")
         if self.on_step is not None and self.all_losses is not None:
             values = self.all_losses.tolist()  # the iteration's one read of the losses
             M = self.microbatches
