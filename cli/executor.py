@@ -11,7 +11,7 @@ import click
 
 from recycle_planner.cli.options import number
 from recycle_planner.cli.progress import Ticker
-from recycle_planner.executor.config import BUCKET_MB, UNDO_COPY, UNDO_PLACES
+from recycle_planner.executor.config import BACKEND_NAMES, BUCKET_MB, UNDO_COPY, UNDO_PLACES
 from recycle_planner.library.ondemand import (ON_DEMAND_BUDGET, REFINE_BUDGET, REFINE_MARGIN,
                                               REFINE_WHICH)
 
@@ -49,8 +49,9 @@ def _settings(f):
                      type=click.Path(file_okay=False, path_type=Path),
                      help="Checkpoints, worker logs and result.json go here (on a cluster: a "
                           "shared filesystem every host mounts at the same path)."),
-        click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo",
-                     show_default=True, help="gloo on CPU; nccl on GPUs (one per worker)."),
+        click.option("--backend", type=click.Choice(BACKEND_NAMES), default="gloo",
+                     show_default=True, help="gloo on CPU; nccl on GPUs (one per worker); "
+                     "nccl-sim: gloo with NCCL's host semantics, for tests."),
         click.option("--lease", "--hang-timeout", "lease", type=number("lease"),
                      default=4.0, show_default=True, metavar="SECONDS",
                      help="A worker whose heartbeat stops (host gone, process stopped) or "

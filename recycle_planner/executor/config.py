@@ -16,6 +16,9 @@ BUCKET_MB = 25.0
 """Size (MiB) of a bucket of the stage's gradient all-reduce (`buckets.py`), DDP's default:
 large enough that a launch costs little against its transfer, small enough that the first
 buckets start while the backward still runs."""
+BACKEND_NAMES = ("gloo", "nccl", "nccl-sim")
+"""The data plane's backends (`data/comm.py`'s `BACKENDS`): gloo on CPU, NCCL on GPUs, and
+gloo with NCCL's host semantics for tests on CPU (`data/nccl_sim.py`)."""
 UNDO_PLACES = ("host", "device")
 UNDO_COPY = "host"
 """Where the copy that undoes a stage's latest step lives (one of UNDO_PLACES, each a buffer
