@@ -186,6 +186,9 @@ class Worker:
                 return "switch"
             self._checkpoint(decision, self.job.iterations, final=True)
             self.link.send(msg.OpTimes(self.rank, self.op_times))
+            if self.device.type == "cuda":  # benchmarks/gpu_check.py reads it
+                log.info("peak device memory %d bytes",
+                         torch.cuda.max_memory_allocated(self.device))
             return "done"
         except PeerFailure as exc:
             failure = str(exc)
