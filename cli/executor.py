@@ -284,7 +284,7 @@ def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: in
     """
     from recycle_planner.executor.job import load_job
     from recycle_planner.io import check_writable, is_stdout
-    from recycle_planner.job.profiler import profile_job, write_spec
+    from recycle_planner.job.profiler import profile_job, spread_note, write_spec
     from recycle_planner.job.spec import JobSpec
 
     check_writable(output)  # before minutes of measuring
@@ -305,7 +305,8 @@ def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: in
                                    repeats=repeats, warmup=warmup, memory_budget=budget,
                                    p2p=p2p, allreduce=allreduce)
     header = (f"Profiled by recycle-planner profile {target} on {device}\n"
-              f"({sys.platform}, {repeats} repeats); times in ms, memory in bytes")
+              f"({sys.platform}, {repeats} repeats); times in ms, memory in bytes\n"
+              + spread_note(stages))
     write_spec(spec, output, header)
     echo = functools.partial(click.echo, err=is_stdout(output))  # '-o -': the spec on stdout
     echo(f"{'stage':>5} {'F ms':>9} {'I ms':>9} {'W ms':>9} {'opt ms':>9} "
