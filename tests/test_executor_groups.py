@@ -155,3 +155,68 @@ def test_a_death_during_a_plan_switch_never_hangs_the_survivors(tmp_path, backen
     _, params = checkpoint_params(tmp_path / "run", 2)
     assert_params_equal(params, ref.params)
     assert_losses_equal(result.losses, ref.losses)
+
+
+class _Work:
+    """A work as the data plane sees one: complete or not, with an error or not; `wait`
+    never raises (NCCL's)."""
+
+    def __init__(self, done=True, error=None):
+        self.done, self.error = done, error
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return self.done
+
+    def exception(self):
+        return self.error
+
+
+def _comm(aborted=None):
+    import threading
+    from datetime import timedelta
+
+    from recycle_planner.executor.data.comm import BACKENDS, Comm
+
+    comm = Comm.__new__(Comm)  # no process group: the gate and the stall view only
+    comm.backend, comm.device = BACKENDS["nccl-sim"], torch.device("cpu")
+    comm.aborted = aborted or threading.Event()
+    comm._timeout = timedelta(seconds=5)
+    comm.received, comm.awaited, comm.error, comm.sends = [], [], None, []
+    comm._awaiting = threading.Lock()
+    comm.waited = 0.0
+    return comm
+
+
+def test_the_step_gate_refuses_a_failed_or_abandoned_iteration_whatever_wait_said():
+    import threading
+
+    from recycle_planner.executor.data.comm import PeerFailure
+
+    comm = _comm()
+    for work in (_Work(), _Work()):
+        comm.wait(work, "receive")
+    comm.confirm_received("the iteration")  # both complete, no error: the step counts
+    comm.wait(_Work(error=RuntimeError("Connection closed by peer")), "gradient all-reduce")
+    with pytest.raises(PeerFailure, match="Connection closed by peer"):
+        comm.confirm_received("the iteration")
+    aborted = threading.Event()
+    comm = _comm(aborted)
+    pending = _Work(done=False)
+    comm.wait(pending, "gradient all-reduce")
+    threading.Timer(0.05, aborted.set).start()
+    with pytest.raises(PeerFailure, match="abandoned"):  # released by the abort flag
+        comm.confirm_received("the iteration")
+
+
+def test_a_worker_waits_on_a_peer_while_the_device_waits_for_an_incomplete_work():
+    comm = _comm()
+    work = _Work(done=False)
+    comm.wait(work, "receive")  # NCCL: returns at once, the device waits
+    assert comm.waiting_on_peer()
+    work.done = True
+    assert not comm.waiting_on_peer() and not comm.failed()
+    comm.wait(_Work(error=RuntimeError("boom")), "receive")
+    assert comm.failed()  # what makes a user-code exception after it a failure, not a bug

@@ -419,6 +419,31 @@ class Comm:
         self.confirm([work], "state")
         return data.cpu().numpy().tobytes()
 
+    def broadcast_bytes(self, payload: bytes | None, root: int,
+                        device: torch.device) -> bytes | None:
+        """`payload` from the stage group's member `root` (which passes it; the others pass
+        None and get it back): its size, then its bytes, each confirmed (the host reads
+        them next)."""
+        size = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64,
+                            device=device)
+        self._broadcast(size, root, "state size")
+        if payload is not None:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+        else:
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        self._broadcast(data, root, "state")
+        return None if payload is not None else data.cpu().numpy().tobytes()
+
+    def _broadcast(self, tensor: torch.Tensor, root: int, what: str) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        try:
+            work = self.stage_group.broadcast([tensor], options)
+        except RuntimeError as exc:
+            raise PeerFailure(f"{what} broadcast failed: {short_error(exc)}") from None
+        self.wait(work, what)
+        self.confirm([work], what)
+
     def abort(self) -> None:
         """Abort the groups, possibly from another thread, so that every operation blocked in
         them (a receive from a host that vanished without closing its sockets, an all-reduce)

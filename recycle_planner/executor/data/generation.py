@@ -126,7 +126,25 @@ class Generation:
             arrived = self.store.add(key, 0)
 
     def _copy_state(self, comm: Comm, has_state: bool) -> bool:
+        """Copy the stage's state as the decision says: by one broadcast in the stage's group
+        when every other member takes it from the same source (the start of a run: one copy
+        of the state on each worker's device, where D-1 sends kept up to D-1 copies on the
+        source's), else by messages from source to destination (a re-join)."""
         decision, state = self.decision, self.runtime.state
+        stage_members = [r for r in decision.members if r % self.stages == self.stage]
+        mine = {d: s for d, s in decision.sources.items() if d in stage_members}
+        srcs = set(mine.values())
+        if comm.stage_group is not None and len(srcs) == 1 and \
+                set(mine) == set(stage_members) - srcs:
+            src = srcs.pop()
+            payload = state.to_bytes() if src == self.rank else None
+            got = comm.broadcast_bytes(payload, stage_members.index(src), self.runtime.device)
+            if src != self.rank:
+                state.load_bytes(got)
+                has_state = True
+                log.info("copied stage %d's state (step %d) from rank %d by broadcast",
+                         self.stage, state.steps, src)
+            return self._check_steps(has_state)
         payload = None
         for dst, src in sorted(decision.sources.items()):
             if src == self.rank:
@@ -138,7 +156,11 @@ class Generation:
                 has_state = True
                 log.info("copied stage %d's state (step %d) from rank %d", self.stage,
                          state.steps, src)
-        if state.steps != decision.restart:
-            raise RecycleError(f"stage {self.stage} is at step {state.steps}, the generation "
-                               f"starts at {decision.restart}")
+        return self._check_steps(has_state)
+
+    def _check_steps(self, has_state: bool) -> bool:
+        steps, restart = self.runtime.state.steps, self.decision.restart
+        if steps != restart:
+            raise RecycleError(f"stage {self.stage} is at step {steps}, the generation "
+                               f"starts at {restart}")
         return has_state
