@@ -57,6 +57,10 @@ class RecordingComm:
         if work.fail:
             raise PeerFailure(f"{what} failed: connection closed")
 
+    def confirm_received(self, what):
+        """The step gate: every operation here completed at once, without an error."""
+        self.events.append(("gate", what))
+
     def allreduce_start(self, flat, what):
         if self.fail_start:
             raise PeerFailure(f"{what} failed: group aborted")

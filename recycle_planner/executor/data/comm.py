@@ -71,6 +71,7 @@ def _nccl_group(store: Any, rank: int, size: int, timeout: timedelta, device: to
     options._timeout = timeout
     options.config.blocking = 0
     group = dist.ProcessGroupNCCL(store, rank, size, options)
+    group._set_sequence_number_for_group()  # as torch's own factory, before connecting
     group.eager_connect_single_device(device)
     return group
 
