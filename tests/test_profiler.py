@@ -36,9 +36,9 @@ def test_profile_measures_every_stage_and_writes_a_spec_the_planner_reads(tmp_pa
     assert spec.memory.activation[0] == 4 * 8 * 16 * 8
     assert spec.memory.activation[1] > spec.memory.activation[0]
     assert spec.memory.static[0] > 3 * (3 * (16 * 16 + 16)) * 8  # params, grads, undo copy
-    # ... and the message buffers: per micro-batch, an activation and a gradient each way
-    # (stage 0 sends its 8 x 16 float64 output and receives its gradient).
-    params0, buffers0 = 3 * (16 * 16 + 16) * 8, 2 * 4 * (8 * 16 * 8)
+    # ... and the send buffers: one per sending op (stage 0 sends its 8 x 16 float64 output
+    # for each of the 4 micro-batches; receive buffers are pooled with the activations).
+    params0, buffers0 = 3 * (16 * 16 + 16) * 8, 4 * (8 * 16 * 8)
     base = 5 * params0 + buffers0  # params, grads, buckets, Adam's two moments; the buffers
     assert base <= spec.memory.static[0] <= base + 64  # + Adam's step counters
     text = out.read_text()

@@ -10,8 +10,9 @@ on one sample micro-batch and measures, per stage:
 - activation memory: the bytes one in-flight micro-batch holds from its forward to its W
   (tensors autograd saves, found with saved-tensor hooks, plus the stage's input and output);
 - static memory on the device: parameters, gradients, the gradient all-reduce's bucket
-  buffers (one more copy of the gradients), the optimizer state, and the message buffers (one
-  per receiving and per sending op for the generation: 2*M*(input + output bytes)); the copy
+  buffers (one more copy of the gradients), the optimizer state, and the send buffers (one
+  per sending op for the generation: M*(input + output bytes); receive buffers are pooled by
+  what is in flight and counted with the activations); the copy
   the executor keeps to undo a step lives on the host (`--undo-copy host`, the default) and is
   not counted;
 - the spread of every figure's repeats ((p90 - p10) / median), written into the spec's header
@@ -388,11 +389,13 @@ def profile_job(job, pipelines: int, microbatches: int, name: str | None = None,
             ar_ms = [m.ms for m in got_ar]
             stages = [replace(st, spread={**st.spread, "allreduce": m.spread})
                       for st, m in zip(stages, got_ar)]
-    # Message buffers: the runtime keeps one per receiving and one per sending op for the
-    # whole generation (an activation and a gradient each way per micro-batch), which the
-    # plan's memory cap must hold beside the parameters, gradients, buckets and state.
+    # Send buffers: the runtime keeps one per sending op for the whole generation (an
+    # activation down and a gradient up per micro-batch), which the plan's memory cap must
+    # hold beside the parameters, gradients, buckets and state. Receive buffers are pooled by
+    # what is in flight (`executor/data/pool.py`): a received activation is the stage's input,
+    # already in `activation`.
     inputs = [0] + [st.output_bytes for st in stages[:-1]]
-    stages = [replace(st, static=st.static + 2 * microbatches * (inputs[s] + st.output_bytes))
+    stages = [replace(st, static=st.static + microbatches * (inputs[s] + st.output_bytes))
               for s, st in enumerate(stages)]
     budget = memory_budget if memory_budget is not None else _device_memory(device,
                                                                             pipelines * S)
