@@ -284,6 +284,9 @@ class Comm:
     def _await(self, work) -> None:
         with self._awaiting:
             self.awaited.append(work)
+            grown = len(self.awaited) > 256
+        if grown:  # no stall watch prunes it (a benchmark, a test): bounded all the same
+            self.waiting_on_peer()
 
     def waiting_on_peer(self) -> bool:
         """Whether the device waits for a work not complete yet: a peer's progress, not this
