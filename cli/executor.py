@@ -53,7 +53,8 @@ def _settings(f):
                      help="Checkpoints, worker logs and result.json go here (on a cluster: a "
                           "shared filesystem every host mounts at the same path)."),
         click.option("--backend", type=click.Choice(BACKENDS), default=BACKEND,
-                     show_default=True, help="gloo on CPU; nccl on GPUs (one per worker)."),
+                     show_default=True, help="gloo on CPU; nccl on GPUs (one per worker); "
+                     "nccl-sim: gloo with NCCL's host semantics, for tests."),
         click.option("--lease", type=number("lease"),
                      default=LEASE, show_default=True, metavar="SECONDS",
                      help="A worker whose heartbeat stops (host gone, process stopped) or "
@@ -331,7 +332,7 @@ def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: in
     """
     from recycle_planner.executor.job import load_job
     from recycle_planner.io import check_writable, is_stdout
-    from recycle_planner.job.profiler import profile_job, write_spec
+    from recycle_planner.job.profiler import profile_job, spread_note, write_spec
     from recycle_planner.job.spec import JobSpec
 
     check_writable(output)  # before minutes of measuring
@@ -352,7 +353,8 @@ def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: in
                                    repeats=repeats, warmup=warmup, memory_budget=budget,
                                    p2p=p2p, allreduce=allreduce)
     header = (f"Profiled by recycle-planner profile {target} on {device}\n"
-              f"({sys.platform}, {repeats} repeats); times in ms, memory in bytes")
+              f"({sys.platform}, {repeats} repeats); times in ms, memory in bytes\n"
+              + spread_note(stages))
     write_spec(spec, output, header)
     echo = functools.partial(click.echo, err=is_stdout(output))  # '-o -': the spec on stdout
     echo(f"{'stage':>5} {'F ms':>9} {'I ms':>9} {'W ms':>9} {'opt ms':>9} "

@@ -28,6 +28,10 @@ def _events(result, kind):
     return [e for e in result.events if e["kind"] == kind]
 
 
+BACKENDS = pytest.mark.parametrize("backend", ["gloo", "nccl-sim"])
+"""Fault cases run on gloo and on gloo with NCCL's host semantics (`data/nccl_sim.py`)."""
+
+
 def test_fault_free_run_matches_torch_schedule_1f1b_and_one_process(tmp_path):
     """2 stages x 2 pipelines, split backward and staggered optimizer: the same parameters
     and losses as torch's Schedule1F1B (with a data-parallel all-reduce) and as one process.
@@ -54,7 +58,8 @@ def test_fault_free_run_matches_torch_schedule_1f1b_and_one_process(tmp_path):
                         params)
 
 
-def test_cli_two_kills_and_a_rejoin_on_2x2(tmp_path):
+@BACKENDS
+def test_cli_two_kills_and_a_rejoin_on_2x2(tmp_path, backend):
     """Through `recycle-planner launch`: worker 1:0 dies mid-forward, then 0:1 after its
     stage's all-reduce of iteration 4 but before its loss report (one dead per stage: the
     library's threshold): its peer stepped, so iteration 4 is not redone and its losses come
@@ -65,7 +70,7 @@ def test_cli_two_kills_and_a_rejoin_on_2x2(tmp_path):
     lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=2)
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "recycle_planner.cli", "launch", "-n", "4", "--run-dir",
-           str(run), "--restart-delay", "0", "--lease", "5",
+           str(run), "--backend", backend, "--restart-delay", "0", "--lease", "5",
            "--inject-fault", "2:2:F1", "--inject-fault", "1:4:optimizer",
            "--inject-fault", "0:6:hold", "--inject-fault", "0:9:hold", TINY, "--",
            "--library", str(lib), "--iterations", "12"]
@@ -89,7 +94,8 @@ def test_cli_two_kills_and_a_rejoin_on_2x2(tmp_path):
     assert_losses_equal(result["losses"], ref.losses)
 
 
-def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path):
+@BACKENDS
+def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path, backend):
     """3 stages x 2 pipelines. Worker 1:0 dies in its last weight gradient of iteration 3,
     once stages 1 and 2 have stepped (`after-step`: those steps run concurrently with the
     weight gradient): stages 1 and 2 undo that step. Worker 1:1 dies while recovering from
@@ -102,7 +108,7 @@ def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path):
     faults = [parse_fault(f) for f in ("3:3:W3:kill:after-step=1,2,4,5", "4:3:recovery",
                                        "2:6:I0:hang")]
     config = LaunchConfig(nproc=6, run_dir=str(tmp_path / "run"), faults=faults,
-                          lease=3.0, heartbeat=0.1)
+                          lease=3.0, heartbeat=0.1, backend=backend)
     result = launch(TINY, config, args)
     gens = _events(result, "generation")
     assert [g["dead"] for g in gens] == [[], [[1, 0], [1, 1]], [[0, 2], [1, 0], [1, 1]]]
@@ -117,7 +123,8 @@ def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path):
     assert_losses_equal(result.losses, ref.losses)
 
 
-def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_path):
+@BACKENDS
+def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_path, backend):
     """Without on-demand planning (the launcher's old behaviour, kept as --no-on-demand):
     plain re-routing (fused backward, global barrier), a library for one failure. Worker
     1:0 dies mid-backward; then worker 0:1's training thread stalls while its heartbeats go
@@ -133,7 +140,7 @@ def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_pa
     run = tmp_path / "run"
     faults = [parse_fault(f) for f in ("2:2:B1", "1:4:F0:stall")]
     config = LaunchConfig(nproc=4, run_dir=str(run), faults=faults, pg_timeout=60.0,
-                          lease=1.0, on_demand=False)
+                          lease=1.0, on_demand=False, backend=backend)
     with pytest.raises(TrainingStopped, match="beyond this library's threshold of 1") as info:
         launch(TINY, config, args)
     stopped = info.value.result
@@ -156,7 +163,8 @@ def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_pa
     assert_losses_equal(resumed.losses, ref.losses)  # earlier iterations from the first run
 
 
-def test_a_stage_without_live_workers_stops_and_resumes_from_the_periodic_checkpoint(tmp_path):
+@BACKENDS
+def test_a_stage_without_live_workers_stops_and_resumes_from_the_periodic_checkpoint(tmp_path, backend):
     """Both workers of stage 1 die (0:1 in iteration 4, 1:1 in iteration 5): its parameters
     are gone, so training stops and points at the latest complete periodic checkpoint
     (every 3 iterations), from which a new launch resumes and ends exactly. Forwards run
@@ -166,7 +174,8 @@ def test_a_stage_without_live_workers_stops_and_resumes_from_the_periodic_checkp
             "bfloat16"]
     run = tmp_path / "run"
     faults = [parse_fault(f) for f in ("1:4:F0", "3:5:I0")]
-    config = LaunchConfig(nproc=4, run_dir=str(run), faults=faults, checkpoint_every=3)
+    config = LaunchConfig(nproc=4, run_dir=str(run), faults=faults, checkpoint_every=3,
+                          backend=backend)
     with pytest.raises(TrainingStopped, match="no live worker holds the parameters of stage 1"):
         launch(TINY, config, args)
     iteration, _ = checkpoint_params(run, 2)
@@ -181,8 +190,9 @@ def test_a_stage_without_live_workers_stops_and_resumes_from_the_periodic_checkp
     assert_losses_equal(resumed.losses, ref.losses)
 
 
+@BACKENDS
 def test_an_exception_in_user_code_stops_the_job_with_a_checkpoint_and_is_never_rerouted(
-        tmp_path):
+        tmp_path, backend):
     """data() raises ValueError for one micro-batch of pipeline 1 in iteration 3: a bug, not
     a dead worker. Every worker leaves the iteration, the job stops at iteration 3 with a
     consistent checkpoint, the traceback appears once in the launcher's output, the exit
@@ -192,7 +202,7 @@ def test_an_exception_in_user_code_stops_the_job_with_a_checkpoint_and_is_never_
     args = ["--library", str(lib), "--iterations", "6"]
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "recycle_planner.cli", "launch", "-n", "4", "--run-dir",
-           str(run), TINY, "--", *args, "--data-error", "3:1:2"]
+           str(run), "--backend", backend, TINY, "--", *args, "--data-error", "3:1:2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr

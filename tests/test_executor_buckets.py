@@ -57,6 +57,10 @@ class RecordingComm:
         if work.fail:
             raise PeerFailure(f"{what} failed: connection closed")
 
+    def confirm_received(self, what):
+        """The step gate: every operation here completed at once, without an error."""
+        self.events.append(("gate", what))
+
     def allreduce_start(self, flat, what):
         if self.fail_start:
             raise PeerFailure(f"{what} failed: group aborted")
@@ -186,3 +190,40 @@ def test_a_failed_start_is_raised_at_the_wait_and_reset_drops_pending_work():
     assert buckets.works == [] and buckets.next == 0 and buckets.flats == [None] * 4
     module(torch.ones(2, 4)).sum().backward()  # not armed: the hooks start nothing
     assert len(events) == 2 and buckets.next == 0
+
+
+class HoldingComm(RecordingComm):
+    """As a real group: a pending receive's work holds its tensor until waited for."""
+
+    def irecv(self, buf, src, tag):
+        buf.zero_()
+        work = Work()
+        work.tensor = buf
+        return work
+
+    def wait(self, work, what="operation"):
+        super().wait(work, what)
+        work.tensor = None
+
+
+def test_receive_buffers_are_pooled_by_what_is_in_flight_not_one_per_op(tmp_path):
+    """The last stage of a 2 x 2 job with 8 micro-batches receives 8 activations an
+    iteration (12 with a dead peer's re-routed ones), each busy from its post to its W:
+    the pool holds as many buffers as were in flight at once, not one per receiving op."""
+    microbatches = 8
+    build_library(make_spec(stages=S, pipelines=D, microbatches=microbatches), Policy(), 1,
+                  tmp_path, Settings(solver="heuristic"), jobs=1)
+    for dead in ([], [(1, 1)]):
+        hit = PlanLibrary.open(tmp_path).lookup(dead)
+        members = [r for r in range(D * S) if (r // S, r % S) not in dead]
+        program = bind(compile_program(hit.plan(), S - 1, hit.mapping), members)
+        layout = layout_of(torch.zeros(BATCH, WIDTH))
+        runtime = StageRuntime(_stage(S - 1), torch.nn.functional.mse_loss, _data, S - 1, S,
+                               D, microbatches, torch.device("cpu"), layout, None)
+        runtime.comm = HoldingComm([], size=len(members))
+        for it in range(2):
+            runtime.run_iteration(program, it, threading.Event(),
+                                  FaultInjector([], 0, 0, print))
+        receives = sum(1 for kind, _ in program.issues if kind == "recv")
+        assert receives >= microbatches
+        assert 1 <= runtime.recv_pool.peak < receives, (dead, runtime.recv_pool.peak)

@@ -17,7 +17,13 @@ def _events(result, kind):
     return [e for e in result.events if e["kind"] == kind]
 
 
-def test_a_silent_member_of_a_three_member_group_is_released_within_the_lease(tmp_path):
+BACKENDS = ["gloo", "nccl-sim"]
+"""Every case runs on gloo and on gloo with NCCL's host semantics (`data/nccl_sim.py`)."""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_silent_member_of_a_three_member_group_is_released_within_the_lease(tmp_path,
+                                                                              backend):
     """2 stages x 3 pipelines: every stage group has three members. Worker 2:1 stops
     (SIGSTOP: its sockets stay open, nothing arrives) before its last weight gradient of
     iteration 2, so its two stage peers block in the gradient all-reduce on it; later worker
@@ -29,7 +35,7 @@ def test_a_silent_member_of_a_three_member_group_is_released_within_the_lease(tm
     args = ["--library", str(lib), "--iterations", "6"]
     faults = [parse_fault(f) for f in ("5:2:W3:hang", "4:4:W3:hang")]
     config = LaunchConfig(nproc=6, run_dir=str(tmp_path / "run"), faults=faults,
-                          hang_timeout=1.5, heartbeat=0.1, pg_timeout=30.0)
+                          lease=1.5, heartbeat=0.1, pg_timeout=30.0, backend=backend)
     result = launch(TINY, config, args)
     assert result.status == "completed" and result.iterations == 6
     assert [g["dead"] for g in _events(result, "generation")] == [
@@ -98,3 +104,119 @@ def test_a_gloo_abort_releases_every_blocked_member_of_a_three_member_group():
         for p in procs:
             p.join(timeout=30)
     assert released[0] < 1.0 and released[1] < 1.5, released
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_death_in_the_cool_down_never_leaves_a_step_on_partial_gradients(tmp_path, backend):
+    """2 stages x 2 pipelines: worker 1:1 dies just before its last weight gradient of
+    iteration 2, its stage peer 0:1 waiting in the gradient all-reduce. On NCCL (and here in
+    `nccl-sim`) that wait returns without an error: before the step gate, 0:1 stepped on its
+    own half of the gradients and counted it, stage 0 (which had its gradients) stepped too,
+    and the restart at iteration 3 kept the bad step. The gate refuses the step; iteration 2
+    is redone. Then worker 0:0 dies in its last weight gradient of iteration 4."""
+    lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=2)
+    args = ["--library", str(lib), "--iterations", "6"]
+    faults = [parse_fault(f) for f in ("3:2:W3", "0:4:W3")]
+    config = LaunchConfig(nproc=4, run_dir=str(tmp_path / "run"), faults=faults,
+                          backend=backend, pg_timeout=30.0)
+    result = launch(TINY, config, args)
+    assert result.status == "completed" and result.iterations == 6
+    gens = _events(result, "generation")
+    assert [g["dead"] for g in gens] == [[], [[1, 1]], [[0, 0], [1, 1]]]
+    assert gens[1]["restart"] == 2  # stage 1's step of iteration 2 was never counted
+    ref = reference(args[2:], 2, 4)
+    _, params = checkpoint_params(tmp_path / "run", 2)
+    assert_params_equal(params, ref.params)
+    assert_losses_equal(result.losses, ref.losses)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_death_during_a_plan_switch_never_hangs_the_survivors(tmp_path, backend):
+    """2 stages x 3 pipelines. Worker 1:0 dies in iteration 1 and is restarted; worker 0:0
+    holds at iteration 2 until it asks to join, so the members switch plans at iteration 4.
+    In iteration 3 worker 2:0 stops (SIGSTOP) before its last two input gradients (after its
+    last forward), so it never takes the gradients that stage 1 sent
+    it; stage 1 finishes the iteration and ends the generation. On NCCL (and in `nccl-sim`)
+    a send completes only when received: the clean end used to wait for those sends in a
+    shutdown with no limit, out of reach of the abort, until the group timeout (30 s). The
+    end now waits for them while watching the abort flag, and aborts."""
+    lib = library(tmp_path / "lib", stages=2, pipelines=3, microbatches=4, max_failures=2)
+    args = ["--library", str(lib), "--iterations", "7"]
+    faults = [parse_fault(f) for f in ("2:1:F1", "0:2:hold", "4:3:I4:hang")]
+    config = LaunchConfig(nproc=6, run_dir=str(tmp_path / "run"), faults=faults,
+                          backend=backend, restart_delay=0.0, lease=1.5,
+                          heartbeat=0.1, pg_timeout=30.0)
+    result = launch(TINY, config, args)
+    assert result.status == "completed" and result.iterations == 7
+    assert [r["worker"] for r in result.recoveries] == ["1:0", "2:0"]
+    assert any(e["kind"] == "join" for e in result.events)
+    assert all(r["seconds"] < 8 for r in result.recoveries), result.recoveries
+    ref = reference(args[2:], 3, 4)
+    _, params = checkpoint_params(tmp_path / "run", 2)
+    assert_params_equal(params, ref.params)
+    assert_losses_equal(result.losses, ref.losses)
+
+
+class _Work:
+    """A work as the data plane sees one: complete or not, with an error or not; `wait`
+    never raises (NCCL's)."""
+
+    def __init__(self, done=True, error=None):
+        self.done, self.error = done, error
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return self.done
+
+    def exception(self):
+        return self.error
+
+
+def _comm(aborted=None):
+    import threading
+    from datetime import timedelta
+
+    from recycle_planner.executor.data.comm import BACKENDS, Comm
+
+    comm = Comm.__new__(Comm)  # no process group: the gate and the stall view only
+    comm.backend, comm.device = BACKENDS["nccl-sim"], torch.device("cpu")
+    comm.aborted = aborted or threading.Event()
+    comm._timeout = timedelta(seconds=5)
+    comm.received, comm.awaited, comm.error, comm.sends = [], [], None, []
+    comm._awaiting = threading.Lock()
+    comm.waited = 0.0
+    return comm
+
+
+def test_the_step_gate_refuses_a_failed_or_abandoned_iteration_whatever_wait_said():
+    import threading
+
+    from recycle_planner.executor.data.comm import PeerFailure
+
+    comm = _comm()
+    for work in (_Work(), _Work()):
+        comm.wait(work, "receive")
+    comm.confirm_received("the iteration")  # both complete, no error: the step counts
+    comm.wait(_Work(error=RuntimeError("Connection closed by peer")), "gradient all-reduce")
+    with pytest.raises(PeerFailure, match="Connection closed by peer"):
+        comm.confirm_received("the iteration")
+    aborted = threading.Event()
+    comm = _comm(aborted)
+    pending = _Work(done=False)
+    comm.wait(pending, "gradient all-reduce")
+    threading.Timer(0.05, aborted.set).start()
+    with pytest.raises(PeerFailure, match="abandoned"):  # released by the abort flag
+        comm.confirm_received("the iteration")
+
+
+def test_a_worker_waits_on_a_peer_while_the_device_waits_for_an_incomplete_work():
+    comm = _comm()
+    work = _Work(done=False)
+    comm.wait(work, "receive")  # NCCL: returns at once, the device waits
+    assert comm.waiting_on_peer()
+    work.done = True
+    assert not comm.waiting_on_peer() and not comm.failed()
+    comm.wait(_Work(error=RuntimeError("boom")), "receive")
+    assert comm.failed()  # what makes a user-code exception after it a failure, not a bug

@@ -329,5 +329,8 @@ def test_backends_set_their_environment_and_device_before_the_first_group():
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"   # gloo leaves NCCL's alone
     set_environment("nccl", env)  # torch's default 1 would kill a survivor: CleanUpOnly
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"  # no stale exception_dump in the store
+    from recycle_planner.executor import config
+    assert tuple(BACKENDS) == config.BACKENDS  # what the CLI offers
     with pytest.raises(RecycleError, match="unknown backend 'mpi'"):
         prepare("mpi", env)

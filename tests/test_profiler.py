@@ -36,6 +36,13 @@ def test_profile_measures_every_stage_and_writes_a_spec_the_planner_reads(tmp_pa
     assert spec.memory.activation[0] == 4 * 8 * 16 * 8
     assert spec.memory.activation[1] > spec.memory.activation[0]
     assert spec.memory.static[0] > 3 * (3 * (16 * 16 + 16)) * 8  # params, grads, undo copy
+    # ... and the send buffers: one per sending op (stage 0 sends its 8 x 16 float64 output
+    # for each of the 4 micro-batches; receive buffers are pooled with the activations).
+    params0, buffers0 = 3 * (16 * 16 + 16) * 8, 4 * (8 * 16 * 8)
+    base = 5 * params0 + buffers0  # params, grads, buckets, Adam's two moments; the buffers
+    assert base <= spec.memory.static[0] <= base + 64  # + Adam's step counters
+    text = out.read_text()
+    assert "# stage 0 spread (p90-p10)/median: F " in text and "p2p" in text
     # Stage 0 has no input gradient: its I is bookkeeping, its W the whole backward.
     assert spec.backward_input[0] < spec.backward_weight[0]
     plan = plan_situation(spec, Policy(), [(1, 0)])
@@ -101,3 +108,16 @@ def test_profile_a_job_whose_stages_pass_dicts(tmp_path):
     assert all(v > 0 for v in spec.forward + spec.backward_weight)
     assert spec.backward_input[1] > 0  # the middle stage differentiates its received 'h'
     assert min(spec.memory.activation) > 0
+
+
+def test_spread_is_the_interdecile_range_over_the_median_and_warns_when_large(caplog):
+    from recycle_planner.job.profiler import StageProfile, spread, spread_note
+
+    assert spread([1.0]) == 0.0
+    assert spread([1.0] * 9 + [2.0]) == pytest.approx(0.0)  # one outlier of ten: p90 is 1.0
+    assert spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx((5 - 1) / 3)
+    st = StageProfile(1, 1, 1, 1, 1, 1, 1, 1, spread={"F": 0.1, "p2p": 40.0})
+    with caplog.at_level("WARNING"):
+        note = spread_note([st])
+    assert note == "stage 0 spread (p90-p10)/median: F 10%, p2p 4000%"
+    assert "stage 0's p2p varied by 4000% of its median" in caplog.text

@@ -11,7 +11,9 @@ from recycle_planner.errors import RecycleError
 
 RUN_DIR = "recycle-run"
 """Where a run's checkpoints, logs and result go by default."""
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", "nccl-sim")
+"""The data plane's backends (`data/comm.py`'s `BACKENDS`): gloo on CPU, NCCL on GPUs, and
+gloo with NCCL's host semantics for tests on CPU (`data/nccl_sim.py`)."""
 BACKEND = "gloo"
 HEARTBEAT = 0.2
 """Seconds between a worker's heartbeats."""

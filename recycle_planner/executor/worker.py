@@ -51,7 +51,7 @@ from recycle_planner.executor.control.runfolder import append_losses
 from recycle_planner.executor.config import (CONFIG_ERROR, COORDINATOR_LOST, EXECUTOR_ERROR,
                                              FENCED, STALLED, WorkerConfig)
 from recycle_planner.executor.data.boundary import Layout, call, layout_of
-from recycle_planner.executor.data.comm import PeerFailure, prepare
+from recycle_planner.executor.data.comm import PeerFailure, prepare, short_error
 from recycle_planner.executor.data.generation import Generation
 from recycle_planner.executor.data.runtime import StageRuntime, bind, new_op_times
 from recycle_planner.executor.data.shapes import input_layout, output_layout
@@ -200,6 +200,9 @@ class Worker:
                 return "switch"
             self._checkpoint(decision, self.job.iterations, final=True)
             self.link.send(msg.OpTimes(self.rank, self.op_times))
+            if self.device.type == "cuda":  # benchmarks/gpu_check.py reads it
+                log.info("peak device memory %d bytes",
+                         torch.cuda.max_memory_allocated(self.device))
             return "done"
         except PeerFailure as exc:
             failure = str(exc)
@@ -215,10 +218,13 @@ class Worker:
             # bad input the executor diagnosed (a shape beyond its maximum): its one line
             failure = str(exc) if isinstance(exc, RecycleError) else traceback.format_exc()
             t_fail = time.perf_counter()
-            log.error("user code raised at iteration %d: stopping the whole job\n%s",
-                      self._iteration, failure.rstrip())
-            # The first report wins; the launcher stops the job instead of re-routing.
-            self.link.send(msg.Bug(gen, self.rank, self._iteration, failure))
+            if generation.explains(exc):  # fed a failed operation's garbage, not a bug
+                failure = f"user code raised after an operation failed: {short_error(exc)}"
+            else:
+                log.error("user code raised at iteration %d: stopping the whole job\n%s",
+                          self._iteration, failure.rstrip())
+                # The first report wins; the launcher stops the job instead of re-routing.
+                self.link.send(msg.Bug(gen, self.rank, self._iteration, failure))
         finally:
             # Drop every reference to the groups (pending receives included) and close them:
             # that is what tells the peers blocked on this worker. This runs after the except
@@ -246,7 +252,7 @@ class Worker:
                 switch_at = self.link.send(msg.SwitchAt(gen, iteration + 2)).iteration
                 log.info("a worker asks to join: switching at iteration %d", switch_at)
             if switch_at is not None and iteration >= switch_at:
-                generation.end()
+                generation.end(self.config.pg_timeout)
                 return None
             if self.faults.active:
                 self.faults.trigger(iteration, "start")
@@ -254,7 +260,7 @@ class Worker:
             iteration = self._iteration = iteration + 1
             self.link.send(msg.IterationDone(iteration - 1, self.rank, gen, time.time()))
             self._checkpoint(decision, iteration)
-        generation.end()
+        generation.end(self.config.pg_timeout)
         return iteration
 
     def _finished(self, gen: int) -> bool:
@@ -439,15 +445,22 @@ class Worker:
             generation.abort()
 
     def _stall_watch(self) -> None:
-        """The training thread's own progress: busy outside communication for longer than the
-        lease is a stall, and the worker leaves (the launcher then sees a dead worker)."""
+        """The worker's own progress, judged by the device: an op that runs for longer than
+        the lease while nothing it waits for is pending is a stall, and the worker leaves
+        (the launcher then sees a dead worker). While the device waits for a work not yet
+        complete (`Comm.waiting_on_peer`), the worker waits on a peer, whichever call the
+        host blocks in (on NCCL: a `.tolist()`, a `.to(device)`, a pinned allocation, the
+        step gate; `Comm.wait` returns at once there), and the clock restarts."""
         lease = self.config.lease
+        peer_seen = 0.0
         while not self._stopped:
             runtime = self.runtime
             comm = runtime.comm if runtime is not None else None
             started = runtime.op_started if runtime is not None else None
-            if started is not None and comm is not None and not comm.waiting:
-                busy = time.monotonic() - max(started, comm.waited)
+            if comm is not None and comm.waiting_on_peer():
+                peer_seen = time.monotonic()
+            elif started is not None and comm is not None:
+                busy = time.monotonic() - max(started, comm.waited, peer_seen)
                 if busy > lease and runtime.op_started == started:
                     log.error("the training thread made no progress for %.1f s outside "
                               "communication (lease %.1f s): a stall; leaving", busy, lease)

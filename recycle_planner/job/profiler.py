@@ -10,8 +10,13 @@ on one sample micro-batch and measures, per stage:
 - activation memory: the bytes one in-flight micro-batch holds from its forward to its W
   (tensors autograd saves, found with saved-tensor hooks, plus the stage's input and output);
 - static memory on the device: parameters, gradients, the gradient all-reduce's bucket
-  buffers (one more copy of the gradients) and the optimizer state; the copy the executor
-  keeps to undo a step lives on the host (`--undo-copy host`, the default) and is not counted;
+  buffers (one more copy of the gradients), the optimizer state, and the send buffers (one
+  per sending op for the generation: M*(input + output bytes); receive buffers are pooled by
+  what is in flight and counted with the activations); the copy
+  the executor keeps to undo a step lives on the host (`--undo-copy host`, the default) and is
+  not counted;
+- the spread of every figure's repeats ((p90 - p10) / median), written into the spec's header
+  and warned about above 50% (a busy machine);
 - the optimizer step (with that copy), and on CPU the point-to-point time of the stage's
   output and the all-reduce of its gradients, measured between local gloo processes.
 
@@ -31,7 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -56,6 +61,9 @@ class StageProfile:
     static: int             # bytes held for the whole run
     output_bytes: int       # one micro-batch's output (the activation sent downstream)
     grad_bytes: int         # the stage's gradients (what the all-reduce moves)
+    spread: dict[str, float] = field(default_factory=dict)
+    """Per figure (F, I, W, optimizer, p2p, allreduce): the spread of its repeats, (90th
+    percentile - 10th) / median; a large one says the machine was busy (`SPREAD_WARNING`)."""
 
 
 def usable_device(device: str):
@@ -168,7 +176,9 @@ def profile_stages(job, device: str = "cpu", repeats: int = 10,
             backward_weight=_ms(times["W"]), optimizer=_ms(step_times),
             activation=activation,
             static=3 * param_bytes + opt_bytes,  # params, grads, buckets; the state
-            output_bytes=output_bytes, grad_bytes=param_bytes))
+            output_bytes=output_bytes, grad_bytes=param_bytes,
+            spread={"F": spread(times["F"]), "I": spread(times["I"]),
+                    "W": spread(times["W"]), "optimizer": spread(step_times)}))
         value = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
         log.info("stage %d: F %.4f ms, I %.4f ms, W %.4f ms, activation %d B", s,
                  out[-1].forward, out[-1].backward_input, out[-1].backward_weight, activation)
@@ -185,6 +195,36 @@ def _now(dev) -> float:
 
 def _ms(samples: list[float]) -> float:
     return max(MIN_MS, statistics.median(samples) * 1e3)
+
+
+SPREAD_WARNING = 0.5
+"""A figure whose repeats spread by more than this fraction of their median is reported with
+a warning: two profiles of the tiny MLP minutes apart on a busy machine differed 40-100x in
+p2p and all-reduce time, which moved a plan's predicted cost of one dead worker from +3.5%
+to +73%."""
+
+
+def spread(samples: list[float]) -> float:
+    """(90th percentile - 10th percentile) / median of `samples` (0 for fewer than 2)."""
+    if len(samples) < 2:
+        return 0.0
+    xs = sorted(samples)
+    mid = statistics.median(xs)
+    q = lambda f: xs[round(f * (len(xs) - 1))]  # noqa: E731 - nearest rank
+    return (q(0.9) - q(0.1)) / mid if mid > 0 else 0.0
+
+
+def spread_note(stages: list[StageProfile]) -> str:
+    """The spreads as lines for the spec's header, and a warning logged for each large one."""
+    lines = []
+    for s, st in enumerate(stages):
+        lines.append(f"stage {s} spread (p90-p10)/median: " + ", ".join(
+            f"{k} {v:.0%}" for k, v in st.spread.items()))
+        for k, v in st.spread.items():
+            if v > SPREAD_WARNING:
+                log.warning("stage %d's %s varied by %.0f%% of its median across repeats: the "
+                            "machine is busy; profile again when it is quiet", s, k, 100 * v)
+    return "\n".join(lines)
 
 
 def _activation_bytes(forward: Callable, inputs: list, params: list) -> int:
@@ -219,11 +259,11 @@ def _activation_bytes(forward: Callable, inputs: list, params: list) -> int:
 def measure_comm(p2p_bytes: list[int], allreduce_bytes: list[int], ranks: int,
                  repeats: int = 20, timeout: float = 120.0,
                  wrap: Callable[[list[str]], list[str]] | None = None,
-                 ) -> tuple[list[float], list[float]]:
+                 ) -> tuple[list["Measured"], list["Measured"]]:
     """One-way time (ms) of a message of each size in `p2p_bytes`, and time of an all-reduce
-    of each size in `allreduce_bytes` among `ranks` processes, on local gloo processes (as the
-    executor's workers on this machine talk). `wrap` rewrites each process's command (to start
-    it under the same CPU quota as the workers, for example)."""
+    of each size in `allreduce_bytes` among `ranks` processes, each with its spread, on local
+    gloo processes (as the executor's workers on this machine talk). `wrap` rewrites each
+    process's command (to start it under the same CPU quota as the workers, for example)."""
     import torch.distributed as dist
 
     ranks = max(2, ranks)
@@ -247,7 +287,20 @@ def measure_comm(p2p_bytes: list[int], allreduce_bytes: list[int], ranks: int,
             if p.poll() is None:
                 p.kill()
     result = json.loads(store.get("result"))
-    return result["p2p"], result["allreduce"]
+    return ([Measured.of(x) for x in result["p2p"]],
+            [Measured.of(x) for x in result["allreduce"]])
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A communication figure: the median (ms) of its repeats and their spread."""
+
+    ms: float
+    spread: float
+
+    @classmethod
+    def of(cls, samples: list[float]) -> "Measured":
+        return cls(statistics.median(samples) * 1e3, spread(samples))
 
 
 _COMM_CHILD = r"""
@@ -278,7 +331,7 @@ for size in job["p2p"]:
             sends.append(pg.send([t], 0, 1))
     for w in sends:
         w.wait()
-    p2p.append(statistics.median(samples[3:]) * 1e3 if rank == 0 else 0.0)
+    p2p.append(samples[3:] if rank == 0 else [0.0])
 for size in job["allreduce"]:
     t = torch.zeros(max(1, size // 4))
     samples = []
@@ -287,7 +340,7 @@ for size in job["allreduce"]:
         t0 = time.perf_counter()
         pg.allreduce([t]).wait()
         samples.append(time.perf_counter() - t0)
-    ar.append(statistics.median(samples[3:]) * 1e3)
+    ar.append(samples[3:])
 if rank == 0:
     store.set("result", json.dumps({"p2p": p2p, "allreduce": ar}))
 pg.barrier().wait()
@@ -329,9 +382,21 @@ def profile_job(job, pipelines: int, microbatches: int, name: str | None = None,
                                        ranks=min(pipelines, 8), repeats=max(repeats, 10),
                                        wrap=wrap)
         if got_p2p:
-            p2p_ms = got_p2p
+            p2p_ms = [m.ms for m in got_p2p]
+            stages = [replace(st, spread={**st.spread, "p2p": m.spread})
+                      for st, m in zip(stages, got_p2p)]
         if got_ar:
-            ar_ms = got_ar
+            ar_ms = [m.ms for m in got_ar]
+            stages = [replace(st, spread={**st.spread, "allreduce": m.spread})
+                      for st, m in zip(stages, got_ar)]
+    # Send buffers: the runtime keeps one per sending op for the whole generation (an
+    # activation down and a gradient up per micro-batch), which the plan's memory cap must
+    # hold beside the parameters, gradients, buckets and state. Receive buffers are pooled by
+    # what is in flight (`executor/data/pool.py`): a received activation is the stage's input,
+    # already in `activation`.
+    inputs = [0] + [st.output_bytes for st in stages[:-1]]
+    stages = [replace(st, static=st.static + microbatches * (inputs[s] + st.output_bytes))
+              for s, st in enumerate(stages)]
     budget = memory_budget if memory_budget is not None else _device_memory(device,
                                                                             pipelines * S)
     x = flat(job.data(0, 0, 0)[0])[0]

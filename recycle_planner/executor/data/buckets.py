@@ -139,7 +139,8 @@ class GradBuckets:
                 self.error = exc
 
     def wait(self) -> None:
-        """Wait for every bucket (all started) and point each `.grad` into its bucket."""
+        """Wait for every bucket (all started) and point each `.grad` into its bucket (the
+        step gate confirms them: on NCCL a wait says nothing of success)."""
         works, error = self.works, self.error
         self._clear()
         if error is not None:

@@ -50,16 +50,30 @@ class PeerFailure(RuntimeError):
     abandoned. The worker leaves the generation and waits for the launcher's decision."""
 
 
-def _gloo_group(store: Any, rank: int, size: int, timeout: timedelta):
+def _gloo_group(store: Any, rank: int, size: int, timeout: timedelta, device: torch.device):
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def _nccl_group(store: Any, rank: int, size: int, timeout: timedelta):
+def _sim_group(store: Any, rank: int, size: int, timeout: timedelta, device: torch.device):
+    from recycle_planner.executor.data.nccl_sim import SimGroup
+
+    return SimGroup(store, rank, size, timeout)
+
+
+def _nccl_group(store: Any, rank: int, size: int, timeout: timedelta, device: torch.device):
+    """A non-blocking communicator (`blocking = 0`: its setup returns at once and can be
+    aborted, where a blocking one in setup cannot), connected eagerly, at generation start:
+    a lazy setup inside the first operation would be a wait no stall watch can see and no
+    abort can end."""
     if not hasattr(dist, "ProcessGroupNCCL"):
         raise RecycleError("backend 'nccl' needs a CUDA build of torch")
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, size, options)
+    options.config.blocking = 0
+    group = dist.ProcessGroupNCCL(store, rank, size, options)
+    group._set_sequence_number_for_group()  # as torch's own factory, before connecting
+    group.eager_connect_single_device(device)
+    return group
 
 
 def _gloo_abort(group) -> None:
@@ -79,6 +93,14 @@ def _gloo_abort(group) -> None:
             group.recv([torch.zeros(1)], peer, ABORT_TAG).wait(timedelta(milliseconds=1))
         except RuntimeError as exc:
             log.debug("abort: receive from %d: %s", peer, short_error(exc))
+
+
+def _sim_abort(group) -> None:
+    _gloo_abort(group.inner)
+
+
+def _sim_shutdown(group) -> None:
+    group.shutdown()
 
 
 def _nccl_abort(group) -> None:
@@ -104,33 +126,47 @@ def _local_cuda(environ: Mapping[str, str]) -> torch.device:
     return torch.device("cuda", int(environ.get("LOCAL_RANK", "0")))
 
 
+def _no_sync(device: torch.device) -> None:
+    """The CPU is the host: nothing is queued behind it."""
+
+
+def _cuda_sync(device: torch.device) -> None:
+    torch.cuda.current_stream(device).synchronize()
+
+
 @dataclass(frozen=True)
 class Backend:
     """What differs between gloo and NCCL; everything else in the executor is shared."""
 
     name: str
-    group: Callable[[Any, int, int, timedelta], Any]
+    group: Callable[[Any, int, int, timedelta, torch.device], Any]
     abort: Callable[[Any], None]
     """Release every operation blocked in the group (after a failure was declared)."""
     shutdown: Callable[[Any], None]
     """End the group after a generation that ended cleanly."""
     device: Callable[[Mapping[str, str]], torch.device]
     """The worker's device, from its environment (torchrun's LOCAL_RANK)."""
+    synchronize: Callable[[torch.device], None] = _no_sync
+    """Block the host until the device has run everything queued (the step gate)."""
     environment: Mapping[str, str] = field(default_factory=dict)
     """Variables the worker sets before its first group (overriding other values)."""
 
 
-NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-"""2 = CleanUpOnly: on an error or timeout torch's watchdog aborts the communicator and fails
-its work, but leaves the process alive, so that the worker reports the failure and joins the
-next generation. (1, torch's default, would kill a healthy survivor; 0 leaves it spinning on a
-dead peer; 3 kills it without an abort.)"""
+NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+"""ASYNC_ERROR_HANDLING 2 = CleanUpOnly: on an error or timeout torch's watchdog aborts the
+communicator and fails its work, but leaves the process alive, so that the worker reports the
+failure and joins the next generation. (1, torch's default, would kill a healthy survivor; 0
+leaves it spinning on a dead peer; 3 kills it without an abort.) DUMP_ON_TIMEOUT 0: the
+watchdog writes no debug dump and no `exception_dump` key into the store, where a restarted
+worker would read a stale one."""
 
 BACKENDS = {
     "gloo": Backend("gloo", _gloo_group, _gloo_abort, _nothing, _cpu),
     "nccl": Backend("nccl", _nccl_group, _nccl_abort, _nccl_shutdown, _local_cuda,
-                    NCCL_ENVIRONMENT),
+                    _cuda_sync, NCCL_ENVIRONMENT),
+    "nccl-sim": Backend("nccl-sim", _sim_group, _sim_abort, _sim_shutdown, _cpu),
 }
+"""`nccl-sim` is gloo with NCCL's host semantics (`nccl_sim.py`), for tests on CPU."""
 
 
 def backend(name: str) -> Backend:
@@ -163,34 +199,51 @@ class Comm:
     """The groups of one generation as seen by one worker.
 
     `rank` is the worker's index in the generation (its position in `members`); `stage_group`
-    is None when the worker is its stage's only live member. Sends are asynchronous and kept
-    until complete (gloo transmits from the caller's tensor); `wait` turns a transport error
-    into `PeerFailure`.
+    is None when the worker is its stage's only live member; `scalar_group` (made with
+    `scalars`, for a step hook's all-stage sum) is None otherwise. `aborted` is the
+    generation's abandon flag. Every group is made here, at generation start: a group made
+    lazily inside an operation is a wait nobody can abort.
+
+    Nothing here relies on `wait()` blocking or raising, which only gloo does: `wait` puts a
+    work in the device's queue (`awaited`, what the stall watch reads); whether a work ended
+    well is known only at `confirm` (the step gate) and `drain` (a clean end), which ask the
+    work itself, the device and the abort flag. On gloo `wait` also raises at once, which
+    only makes a failure seen sooner.
     """
 
     def __init__(self, backend_name: str, store: Any, gen: int, members: list[int], me: int,
-                 stage_members: list[int], stage: int, timeout: timedelta):
+                 stage_members: list[int], stage: int, timeout: timedelta,
+                 device: torch.device = torch.device("cpu"),
+                 aborted: threading.Event | None = None, scalars: bool = False):
         self.backend = backend(backend_name)
         self.rank = members.index(me)
         self.size = len(members)
+        self.device = device
+        self.aborted = aborted if aborted is not None else threading.Event()
         self.sends: list[tuple[Any, torch.Tensor]] = []
-        self.waiting = False
-        """True while the training thread waits for a peer (not a stall of its own)."""
+        self.error: BaseException | None = None
+        """The first failure seen among the awaited works (`failed`)."""
+        self.received: list[Any] = []
+        """Receives and collectives waited for since the last step gate."""
+        self.awaited: list[Any] = []
+        self._awaiting = threading.Lock()
+        """Works the device was told to wait for and not yet seen complete: while one is
+        incomplete, the worker waits on a peer, whichever call the host blocks in."""
         self.waited = time.monotonic()
         """When the latest wait for a peer ended."""
         self._store, self._gen, self._timeout = store, gen, timeout
         self.stage_first = me == min(stage_members)
-        self.scalar_group = None
         self.group = self._group("all", self.rank, self.size)
         self.stage_group = None
         if len(stage_members) > 1:
             self.stage_group = self._group(f"stage{stage}", stage_members.index(me),
                                            len(stage_members))
+        self.scalar_group = self._group("scalars", self.rank, self.size) if scalars else None
 
     def _group(self, name: str, rank: int, size: int):
         try:
             return self.backend.group(dist.PrefixStore(f"gen{self._gen}/{name}", self._store),
-                                      rank, size, self._timeout)
+                                      rank, size, self._timeout, self.device)
         except RecycleError:
             raise
         except RuntimeError as exc:
@@ -213,15 +266,72 @@ class Comm:
         except RuntimeError as exc:
             raise PeerFailure(f"receive from {src} failed: {short_error(exc)}") from None
 
-    def wait(self, work, what: str = "operation") -> None:
-        self.waiting = True
+    def wait(self, work, what: str = "operation", gated: bool = True) -> None:
+        """Queue a wait for `work` on the device (gloo: block until done; raises on
+        failure; NCCL: the stream waits, the host goes on). `gated`: the next step gate
+        (`confirm_received`) confirms it (every receive and collective: a receive from a
+        peer that died or aborted leaves garbage in its buffer on NCCL, silently)."""
+        self._await(work)
+        if gated:
+            self.received.append(work)
         try:
             work.wait()
         except RuntimeError as exc:
             raise PeerFailure(f"{what} failed: {short_error(exc)}") from None
         finally:
             self.waited = time.monotonic()
-            self.waiting = False
+
+    def _await(self, work) -> None:
+        with self._awaiting:
+            self.awaited.append(work)
+            grown = len(self.awaited) > 256
+        if grown:  # no stall watch prunes it (a benchmark, a test): bounded all the same
+            self.waiting_on_peer()
+
+    def waiting_on_peer(self) -> bool:
+        """Whether the device waits for a work not complete yet: a peer's progress, not this
+        worker's (read by the stall watch, on its own thread)."""
+        with self._awaiting:
+            awaited = []
+            for work in self.awaited:
+                if not work.is_completed():
+                    awaited.append(work)
+                elif self.error is None:
+                    self.error = _error_of(work)
+            self.awaited = awaited
+        return bool(awaited)
+
+    def failed(self) -> bool:
+        """Whether an operation the device waited for is known to have failed."""
+        self.waiting_on_peer()
+        return self.error is not None
+
+    def confirm(self, works, what: str) -> None:
+        """The step gate: return only when every one of `works` is complete and error-free,
+        the device has run everything queued, and the generation is not abandoned; else
+        raise `PeerFailure`. As torchft's Manager gates its commit: a step taken on a
+        half-reduced gradient (NCCL's `wait` never raises) is never counted."""
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        for work in works:
+            self._await(work)
+            while not work.is_completed():
+                if self.aborted.is_set():
+                    break
+                if time.monotonic() > deadline:
+                    raise PeerFailure(f"{what} did not complete within the group timeout")
+                time.sleep(0.0002)
+            error = None if self.aborted.is_set() else _error_of(work)
+            if error is not None:
+                raise PeerFailure(f"{what} failed: {short_error(error)}")
+        self.backend.synchronize(self.device)
+        if self.aborted.is_set():
+            raise PeerFailure(f"the generation was abandoned before the {what} was confirmed")
+        self.waited = time.monotonic()
+
+    def confirm_received(self, what: str) -> None:
+        """The step gate over everything waited for since the previous gate."""
+        works, self.received = self.received, []
+        self.confirm(works, what)
 
     def settle(self, work) -> None:
         """Wait for one send (before its tensor is reused) and forget it: a gloo send waited
@@ -229,14 +339,33 @@ class Comm:
         for i, (w, _) in enumerate(self.sends):
             if w is work:
                 del self.sends[i]
-                self.wait(work, "send")
+                self.wait(work, "send", gated=False)
                 return
 
-    def flush_sends(self) -> None:
-        """Wait until every send has been received (before the generation ends cleanly)."""
-        for work, _ in self.sends:
-            self.wait(work, "send")
+    def drain(self, limit: float) -> None:
+        """A clean end: wait at most `limit` seconds until every send has been received
+        (NCCL's sends complete only then), watching the abort flag; raise `PeerFailure` if
+        one was not (the caller then aborts instead of shutting down, which on NCCL would
+        wait for it with no limit)."""
+        works = [w for w, _ in self.sends]
         self.sends.clear()
+        for work in works:  # gloo marks a send complete only once waited for
+            self.wait(work, "send", gated=False)
+        self.confirm_all(works, "send", time.monotonic() + limit)
+
+    def confirm_all(self, works, what: str, deadline: float) -> None:
+        for work in works:
+            self._await(work)
+        while not all(w.is_completed() for w in works):
+            if self.aborted.is_set():
+                raise PeerFailure(f"the generation was abandoned before every {what} completed")
+            if time.monotonic() > deadline:
+                raise PeerFailure(f"a {what} was not received before the generation's end")
+            time.sleep(0.001)
+        for work in works:
+            error = _error_of(work)
+            if error is not None:
+                raise PeerFailure(f"{what} failed: {short_error(error)}")
 
     def allreduce_start(self, flat: torch.Tensor, what: str):
         """Start a SUM over the stage's live workers in place; `wait` for the returned work
@@ -246,19 +375,26 @@ class Comm:
         except RuntimeError as exc:
             raise PeerFailure(f"{what} failed: {short_error(exc)}") from None
 
-    def all_stages_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """The sum over stages of `value`, which every worker of a stage holds equal (computed
-        from its reduced gradients): the stage's first live worker contributes it, its peers
-        zeros, so the sum is exact. A group of every member, made at the first call: a
-        collective on the all-member group would queue behind point-to-point work on NCCL."""
-        if self.scalar_group is None:
-            self.scalar_group = self._group("scalars", self.rank, self.size)
-        out = value.detach().clone() if self.stage_first else torch.zeros_like(value)
+    def all_stages_start(self, value: torch.Tensor):
+        """Start the sum over stages of `value`, which every worker of a stage holds equal
+        (computed from its reduced gradients): the stage's first live worker contributes it,
+        its peers zeros, so the sum is exact. Returns (work, the tensor summed into). On its
+        own group of every member: a collective on the all-member group would queue behind
+        point-to-point work on NCCL. `value` goes to the worker's device (a stage without
+        gradients gives a CPU zero, which NCCL rejects)."""
+        value = value.detach().to(self.device)
+        out = value.clone() if self.stage_first else torch.zeros_like(value)
         try:
             work = self.scalar_group.allreduce([out], dist.AllreduceOptions())
         except RuntimeError as exc:
             raise PeerFailure(f"all-stage sum failed: {short_error(exc)}") from None
+        return work, out
+
+    def all_stages_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`all_stages_start`, confirmed (the host reads the sum next)."""
+        work, out = self.all_stages_start(value)
         self.wait(work, "all-stage sum")
+        self.confirm([work], "all-stage sum")
         return out
 
     def barrier(self) -> None:
@@ -267,20 +403,50 @@ class Comm:
         except RuntimeError as exc:
             raise PeerFailure(f"barrier failed: {short_error(exc)}") from None
         self.wait(work, "barrier")
+        self.confirm([work], "barrier")
 
     def send_bytes(self, payload: bytes, dst: int, device: torch.device) -> None:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
         self.isend(size, dst, STATE_TAG)
         self.isend(data, dst, STATE_TAG + 1)
-        self.flush_sends()
+        self.drain(self._timeout.total_seconds())
 
     def recv_bytes(self, src: int, device: torch.device) -> bytes:
         size = torch.zeros(1, dtype=torch.int64, device=device)
-        self.wait(self.irecv(size, src, STATE_TAG), "state size")
+        work = self.irecv(size, src, STATE_TAG)
+        self.wait(work, "state size")
+        self.confirm([work], "state size")
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        self.wait(self.irecv(data, src, STATE_TAG + 1), "state")
+        work = self.irecv(data, src, STATE_TAG + 1)
+        self.wait(work, "state")
+        self.confirm([work], "state")
         return data.cpu().numpy().tobytes()
+
+    def broadcast_bytes(self, payload: bytes | None, root: int,
+                        device: torch.device) -> bytes | None:
+        """`payload` from the stage group's member `root` (which passes it; the others pass
+        None and get it back): its size, then its bytes, each confirmed (the host reads
+        them next)."""
+        size = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64,
+                            device=device)
+        self._broadcast(size, root, "state size")
+        if payload is not None:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+        else:
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        self._broadcast(data, root, "state")
+        return None if payload is not None else data.cpu().numpy().tobytes()
+
+    def _broadcast(self, tensor: torch.Tensor, root: int, what: str) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        try:
+            work = self.stage_group.broadcast([tensor], options)
+        except RuntimeError as exc:
+            raise PeerFailure(f"{what} broadcast failed: {short_error(exc)}") from None
+        self.wait(work, what)
+        self.confirm([work], what)
 
     def abort(self) -> None:
         """Abort the groups, possibly from another thread, so that every operation blocked in
@@ -296,10 +462,12 @@ class Comm:
 
     def close(self, failed: bool = False) -> None:
         """Drop the groups: aborted first after a failure (`Backend.abort`), shut down after a
-        clean end (`Backend.shutdown`). Closing tells every peer blocked on this worker that
-        the generation is over, so nothing may keep a reference alive. A group with a pending
-        operation on a host that vanished takes as long to destroy as that operation takes to
-        fail, so the last references are dropped on a daemon thread."""
+        clean end (`Backend.shutdown`; `drain` made sure nothing is pending, since NCCL's
+        shutdown waits for pending work with no limit). Closing tells every peer blocked on
+        this worker that the generation is over, so nothing may keep a reference alive. A
+        group with a pending operation on a host that vanished takes as long to destroy as
+        that operation takes to fail, so the last references are dropped on a daemon
+        thread."""
         if failed:
             self.abort()
         else:
@@ -311,9 +479,19 @@ class Comm:
                         log.debug("shutdown: %s", short_error(exc))
         groups = [self.group, self.stage_group, self.scalar_group]
         self.sends.clear()
+        self.awaited = []
         self.group = self.stage_group = self.scalar_group = None
         threading.Thread(target=_drop, args=(groups,), name="recycle-close",
                          daemon=True).start()
+
+
+def _error_of(work) -> BaseException | None:
+    """The error a completed work ended with (torch's `Work.exception`, which it marks as
+    deprecated without a replacement that does not raise), or None."""
+    try:
+        return work.exception()
+    except RuntimeError as exc:
+        return exc
 
 
 def _drop(groups: list) -> None:

@@ -59,7 +59,8 @@ class Generation:
         t1 = time.perf_counter()
         comm = Comm(self.backend, self.store, decision.gen, list(decision.members), self.rank,
                     [r for r in decision.members if r % self.stages == self.stage],
-                    self.stage, self.timeout)
+                    self.stage, self.timeout, runtime.device, self.aborted,
+                    scalars=runtime.hook is not None)
         with self._lock:
             self.comm = runtime.comm = comm
             if self.aborted.is_set():
@@ -80,9 +81,20 @@ class Generation:
         if not self.program.stagger:
             self.comm.barrier()
 
-    def end(self) -> None:
-        """The generation ends cleanly at an iteration boundary: every send is received."""
-        self.comm.flush_sends()
+    def end(self, limit: float) -> None:
+        """The generation ends cleanly at an iteration boundary once every send is received,
+        waited for at most `limit` seconds (and not past an abort): else `PeerFailure`, and
+        the groups are aborted instead of shut down (NCCL's shutdown would wait for a send
+        to a vanished peer with no limit)."""
+        self.comm.drain(limit)
+
+    def explains(self, exc: BaseException) -> bool:
+        """Whether an exception raised by user code may come from a failed operation rather
+        than a bug: on NCCL a failed receive leaves its buffer half-written without a word
+        (`wait` never raises), and a model fed garbage may raise. True when the generation
+        was abandoned or an operation of it failed."""
+        comm = self.comm
+        return self.aborted.is_set() or (comm is not None and comm.failed())
 
     def abort(self) -> None:
         """Release every operation blocked in the groups (any thread)."""
@@ -95,11 +107,12 @@ class Generation:
         """Forget the iteration's state and drop the groups (aborted first after a failure):
         closing is what tells the peers blocked on this worker."""
         self.runtime.reset()
-        self.runtime.comm = None
-        with self._lock:
-            comm, self.comm = self.comm, None
-        if comm is not None:
+        comm = self.comm
+        if comm is not None:  # still reachable by `abort` from another thread meanwhile
             comm.close(failed=failed)
+        with self._lock:
+            self.comm = None
+        self.runtime.comm = None
 
     def _rendezvous(self, size: int) -> None:
         """Wait until every member has arrived before creating the groups: a member that dies
@@ -113,7 +126,25 @@ class Generation:
             arrived = self.store.add(key, 0)
 
     def _copy_state(self, comm: Comm, has_state: bool) -> bool:
+        """Copy the stage's state as the decision says: by one broadcast in the stage's group
+        when every other member takes it from the same source (the start of a run: one copy
+        of the state on each worker's device, where D-1 sends kept up to D-1 copies on the
+        source's), else by messages from source to destination (a re-join)."""
         decision, state = self.decision, self.runtime.state
+        stage_members = [r for r in decision.members if r % self.stages == self.stage]
+        mine = {d: s for d, s in decision.sources.items() if d in stage_members}
+        srcs = set(mine.values())
+        if comm.stage_group is not None and len(srcs) == 1 and \
+                set(mine) == set(stage_members) - srcs:
+            src = srcs.pop()
+            payload = state.to_bytes() if src == self.rank else None
+            got = comm.broadcast_bytes(payload, stage_members.index(src), self.runtime.device)
+            if src != self.rank:
+                state.load_bytes(got)
+                has_state = True
+                log.info("copied stage %d's state (step %d) from rank %d by broadcast",
+                         self.stage, state.steps, src)
+            return self._check_steps(has_state)
         payload = None
         for dst, src in sorted(decision.sources.items()):
             if src == self.rank:
@@ -125,7 +156,11 @@ class Generation:
                 has_state = True
                 log.info("copied stage %d's state (step %d) from rank %d", self.stage,
                          state.steps, src)
-        if state.steps != decision.restart:
-            raise RecycleError(f"stage {self.stage} is at step {state.steps}, the generation "
-                               f"starts at {decision.restart}")
+        return self._check_steps(has_state)
+
+    def _check_steps(self, has_state: bool) -> bool:
+        steps, restart = self.runtime.state.steps, self.decision.restart
+        if steps != restart:
+            raise RecycleError(f"stage {self.stage} is at step {steps}, the generation "
+                               f"starts at {restart}")
         return has_state

@@ -37,6 +37,7 @@ from recycle_planner.executor.data.boundary import (Layout, agreed_at_start, cal
                                                     prefix, unpack)
 from recycle_planner.executor.data.buckets import GradBuckets
 from recycle_planner.executor.data.comm import Comm, PeerFailure
+from recycle_planner.executor.data.pool import BufferPool
 from recycle_planner.executor.data.shapes import DynamicDims
 from recycle_planner.executor.data.state import StageState
 from recycle_planner.executor.faults import FaultInjector
@@ -140,7 +141,8 @@ class StageRuntime:
     """One worker's stage: its module and state, the per-iteration caches, the op handlers.
 
     `in_layout` / `out_layout` describe what the stage receives and sends (None at the ends);
-    each receive and send has one buffer, allocated at its first use and reused every
+    receive buffers come from a pool reused once nothing references them (`pool.py`: as many
+    as are in flight), each send has one buffer, allocated at its first use and reused every
     iteration. With `dims` (`shapes.DynamicDims`) the layouts are symbolic: each message's is
     resolved with the sizes of its micro-batch, on both ends alike, and its buffer grows to the
     largest message seen (fixed-shape jobs take none of this path). `hook` (a `StepHook`) runs
@@ -173,8 +175,8 @@ class StageRuntime:
         """Concrete layouts by role and dynamic sizes: messages repeat a few lengths."""
         self.in_grads = in_layout.grads() if in_layout is not None else None
         self.out_grads = out_layout.grads() if out_layout is not None else None
-        self.recv_bufs: dict[int, torch.Tensor] = {}
-        """Per receiving instruction: its buffer, reused every iteration of a generation."""
+        self.recv_pool = BufferPool(device)
+        """Receive buffers, reused once nothing references them (`pool.py`)."""
         self.send_bufs: dict[int, tuple[torch.Tensor, Any]] = {}
         """Per sending instruction: its buffer and the latest send from it."""
         self.comm: Comm | None = None
@@ -207,7 +209,7 @@ class StageRuntime:
         self.posted: dict[int, tuple[Any, torch.Tensor, Layout]] = {}
         self.outgoing: dict[int, list[torch.Tensor | None]] = {}
         self.send_bufs = {}  # a new generation: a new program, and a broken group's pending
-        self.recv_bufs = {}  # operations must not write into the next one's buffers
+        self.recv_pool.clear()  # operations must not write into the next one's buffers
         self.losses = {}
         self.all_losses = None
         self.loss_work = None
@@ -270,8 +272,8 @@ class StageRuntime:
     def _post(self, ins: Instr, k: int, iteration: int) -> None:
         layout, _ = self._layout("in_layout" if ins.kind == "F" else "out_grads", ins,
                                  iteration)
-        buf = self.recv_bufs[k] = fit(self.recv_bufs.get(k), layout.nbytes, self.device)
-        work = self.comm.irecv(prefix(buf, layout.nbytes), ins.src, ins.recv_tags[iteration % 2])
+        buf = self.recv_pool.take(layout.nbytes)
+        work = self.comm.irecv(buf, ins.src, ins.recv_tags[iteration % 2])
         self.posted[k] = (work, buf, layout)
 
     def _received(self, k: int, what: str) -> list[torch.Tensor]:
@@ -409,6 +411,14 @@ class StageRuntime:
             self.loss_work = self.comm.allreduce_start(values, "loss all-reduce")
 
     def optimizer_step(self, k: int, ins: Instr, iteration: int) -> None:
+        """The step gate first: the iteration's receives and the stage's all-reduces complete
+        and error-free, the device
+        done, the generation not abandoned (`Comm.confirm`); else `PeerFailure`, the step is
+        neither taken nor counted and the iteration is redone. Every stage passes it before
+        counting a step, so a stage's counted step i+1 implies the data of iteration i+1
+        from its neighbours arrived, which they sent only after counting step i: no stage is
+        ever more than one step ahead of another, what `decide` can undo."""
+        self.comm.confirm_received("the iteration's receives and all-reduces")
         if self.on_step is not None and self.all_losses is not None:
             values = self.all_losses.tolist()  # the iteration's one read of the losses
             M = self.microbatches

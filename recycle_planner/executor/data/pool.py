@@ -1,0 +1,65 @@
+"""Receive buffers pooled by what is in flight, not one per op.
+
+A received activation is unpacked as views of its buffer, and those views are the stage's
+input, which autograd keeps until the micro-batch's W: a buffer is busy from its receive's post
+until the last view of it is gone, whatever op that is. `BufferPool` hands out a buffer that
+nothing references any more (its storage's use count is the pool's own), else a new one, so
+the pool grows to the most receives ever in flight at once, where one buffer per receiving op
+grew with M (a 64 MiB boundary with 32 micro-batches: about 4 GiB of receive buffers on one
+worker). Nothing is ever reused while referenced: a pending receive's work holds its tensor,
+and so does any view a model keeps.
+
+Send buffers stay one per sending op (`StageRuntime._send`): a send's buffer is free only once
+the send completed, which gloo reports only to a wait, and waiting for a recent send could
+block on a receiver that is not there yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from recycle_planner.executor.data.boundary import fit
+
+_FREE = 2
+"""A buffer's storage use count when only the pool holds it (the pool's tensor and the
+temporary storage object that asks)."""
+
+
+def _free(buf: torch.Tensor) -> bool:
+    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= _FREE
+
+
+class BufferPool:
+    """Byte buffers on `device` reused once free; `peak` is how many were ever held."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.bufs: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of a free buffer (a free one too small is replaced), else of a new one.
+        Always a view of its own, whose holders (the receive's work, the unpacked leaves) are
+        what keeps the buffer busy: the pool's tensor itself is shared by nobody."""
+        small = None
+        for i, buf in enumerate(self.bufs):
+            if _free(buf):
+                if buf.numel() >= nbytes:
+                    return buf[:max(nbytes, 1)]
+                small = i if small is None else small
+        new = fit(None, nbytes, self.device)
+        if small is not None:
+            self.bufs[small] = new
+        else:
+            self.bufs.append(new)
+        return new[:max(nbytes, 1)]
+
+    @property
+    def peak(self) -> int:
+        return len(self.bufs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.bufs)
+
+    def clear(self) -> None:
+        self.bufs = []
