@@ -233,3 +233,11 @@ def test_the_exact_engines_match_exhaustive_search_with_chunks(tiny_truth, engin
 def test_the_dp_refuses_chunks_in_one_line():
     with pytest.raises(RecycleError, match="the dp solver plans jobs with one chunk per worker"):
         plan_situation(chunked(2, 2, 2), Policy(), [(1, 0)], solver="dp")
+
+
+def test_size_thresholds_count_every_chunk():
+    from recycle_planner.job.policy import compute_ops
+
+    spec = chunked(4, 3, 8, 2)
+    plan = plan_situation(spec, Policy(), ())
+    assert compute_ops(spec, Policy()) == plan.schedule.n_ops - 2 * spec.workers == 576

@@ -74,8 +74,8 @@ def natural_caps(spec: JobSpec, policy: Policy) -> tuple[int, ...]:
 
 def compute_ops(spec: JobSpec, policy: Policy) -> int:
     """A plan's compute ops per iteration (F, I and W with the split backward; F and B
-    without): the size every size threshold of the planner is measured in."""
-    return spec.workers * spec.microbatches * (3 if policy.decouple else 2)
+    without), of every chunk: the size every size threshold of the planner is measured in."""
+    return spec.workers * spec.chunks * spec.microbatches * (3 if policy.decouple else 2)
 
 
 def budget_caps(spec: JobSpec, policy: Policy) -> tuple[int, ...]:
