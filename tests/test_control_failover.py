@@ -25,7 +25,7 @@ from recycle_planner.job.spec import JobSpec
 from recycle_planner.library import Settings, build_library
 
 ROOT = Path(__file__).resolve().parent.parent
-PIPELINES, STAGES, PER_HOST, LEASE = 3, 2, 2, 2.0
+PIPELINES, STAGES, PER_HOST, LEASE = 3, 2, 2, 4.0  # the executor's default: a loaded test machine
 
 pytestmark = pytest.mark.skipif(etcd_missing() is not None, reason=str(etcd_missing()))
 
@@ -95,7 +95,7 @@ def leader_name(store, keys):
 
 @pytest.fixture(scope="module")
 def cluster():
-    with EtcdCluster(3) as c:
+    with EtcdCluster(3, fast=False) as c:  # etcd's own timings: a loaded machine
         yield c
 
 
@@ -175,7 +175,7 @@ def test_one_etcd_member_killed_changes_nothing(job, cluster):
 
 
 def test_quorum_lost_the_store_says_so_to_hosts_and_coordinators(library):
-    with EtcdCluster(3) as cluster:
+    with EtcdCluster(3, fast=False) as cluster:
         keys = Keys("quorum")
         store = EtcdStore(cluster.endpoints, timeout=2)
         coords = Coordinators(cluster, library, keys.job, n=2)
@@ -185,11 +185,13 @@ def test_quorum_lost_the_store_says_so_to_hosts_and_coordinators(library):
             cluster.kill(1)
             cluster.kill(2)
             t0 = time.monotonic()
-            assert wait_for(lambda: all(h.lost for h in hosts), 10)
-            assert time.monotonic() - t0 < LEASE + 2 + 1
+            assert wait_for(lambda: all(h.lost for h in hosts), 20)
+            # no renewal for the lease, noticed at the next renewal (a third of the lease
+            # later) once its call gives up (the store's timeout, 2 s)
+            assert time.monotonic() - t0 < LEASE * 4 / 3 + 2 + 1
             assert "not renewed" in hosts[0].lost
             for proc in coords.procs.values():
-                assert proc.wait(15) == STORE_UNAVAILABLE
+                assert proc.wait(30) == STORE_UNAVAILABLE
             assert any("control store is unavailable" in line
                        for lines in coords.lines.values() for line in lines)
         finally:
