@@ -128,6 +128,8 @@ def all_hold(hosts, gen, timeout):
 def test_the_leader_lost_another_leads_and_decides_a_host_loss_once(job, how):
     store, keys, coords, hosts = job
     assert all_hold(hosts, 1, 30), coords.lines
+    # the leader says so after its write, which hosts may hear of first
+    assert wait_for(lambda: coords.decisions() == ["1"], 20), coords.lines
     old = leader_name(store, keys)
     os.kill(coords.procs[old].pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
     t0 = time.monotonic()
@@ -151,6 +153,8 @@ def test_the_leader_lost_another_leads_and_decides_a_host_loss_once(job, how):
 def test_a_host_lost_while_the_coordinators_fail_over(job):
     store, keys, coords, hosts = job
     assert all_hold(hosts, 1, 30), coords.lines
+    # the leader says so after its write, which hosts may hear of first
+    assert wait_for(lambda: coords.decisions() == ["1"], 20), coords.lines
     old = leader_name(store, keys)
     os.kill(coords.procs[old].pid, signal.SIGKILL)
     hosts[2].close(leave=False)
