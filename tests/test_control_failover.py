@@ -25,7 +25,7 @@ from recycle_planner.job.spec import JobSpec
 from recycle_planner.library import Settings, build_library
 
 ROOT = Path(__file__).resolve().parent.parent
-PIPELINES, STAGES, PER_HOST, LEASE = 3, 2, 2, 2.0
+PIPELINES, STAGES, PER_HOST, LEASE = 3, 2, 2, 4.0  # the executor's default: a loaded test machine
 
 pytestmark = pytest.mark.skipif(etcd_missing() is not None, reason=str(etcd_missing()))
 
@@ -95,7 +95,7 @@ def leader_name(store, keys):
 
 @pytest.fixture(scope="module")
 def cluster():
-    with EtcdCluster(3) as c:
+    with EtcdCluster(3, fast=False) as c:  # etcd's own timings: a loaded machine
         yield c
 
 
@@ -128,6 +128,8 @@ def all_hold(hosts, gen, timeout):
 def test_the_leader_lost_another_leads_and_decides_a_host_loss_once(job, how):
     store, keys, coords, hosts = job
     assert all_hold(hosts, 1, 30), coords.lines
+    # the leader says so after its write, which hosts may hear of first
+    assert wait_for(lambda: coords.decisions() == ["1"], 20), coords.lines
     old = leader_name(store, keys)
     os.kill(coords.procs[old].pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
     t0 = time.monotonic()
@@ -143,7 +145,7 @@ def test_the_leader_lost_another_leads_and_decides_a_host_loss_once(job, how):
         os.kill(coords.procs[old].pid, signal.SIGCONT)
         time.sleep(3 * LEASE)
         assert leader_name(store, keys) == new
-    assert wait_for(lambda: coords.decisions(new) == ["2"], 5), coords.lines
+    assert wait_for(lambda: coords.decisions(new) == ["2"], 20), coords.lines
     assert sorted(coords.decisions()) == ["1", "2"]   # each generation decided exactly once
     assert hosts[0].decision.gen == 2
 
@@ -151,12 +153,14 @@ def test_the_leader_lost_another_leads_and_decides_a_host_loss_once(job, how):
 def test_a_host_lost_while_the_coordinators_fail_over(job):
     store, keys, coords, hosts = job
     assert all_hold(hosts, 1, 30), coords.lines
+    # the leader says so after its write, which hosts may hear of first
+    assert wait_for(lambda: coords.decisions() == ["1"], 20), coords.lines
     old = leader_name(store, keys)
     os.kill(coords.procs[old].pid, signal.SIGKILL)
     hosts[2].close(leave=False)
     assert all_hold(hosts[:2], 2, 10), coords.lines
     assert hosts[0].decision.members == (0, 1, 2, 3)
-    assert wait_for(lambda: len(coords.decisions()) == 2, 5), coords.lines
+    assert wait_for(lambda: len(coords.decisions()) == 2, 20), coords.lines
     assert sorted(coords.decisions()) == ["1", "2"]
 
 
@@ -175,7 +179,7 @@ def test_one_etcd_member_killed_changes_nothing(job, cluster):
 
 
 def test_quorum_lost_the_store_says_so_to_hosts_and_coordinators(library):
-    with EtcdCluster(3) as cluster:
+    with EtcdCluster(3, fast=False) as cluster:
         keys = Keys("quorum")
         store = EtcdStore(cluster.endpoints, timeout=2)
         coords = Coordinators(cluster, library, keys.job, n=2)
@@ -185,11 +189,13 @@ def test_quorum_lost_the_store_says_so_to_hosts_and_coordinators(library):
             cluster.kill(1)
             cluster.kill(2)
             t0 = time.monotonic()
-            assert wait_for(lambda: all(h.lost for h in hosts), 10)
-            assert time.monotonic() - t0 < LEASE + 2 + 1
+            assert wait_for(lambda: all(h.lost for h in hosts), 20)
+            # no renewal for the lease, noticed at the next renewal (a third of the lease
+            # later) once its call gives up (the store's timeout, 2 s)
+            assert time.monotonic() - t0 < LEASE * 4 / 3 + 2 + 1
             assert "not renewed" in hosts[0].lost
             for proc in coords.procs.values():
-                assert proc.wait(15) == STORE_UNAVAILABLE
+                assert proc.wait(30) == STORE_UNAVAILABLE
             assert any("control store is unavailable" in line
                        for lines in coords.lines.values() for line in lines)
         finally:
@@ -299,7 +305,7 @@ def test_coordinate_and_follow_move_a_job_to_the_next_leader(cluster, tmp_path):
         assert runs.read_text().split() == [f"{old}.example:29400", f"{new}.example:29400"]
         assert wait_for(lambda: "coordinating ['--resume']" in outs[new].read_text(), 10)
         pid = int(outs[old].read_text().split()[-1])
-        assert wait_for(lambda: not alive(pid), 5)  # the deposed leader's coordinator died too
+        assert wait_for(lambda: not alive(pid), 15)  # the deposed leader's coordinator died too
     finally:
         follower.kill()
         for proc in coords.values():

@@ -110,7 +110,7 @@ def test_host_loss_gives_every_survivor_the_next_decision(store, keys):
         assert (second.restart, second.plan) == (7, "plan-dead-2")
         assert took < 1 + 2.5, took      # the lease (1 s) plus the reports and the decision
         # (a host may hear of the decision before its writer's call returns)
-        assert wait_for(lambda: len(decisions) >= 2, 5)
+        assert wait_for(lambda: len(decisions) >= 2, 15)
         time.sleep(0.2)
         assert [d.gen for d in decisions] == [1, 2]  # each generation decided once
         assert store.get(keys.host(2)) is None
@@ -131,13 +131,13 @@ def test_a_new_leader_finishes_the_collection_its_predecessor_started(store, key
     leader = Leader(first, keys, PIPELINES, STAGES, lookup)
     leader._load()
     leader._settle()                       # every host is up: abort 0 ("start")
-    assert wait_for(lambda: len(store.get_prefix(keys.ready(0))[0]) == 3, 5)
+    assert wait_for(lambda: len(store.get_prefix(keys.ready(0))[0]) == 3, 15)
     first.resign()                         # gone before deciding generation 1
     stop, decisions = threading.Event(), []
     threads = coordinators(store, keys, ["second"], stop, decisions)
     try:
         assert wait_for(lambda: all(m.decision and m.decision.gen == 1 for m in members), 10)
-        assert wait_for(lambda: decisions, 5)
+        assert wait_for(lambda: decisions, 15)
         time.sleep(0.3)
         assert [d.gen for d in decisions] == [1]
     finally:
@@ -186,7 +186,7 @@ def test_lead_then_publishes_the_leaders_store_and_stops_a_deposed_leader(store,
     store.revoke(leader.lease)            # a's lease ran out: it must stop coordinating
     first.join(5)
     assert deposed == [("a", DEPOSED)]
-    assert wait_for(lambda: store.get(keys.coordinator).value == "b.example:29400", 5)
+    assert wait_for(lambda: store.get(keys.coordinator).value == "b.example:29400", 15)
     release.set()
     second.join(5)
     assert results == {"a": ("a", None), "b": ("b", "a.example:29400")}

@@ -1,0 +1,88 @@
+"""Coordinators that fail over with real training: a 3-member etcd and two `failover
+coordinate` wrappers in the coordinator's network namespace, one `failover follow` wrapper per
+training host (each a namespace joined by a veth pair). The leading wrapper is SIGKILLed after
+the checkpoint of iteration 2: its coordinator dies with it, the workers stop with a
+checkpoint, the standby leads and resumes, the host agents follow it, and training ends with
+the parameters of the fault-free run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_missing
+
+pytestmark = pytest.mark.torch
+torch = pytest.importorskip("torch")
+
+from helpers.executor_checks import (TINY, assert_losses_equal,  # noqa: E402
+                                     assert_params_equal, checkpoint_params, library, reference)
+from helpers.netns import COORD_ADDR, IP, Hosts, unavailable  # noqa: E402
+
+WHY = unavailable() or etcd_missing()
+pytestmark = [pytestmark, pytest.mark.skipif(WHY is not None, reason=f"{WHY}")]
+
+ITERATIONS = 8
+FAILOVER = [sys.executable, "-m", "recycle_planner.executor.control.failover"]
+CLI = [sys.executable, "-m", "recycle_planner.cli"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(**more: str) -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **more)
+
+
+def test_the_leading_coordinator_killed_the_standby_resumes_the_run(tmp_path):
+    lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=2)
+    ref = reference(["--iterations", str(ITERATIONS)], 2, 4)
+    run = tmp_path / "run"
+    logs = {name: tmp_path / f"{name}.log" for name in ("c0", "c1", "h0", "h1")}
+    with Hosts(2) as net, EtcdCluster(3, host=COORD_ADDR, wrap=(IP, "netns", "exec", net.coord),
+                                      folder=tmp_path / "etcd") as etcd:
+        wrappers = {}
+        for i in range(2):
+            port = str(29400 + i)
+            wrappers[f"c{i}"] = net.popen(net.coord, [
+                *FAILOVER, "coordinate", "--etcd", etcd.endpoints, "--job", "train",
+                "--lease", "2", "--name", f"c{i}", "--endpoint", f"{COORD_ADDR}:{port}", "--",
+                *CLI, "coordinator", "--nnodes", "2", "--nproc-per-node", "2", "--port", port,
+                "--run-dir", str(run), "--lease", "2", "--heartbeat", "0.1",
+                "--checkpoint-every", "2"], open(logs[f"c{i}"], "wb"), env=_env())
+        followers = [net.popen(ns, [
+            *FAILOVER, "follow", "--etcd", etcd.endpoints, "--job", "train", "--timeout", "120",
+            "--", *CLI, "launch", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank",
+            str(i), "--rdzv-endpoint", "{coordinator}", TINY, "--", "--library", str(lib),
+            "--iterations", str(ITERATIONS)], open(logs[f"h{i}"], "wb"),
+            env=_env(GLOO_SOCKET_IFNAME="eth0")) for i, ns in enumerate(net.hosts)]
+
+        def text(name):
+            return logs[name].read_text(errors="replace")
+
+        deadline = time.time() + 300  # a loaded machine: the first generation starts slowly
+        while not (run / "checkpoints" / "iter-000002" / "manifest.json").is_file():
+            assert time.time() < deadline, "".join(text(n)[-2000:] for n in logs)
+            time.sleep(0.05)
+        leader = next(n for n in ("c0", "c1") if "coordinator for" in text(n))
+        os.kill(wrappers[leader].pid, signal.SIGKILL)  # its coordinator dies with it
+        codes = []
+        for proc in followers:
+            try:
+                codes.append(proc.wait(240))
+            except subprocess.TimeoutExpired:
+                raise AssertionError("".join(text(n)[-3000:] for n in logs)) from None
+        assert codes == [0, 0], "".join(text(n)[-3000:] for n in logs)
+        other = "c1" if leader == "c0" else "c0"
+        assert wrappers[other].wait(60) == 0, text(other)[-3000:]
+    assert "lost the coordinator" in text("h0") + text("h1")
+    result = json.loads((run / "result.json").read_text())
+    assert result["status"] == "completed" and result["iterations"] == ITERATIONS
+    restart = [e["restart"] for e in result["events"] if e["kind"] == "generation"]
+    assert len(restart) == 1 and 2 <= restart[0] <= ITERATIONS   # the resumed run's one
+    _, params = checkpoint_params(run, 2)
+    assert_params_equal(params, ref.params)
+    assert_losses_equal(result["losses"][restart[0]:], ref.losses[restart[0]:])
