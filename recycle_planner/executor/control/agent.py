@@ -356,6 +356,9 @@ def prepare_library(config: LaunchConfig) -> LaunchConfig:
 
 
 def _check_size(spec, nproc: int, where) -> None:
+    if spec.chunks > 1:  # the runtime runs one chunk per worker; virtual stages come later
+        raise RecycleError(f"the plan library {where} gives each worker {spec.chunks} model "
+                           "chunks; launch runs one chunk per worker")
     if spec.workers != nproc:
         raise RecycleError(f"the plan library {where} is for {spec.pipelines} pipelines x "
                            f"{spec.stages} stages = {spec.workers} workers, not {nproc}")

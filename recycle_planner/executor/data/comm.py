@@ -65,9 +65,20 @@ def _nccl_group(store: Any, rank: int, size: int, timeout: timedelta):
 def _gloo_abort(group) -> None:
     """gloo's `abort()` does not release a waiting operation, but gloo closes every connection
     of a group when an application-side wait times out ("Application timeout caused pair
-    closure"): a receive nobody will answer, waited for 1 ms, is that abort."""
-    peer = 1 if group.rank() == 0 else 0
-    group.recv([torch.zeros(1)], peer, ABORT_TAG).wait(timedelta(milliseconds=1))
+    closure"): a receive nobody will answer, waited for 1 ms, is that abort.
+
+    A receive from a peer whose connection is already closed (it died, or aborted first)
+    fails at once with "Connection closed by peer", which closes nothing else: the receive
+    is tried from each peer in turn until one times out (then every connection is closed and
+    the others fail at once). With one fixed peer, a member of a group of three or more that
+    aborted second stayed blocked on a silent host until the group timeout."""
+    for peer in range(group.size()):
+        if peer == group.rank():
+            continue
+        try:
+            group.recv([torch.zeros(1)], peer, ABORT_TAG).wait(timedelta(milliseconds=1))
+        except RuntimeError as exc:
+            log.debug("abort: receive from %d: %s", peer, short_error(exc))
 
 
 def _nccl_abort(group) -> None:
