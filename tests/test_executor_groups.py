@@ -29,7 +29,7 @@ def test_a_silent_member_of_a_three_member_group_is_released_within_the_lease(tm
     args = ["--library", str(lib), "--iterations", "6"]
     faults = [parse_fault(f) for f in ("5:2:W3:hang", "4:4:W3:hang")]
     config = LaunchConfig(nproc=6, run_dir=str(tmp_path / "run"), faults=faults,
-                          hang_timeout=1.5, heartbeat=0.1, pg_timeout=30.0)
+                          lease=1.5, heartbeat=0.1, pg_timeout=30.0)
     result = launch(TINY, config, args)
     assert result.status == "completed" and result.iterations == 6
     assert [g["dead"] for g in _events(result, "generation")] == [
