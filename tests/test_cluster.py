@@ -182,8 +182,7 @@ def test_a_returning_hosts_stale_workers_are_fenced(tmp_path, three_pipelines):
     acting on it (fenced). Today they ran it ("4 is not in list" in comm.py, taken for a bug in user code)
     and the healthy job stopped. A slow data loader (0.2 s a micro-batch) keeps training
     going meanwhile; it ends with the fault-free parameters and losses. (A short group
-    timeout: a survivor blocked sending to the stopped host is released only by it, see the
-    report of issue 22.)"""
+    timeout, only as a backstop.)"""
     import signal
 
     lib, ref = three_pipelines
