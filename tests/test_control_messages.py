@@ -77,3 +77,49 @@ def test_key_rules_on_a_real_store():
     for r in (0, 1):
         msg.put(store, msg.Done(1, r, 8))
     assert msg.present(store, msg.Done, [{"gen": 1, "rank": r} for r in (0, 1)])
+
+
+def test_a_decision_names_the_incarnations_it_counts_on_and_excludes_the_rest():
+    """Fencing: a worker process that reads a decision which does not count on it (its rank is
+    not a member, or a newer incarnation took its place) leaves without acting on it."""
+    from recycle_planner.executor.control import protocol as P
+
+    decision = P.decide(3, 2, 2, {0: 5, 1: 5, 2: None}, lambda dead: ("k0-1.json.gz", 0.1),
+                        incarnations={0: 0, 1: 0, 2: 1})
+    back = P.Decision.from_json(decision.to_json())
+    assert back == decision and back.incarnations == {0: 0, 1: 0, 2: 1}
+    assert not back.excludes(2, 1)
+    assert back.excludes(2, 0)          # the stale process of a restarted rank
+    assert back.excludes(3, 0)          # a rank declared dead
+    old = P.Decision.from_json('{"gen": 1, "action": "run", "members": [0], "dead": [], '
+                               '"restart": 0, "sources": {}}')
+    assert not old.excludes(0, 7)       # a decision that names none counts on any
+
+
+def test_only_an_error_with_a_frame_of_user_code_is_a_users_bug(tmp_path):
+    """An exception raised by the executor's own code (every frame in the package or the
+    standard library, say a `list.index` in comm.py) fails that worker; one raised while
+    user code runs (the job's file, or torch called from it) stops the job as a bug."""
+    pytest.importorskip("torch")
+    import importlib.util
+
+    from recycle_planner.executor.worker import raised_in_user_code
+    from recycle_planner.job.workers import format_workers
+
+    user = tmp_path / "user_job.py"
+    user.write_text("def forward(x):\n    raise ValueError('bad shape')\n")
+    spec = importlib.util.spec_from_file_location("user_job", user)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def caught(exc: BaseException) -> BaseException:
+        return exc.with_traceback(exc.__traceback__.tb_next)  # as the worker catches it
+
+    try:
+        format_workers(5)  # the package's own code fails (a TypeError inside it)
+    except TypeError as exc:
+        assert not raised_in_user_code(caught(exc))
+    try:
+        module.forward(1)
+    except ValueError as exc:
+        assert raised_in_user_code(caught(exc))

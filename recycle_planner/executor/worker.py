@@ -480,9 +480,14 @@ class Worker:
         training thread to be in a control call (its state is then at a step boundary) and
         stop with a checkpoint from here, as the training thread would on `ControlLost`."""
         lease, beat = self.config.lease, self.config.heartbeat
+        checked = time.monotonic()
         while not self._stopped:
             time.sleep(min(0.05, beat))
-            silent = time.monotonic() - self._link_asked
+            now = time.monotonic()
+            if now - checked > 1.0:  # this process was stopped: give the link its chance
+                self._link_asked = max(self._link_asked, now)
+            checked = now
+            silent = now - self._link_asked
             if silent <= lease + beat or self._stopped:
                 continue
             log.error("no answer from the control plane for %.1f s: it is lost", silent)
