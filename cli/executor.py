@@ -11,7 +11,8 @@ import click
 
 from recycle_planner.cli.options import number
 from recycle_planner.cli.progress import Ticker
-from recycle_planner.executor.config import BACKEND_NAMES, BUCKET_MB, UNDO_COPY, UNDO_PLACES
+from recycle_planner.executor.config import (BACKEND_NAMES, BUCKET_MB, GRACE, RDZV_TIMEOUT,
+                                             UNDO_COPY, UNDO_PLACES)
 from recycle_planner.library.ondemand import (ON_DEMAND_BUDGET, REFINE_BUDGET, REFINE_MARGIN,
                                               REFINE_WHICH)
 
@@ -75,12 +76,22 @@ def _settings(f):
                      help="Where the copy that undoes a stage's latest optimizer step lives "
                           "(parameters and optimizer state): host memory (pinned on GPUs) or "
                           "the device (faster to make, costs device memory)."),
+        click.option("--grace", type=number("grace"), default=GRACE, show_default=True,
+                     metavar="SECONDS",
+                     help="On SIGTERM (preemption), stop within this long: every worker "
+                          "undoes a half-finished iteration and a consistent checkpoint is "
+                          "written, which --resume continues."),
         click.option("--checkpoint-every", type=number("checkpoint_every"), default=100,
                      show_default=True, metavar="ITERATIONS",
                      help="Checkpoint every so many iterations (0: only the final one, and "
                           "one when training has to stop)."),
         click.option("--resume", is_flag=True,
-                     help="Start from the run folder's latest checkpoint."),
+                     help="Continue the run in --run-dir from its latest complete checkpoint "
+                          "(a new attempt: its logs go to logs/attempt-N/)."),
+        click.option("--start-over", is_flag=True,
+                     help="--run-dir holds another run's checkpoints: remove them (and its "
+                          "losses and result) and start a new run there. Without it (or "
+                          "--resume) such a folder is refused."),
         click.option("--inject-fault", "faults", multiple=True,
                      metavar="RANK:ITER:POINT[:ACTION[:after-step=R,...]]",
                      help="Testing: kill (or hang, stall, take a host down) worker RANK at a "
@@ -140,6 +151,10 @@ def _show(as_json: bool):
               help="The coordinator's store (cluster jobs).")
 @click.option("--rdzv-id", default="recycle", show_default=True,
               help="Job id at the endpoint (cluster jobs).")
+@click.option("--rdzv-timeout", type=number("rdzv_timeout"), default=RDZV_TIMEOUT,
+              show_default=True, metavar="SECONDS",
+              help="How long a host agent waits for the coordinator at --rdzv-endpoint "
+                   "(saying so in its log) before it gives up (cluster jobs).")
 @click.option("--master-addr", default="127.0.0.1", show_default=True,
               help="One machine: address of the store the launcher hosts.")
 @click.option("--master-port", type=number("master_port"), default=0, show_default=True,
@@ -151,7 +166,8 @@ def _show(as_json: bool):
               help="Restarts per worker (with --restart-delay).")
 @_settings
 def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
-           node_rank: int | None, rdzv_endpoint: str | None, rdzv_id: str, master_addr: str,
+           node_rank: int | None, rdzv_endpoint: str | None, rdzv_id: str,
+           rdzv_timeout: float, master_addr: str,
            master_port: int, restart_delay: float | None, max_restarts: int,
            as_json: bool, **settings) -> None:
     """Train JOB on worker processes and keep training when workers or hosts die.
@@ -189,7 +205,8 @@ def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
         host = HostAgent(worker_command(target, args), HostConfig(
             nnodes=nnodes, nproc_per_node=nproc, endpoint=rdzv_endpoint, node_rank=node_rank,
             rdzv_id=rdzv_id, max_restarts=max_restarts if restart_delay is not None else 0,
-            restart_delay=restart_delay or 0.0), on_event=click.echo)
+            restart_delay=restart_delay or 0.0, rdzv_timeout=rdzv_timeout),
+            on_event=click.echo)
         sys.exit(host.run())
     config = _launch_config(nproc, master_addr=master_addr, master_port=master_port,
                             restart_delay=restart_delay, max_restarts=max_restarts, **settings)
@@ -233,6 +250,7 @@ def result_summary(result) -> str:
     if len(ends) > 1:
         lines.append(f"  iterations      {result.iterations}, median step "
                      f"{1e3 * _median_step(ends):.2f} ms")
+    lines += predicted_and_measured(result)
     for rec in result.recoveries:
         replanned = rec.get("replanned_after")
         lines.append(f"  recovery        worker {rec['worker']} died at {rec['t_death']:.3f} s; "
@@ -248,6 +266,32 @@ def result_summary(result) -> str:
 def _median_step(ends: list[float]) -> float:
     steps = sorted(b - a for a, b in zip(ends, ends[1:]))
     return steps[len(steps) // 2]
+
+
+def predicted_and_measured(result) -> list[str]:
+    """Per generation: the plan's predicted period, the same plan re-timed with the op costs
+    the run measured (replayed), and the measured step; for a failure also the degradation
+    predicted and measured (against the fault-free generation's step). On a CPU shared with
+    other work they differ: docs/executor.md, "Predicted and measured", says why."""
+    records = list(getattr(result, "generations", []) or [])
+    base = next((g["measured_ms"] for g in records if not g["dead"] and g["measured_ms"]), None)
+    lines = []
+    for g in records:
+        if g["iterations"] == 0:
+            continue
+        dead = ", ".join(f"{d}:{s}" for d, s in g["dead"]) or "none"
+        parts = [f"predicted {g['predicted_ms']:.4g} ms"]
+        if g["replayed_ms"] is not None:
+            parts.append(f"replayed {g['replayed_ms']:.4g} ms")
+        if g["measured_ms"] is not None:
+            parts.append(f"measured {g['measured_ms']:.4g} ms")
+        line = f"  generation {g['gen']:<4} dead {dead}: period " + ", ".join(parts)
+        if g["dead"]:
+            line += f"; degradation predicted {g['predicted_degradation']:+.1%}"
+            if base and g["measured_ms"] is not None:
+                line += f", measured {g['measured_ms'] / base - 1:+.1%}"
+        lines.append(line)
+    return lines
 
 
 @click.command()

@@ -52,11 +52,12 @@ TINY=examples/tiny_mlp.py:make_job
 "$RP" plan-all "$OUT/tiny.toml" --max-failures 2 --force -o "$OUT/tiny-plans" | tail -n 4
 echo
 echo "== train it on 4 CPU processes (2 stages x 2 pipelines), nothing fails"
-"$RP" launch -n 4 --run-dir "$OUT/tiny-fault-free" "$TINY" -- --library "$OUT/tiny-plans" \
+# --start-over: a run folder belongs to one run; the demo's earlier run there is replaced
+"$RP" launch -n 4 --run-dir "$OUT/tiny-fault-free" --start-over "$TINY" -- --library "$OUT/tiny-plans" \
     --iterations 30
 echo
 echo "== the same training; worker 1:0 (rank 2) is killed mid-forward in iteration 10"
-"$RP" launch -n 4 --run-dir "$OUT/tiny-killed" --inject-fault 2:10:F1 "$TINY" -- \
+"$RP" launch -n 4 --run-dir "$OUT/tiny-killed" --start-over --inject-fault 2:10:F1 "$TINY" -- \
     --library "$OUT/tiny-plans" --iterations 30
 echo
 echo "== no library at all: every situation is planned when first met (here two dead workers)"

@@ -18,9 +18,9 @@ mkdir -p "$OUT"
 "$RP" profile "$JOB" --pipelines 2 --microbatches 4 --name gpt-small \
     -o "$OUT/gpt-small.toml" -- "${ARGS[@]}"
 "$RP" plan-all "$OUT/gpt-small.toml" --max-failures 1 --force -o "$OUT/plans" | tail -n 3
-"$RP" launch -n 4 --run-dir "$OUT/fault-free" "$JOB" -- --library "$OUT/plans" \
+"$RP" launch -n 4 --run-dir "$OUT/fault-free" --start-over "$JOB" -- --library "$OUT/plans" \
     --iterations "$ITER" "${ARGS[@]}"
-"$RP" launch -n 4 --run-dir "$OUT/killed" --inject-fault 2:$((ITER / 2)):F1 "$JOB" -- \
+"$RP" launch -n 4 --run-dir "$OUT/killed" --start-over --inject-fault 2:$((ITER / 2)):F1 "$JOB" -- \
     --library "$OUT/plans" --iterations "$ITER" "${ARGS[@]}"
 "$BIN/python" examples/compare_runs.py "$OUT/fault-free" "$OUT/killed" --rtol 1e-6
 "$BIN/python" examples/plot_losses.py "$OUT/fault-free=fault-free" \

@@ -101,6 +101,8 @@ LIMITS: dict[str, Range] = {
     "lease": seconds(0.1, DAY),
     "heartbeat": seconds(0.01, 3600.0),
     "pg_timeout": seconds(1.0, DAY),
+    "rdzv_timeout": seconds(0.1, DAY),
+    "grace": seconds(1.0, 3600.0),
     "bucket_mb": Range(0.0, 1e6, low_open=True, unit="MiB"),
     "checkpoint_every": count(0, 10**9),
     # the profiler

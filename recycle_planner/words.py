@@ -20,9 +20,11 @@ def number(x: float, digits: int = 4) -> str:
 
 
 def grid(spec) -> str:
-    """'8 stages x 4 pipelines x 8 micro-batches'."""
+    """'8 stages x 4 pipelines x 8 micro-batches' (', 2 chunks per worker (v)' where
+    workers hold several)."""
+    chunks = "" if spec.chunks == 1 else f", {spec.chunks} chunks per worker ({spec.layout})"
     return (f"{plural(spec.stages, 'stage')} x {plural(spec.pipelines, 'pipeline')} x "
-            f"{plural(spec.microbatches, 'micro-batch')}")
+            f"{plural(spec.microbatches, 'micro-batch')}{chunks}")
 
 
 def duration(seconds: float) -> str:

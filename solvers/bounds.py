@@ -65,6 +65,7 @@ from recycle_planner.job.spec import JobSpec
 from recycle_planner.job.workers import dead_per_stage
 from recycle_planner.schedules.ops import Worker
 from recycle_planner.solvers.chains import busiest_load, chains
+from recycle_planner.solvers.chunk_bounds import chunk_bounds
 from recycle_planner.solvers.crowded_ends import crowded_ends
 
 
@@ -80,7 +81,10 @@ def lower_bound(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> Bo
 
 
 def all_bounds(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...]) -> list[Bound]:
-    """Every bound of the module docstring for this situation (each one is sound alone)."""
+    """Every bound of the module docstring for this situation (each one is sound alone); a
+    job with several chunks per worker has its own (chunk_bounds.py)."""
+    if spec.chunks > 1:
+        return chunk_bounds(spec, policy, failed)
     S, D, M = spec.stages, spec.pipelines, spec.microbatches
     n = busiest_load(spec, failed)
     k = dead_per_stage(spec, failed)

@@ -41,20 +41,24 @@ KIND_TIEBREAK = {I: 0, B: 0, F: 1, W: 2}
 
 
 def default_assignment(spec: JobSpec, failed: tuple[Worker, ...]) -> np.ndarray:
-    """Which pipeline's worker runs each (pipeline, stage, micro-batch): the dead workers'
-    micro-batches go round-robin to the live peers of their stage, continuing the rotation
-    from one dead worker to the next so that every peer gets floor or ceil of the extra."""
+    """Which pipeline's worker runs each (pipeline, virtual stage, micro-batch): the dead
+    workers' micro-batches go round-robin to the live peers of their stage, continuing the
+    rotation from one dead worker to the next so that every peer gets floor or ceil of the
+    extra; a micro-batch's chunks on a dead worker all go to one peer (the one that holds the
+    same chunks, as every peer of the stage does)."""
     D, S, M = spec.pipelines, spec.stages, spec.microbatches
-    assign = np.repeat(np.arange(D)[:, None, None], S, axis=1).repeat(M, axis=2)
+    V = spec.virtual_stages
+    assign = np.repeat(np.arange(D)[:, None, None], V, axis=1).repeat(M, axis=2)
     dead = set(failed)
     for s in range(S):
         peers = [d for d in range(D) if (d, s) not in dead]
+        held = [spec.virtual(s, c) for c in range(spec.chunks)]
         turn = 0
         for d in range(D):
             if (d, s) not in dead:
                 continue
             for m in range(M):
-                assign[d, s, m] = peers[turn % len(peers)]
+                assign[d, held, m] = peers[turn % len(peers)]
                 turn += 1
     return assign
 
@@ -68,11 +72,11 @@ def fault_free_simulation(spec: JobSpec, policy: Policy) -> Simulation:
 
 @lru_cache(maxsize=8)
 def template_keys(spec: JobSpec, policy: Policy) -> np.ndarray:
-    """keys[kind, s, m]: start time of (kind, pipeline 0, s, m) in the fault-free schedule
-    (cached and read-only)."""
+    """keys[kind, v, m]: start time of (kind, pipeline 0, virtual stage v, m) in the
+    fault-free schedule (cached and read-only)."""
     sim = fault_free_simulation(spec, policy)
-    space = OpSpace(spec.stages, spec.pipelines, spec.microbatches)
-    S, M = spec.stages, spec.microbatches
+    space = OpSpace.of(spec)
+    S, M = spec.virtual_stages, spec.microbatches
     keys = np.full((4, S, M), np.inf)
     for kind in (F, I, W, B):
         ids = space.compute(kind, 0, np.arange(S)[:, None], np.arange(M)[None, :])
@@ -85,9 +89,10 @@ def template_keys(spec: JobSpec, policy: Policy) -> np.ndarray:
 class ListSettings:
     """How one list schedule chooses (see the module docstring); None takes the job's own.
 
-    `assignment[d, s, m]`: the pipeline whose stage-s worker runs micro-batch m of pipeline d
-    (default_assignment); `caps[s]`: in-flight micro-batches a stage-s worker may hold (the
-    memory budget, budget_caps); `keys[kind, s, m]`: priorities (template_keys); `defer_w`: W
+    `assignment[d, v, m]`: the pipeline whose worker holding virtual stage v runs micro-batch
+    m of pipeline d there (default_assignment); `caps[s]`: in-flight micro-batches a stage-s
+    worker may hold (the memory budget, budget_caps); `keys[kind, v, m]`: priorities
+    (template_keys); `defer_w`: W
     only when nothing else is ready; `op_keys[(kind, d, s, m)]`: one op's priority, overriding
     `keys`; `patient`: rather than start an op, wait for one of higher priority that arrives
     before it would finish (the template's order is then kept wherever the data comes in
@@ -108,7 +113,7 @@ def list_schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                   settings: ListSettings = ListSettings()) -> Schedule:
     """One list schedule (see the module docstring), in passes: the priorities, which worker
     runs each unit, how many inputs each op waits for, the event loop, and the schedule."""
-    space = OpSpace(spec.stages, spec.pipelines, spec.microbatches)
+    space = OpSpace.of(spec)
     assignment = default_assignment(spec, failed) if settings.assignment is None \
         else settings.assignment
     caps = budget_caps(spec, policy) if settings.caps is None else settings.caps
@@ -134,10 +139,11 @@ def _priorities(keys: np.ndarray, defer_w: bool) -> list:
 def _executors(spec: JobSpec, failed: tuple[Worker, ...], assignment: np.ndarray,
                ops_per_microbatch: int) -> tuple[list[int], list[int]]:
     """exe[unit]: the worker index that runs each unit (OpSpace's order is the assignment's
-    [d, s, m]), and how many ops each worker must run; an error if the assignment gives work to
+    [d, v, m]), and how many ops each worker must run; an error if the assignment gives work to
     a dead worker."""
     S = spec.stages
-    exe = worker_index(S, assignment, np.arange(S)[None, :, None]).ravel().tolist()
+    holder = OpSpace.of(spec).holder
+    exe = worker_index(S, assignment, holder[None, :, None]).ravel().tolist()
     remaining = (np.bincount(exe, minlength=spec.workers) * ops_per_microbatch).tolist()
     for d, s in failed:
         if remaining[worker_index(S, d, s)]:
@@ -153,7 +159,7 @@ def _inputs_needed(space: OpSpace, bwd: int) -> list[int]:
     n = space.per_kind
     deps = np.zeros(COMPUTE_KINDS * n, dtype=np.int64)
     deps[F * n:(F + 1) * n] = stage > 0
-    deps[bwd * n:(bwd + 1) * n] = np.where(stage < space.S - 1, 2, 1)
+    deps[bwd * n:(bwd + 1) * n] = np.where(stage < space.V - 1, 2, 1)
     deps[W * n:(W + 1) * n] = 1
     return deps.tolist()
 
@@ -163,8 +169,9 @@ def _event_loop(spec: JobSpec, policy: Policy, space: OpSpace, key_of: list,
                 exe: list[int], remaining: list[int], deps_left: list[int],
                 caps: tuple[int, ...], drain_first: bool = False) -> list[list[int]]:
     """Every worker's op order: whenever a worker is free it starts its best ready op (see
-    the module docstring); an op becomes ready when the last of its inputs arrives."""
-    S, M, D = space.S, space.M, space.D
+    the module docstring); an op becomes ready when the last of its inputs arrives. Stages
+    here are virtual stages (S x chunks of them), workers are indexed by their own stage."""
+    S, M, D, V = space.S, space.M, space.D, space.V
     n, step = space.per_kind, space.stage_step
     _, unit_d, unit_s, unit_m = (a.tolist() for a in space.decode(np.arange(n)))
     bwd = I if policy.decouple else B
@@ -179,7 +186,9 @@ def _event_loop(spec: JobSpec, policy: Policy, space: OpSpace, key_of: list,
     free_at = [0.0] * n_workers
     wake = [math.inf] * n_workers       # time of the worker's next decision event
     future: list[list] = [[] for _ in range(n_workers)]   # (ready time, key, tie, op)
-    ready_f: list[list] = [[] for _ in range(n_workers)]  # forwards, gated by memory
+    # Forwards, gated by memory, one queue per chunk (see _forward_queue).
+    ready_f: list[list] = [[[] for _ in range(space.C)] for _ in range(n_workers)]
+    reserve = (space.C - 1 - space.chunk_of[unit_s]).tolist()  # per unit
     ready_o: list[list] = [[] for _ in range(n_workers)]  # everything else
     # With drain_first the weight gradients wait apart, and each worker counts the forwards
     # it has still to start.
@@ -226,9 +235,9 @@ def _event_loop(spec: JobSpec, policy: Policy, space: OpSpace, key_of: list,
         while fut and fut[0][0] <= t:
             item = heappop(fut)
             op = item[3]
-            heappush(ready_f[w] if op < n else ready_w[w] if W * n <= op < (W + 1) * n
-                     else ready_o[w], item[1:])
-        qf = ready_f[w] if inflight[w] < cap[w] else None
+            heappush(ready_f[w][space.C - 1 - reserve[op]] if op < n else ready_w[w]
+                     if W * n <= op < (W + 1) * n else ready_o[w], item[1:])
+        qf = _forward_queue(ready_f[w], cap[w] - inflight[w])
         qo = ready_o[w]
         if drain_first:
             qw = ready_w[w]
@@ -251,7 +260,7 @@ def _event_loop(spec: JobSpec, policy: Policy, space: OpSpace, key_of: list,
             finish = t + cost[kind0][unit_s[u0]]
             # The earliest-arriving op that outranks the candidate and comes before it is done.
             soon = [item for item in fut if item[0] < finish and item[1:3] < best[:2]
-                    and (item[3] >= n or inflight[w] < cap[w])]
+                    and (item[3] >= n or inflight[w] + reserve[item[3]] < cap[w])]
             if soon:
                 wake[w] = min(item[0] for item in soon)
                 heappush(events, (wake[w], w))
@@ -270,7 +279,7 @@ def _event_loop(spec: JobSpec, policy: Policy, space: OpSpace, key_of: list,
         # Inputs this op produces: the next stage's forward, this micro-batch's backward,
         # the previous stage's backward, this micro-batch's W.
         if kind == F:
-            if s < S - 1:
+            if s < V - 1:
                 deliver(op + step, end + p2p[s])
             deliver(bwd * n + u, end)
         else:
@@ -281,6 +290,21 @@ def _event_loop(spec: JobSpec, policy: Policy, space: OpSpace, key_of: list,
     if any(remaining):  # a bug, not bad input: with every cap >= 1 the last stage always drains
         raise RuntimeError("list scheduling stalled")
     return orders
+
+
+def _forward_queue(by_chunk: list[list], free: int) -> list | None:
+    """The queue of ready forwards (one per chunk) whose head a worker with `free` in-flight
+    slots starts first: the best head among the chunks it has room for. A forward of chunk c
+    leaves one slot for each later chunk of the worker (v - 1 - c of them), so that a worker
+    full of early chunks can still run the later chunks that let them drain: without the
+    reserve, a worker whose slots all hold chunk-0 micro-batches waits forever for its own
+    chunk-1 forwards. With one chunk per worker this is the plain cap."""
+    chunks = len(by_chunk)
+    best = None
+    for c, queue in enumerate(by_chunk):
+        if queue and free > chunks - 1 - c and (best is None or queue[0] < best[0]):
+            best = queue
+    return best
 
 
 def _schedule(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...], space: OpSpace,

@@ -178,7 +178,7 @@ def assignment_of(schedule: Schedule) -> np.ndarray:
     ids, workers = schedule.flat
     kind, pipe, stage, mb = schedule.space.decode(ids)
     f = kind == F
-    assign = np.zeros((spec.pipelines, spec.stages, spec.microbatches), dtype=np.int64)
+    assign = np.zeros((spec.pipelines, spec.virtual_stages, spec.microbatches), dtype=np.int64)
     assign[pipe[f], stage[f], mb[f]] = worker_at(spec.stages, workers[f])[0]
     return assign
 
@@ -225,8 +225,9 @@ def justified(spec: JobSpec, policy: Policy, found: list[Candidate]) -> list[Can
     """`found` and the improvement of each of its plans that the improvement shortens (every
     one, not only the shortest: from the heuristic's and the DP's plans the passes reach
     different plans, so `auto` is never longer than the heuristic solver); `found` alone above
-    UP_TO_OPS."""
-    if max(c.simulation.schedule.n_ops for c in found) > UP_TO_OPS:
+    UP_TO_OPS, and for workers with several chunks (the mirrored pass's memory gate has no
+    per-chunk reserve, heuristic._forward_queue's, and can stall there)."""
+    if spec.chunks > 1 or max(c.simulation.schedule.n_ops for c in found) > UP_TO_OPS:
         return found
     better = [improve(spec, policy, c) for c in found]
     return [*found, *(b for b, c in zip(better, found) if b is not c)]

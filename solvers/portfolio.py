@@ -18,6 +18,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
+from recycle_planner.errors import RecycleError
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import JobSpec
 from recycle_planner.schedules.ops import Worker
@@ -47,13 +48,22 @@ MILP_PAIRS_PER_SECOND = 400
 
 def solve_heuristic(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                     settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
-    starts = list(fast[:-1] if failed else fast) if fast else \
+    with_dp = failed and spec.chunks == 1  # fast_candidates ends with the DP's plan then
+    starts = list(fast[:-1] if with_dp else fast) if fast else \
         heuristic_candidates(spec, policy, failed)[:STARTS]
     return best_of(settings, justified(spec, policy, starts))
 
 
+def one_chunk_only(spec: JobSpec, solver: str) -> None:
+    """The solvers that model one chunk per worker refuse a job with more, in one line."""
+    if spec.chunks > 1:
+        raise RecycleError(f"the {solver} solver plans jobs with one chunk per worker, but this "
+                           f"one has {spec.chunks}: use --solver heuristic or auto")
+
+
 def solve_dp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
              settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
+    one_chunk_only(spec, "dp")
     if fast:
         return best_of(settings, [fast[-1] if failed else fast[0]])
     found = dp_plan(spec, policy, failed) if failed else heuristic(spec, policy, failed)
@@ -62,12 +72,14 @@ def solve_dp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
 
 def solve_milp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
                settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
+    one_chunk_only(spec, "milp")
     warm = best_of(settings, fast or fast_candidates(spec, policy, failed))
     return with_milp(spec, policy, failed, settings, warm)
 
 
 def solve_cp(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
              settings: SolverSettings, fast: Sequence[Candidate] | None = None) -> Solution:
+    one_chunk_only(spec, "cp")
     warm = best_of(settings, fast or fast_candidates(spec, policy, failed))
     return with_cp(spec, policy, failed, settings, warm)
 
@@ -78,9 +90,10 @@ def solve_auto(spec: JobSpec, policy: Policy, failed: tuple[Worker, ...],
     found = best_of(settings, justified(spec, policy,
                                         list(fast or fast_candidates(spec, policy, failed))))
     analytic = lower_bound(spec, policy, failed).value
-    if _gap(analytic, found) > OPEN and cp_fits(spec, policy, failed):
+    exact = spec.chunks == 1  # the engines model one chunk per worker
+    if exact and _gap(analytic, found) > OPEN and cp_fits(spec, policy, failed):
         found = with_cp(spec, policy, failed, settings, found)
-    if _gap(analytic, found) > OPEN and estimated_pairs(
+    if exact and _gap(analytic, found) > OPEN and estimated_pairs(
             spec, policy, failed) <= MILP_PAIRS_PER_SECOND * settings.time_limit:
         found = with_milp(spec, policy, failed, settings, found)
     if failed and found.simulation.schedule.n_ops <= UP_TO_OPS:  # else nothing is improved
@@ -150,7 +163,7 @@ def fast_candidates(spec: JobSpec, policy: Policy,
     """The fast solvers' plans: the heuristic's shortest (up to improve.STARTS of them, the
     improvement's starting points, shortest first), then (with failures) the DP's."""
     return heuristic_candidates(spec, policy, failed)[:STARTS] + (
-        [dp_plan(spec, policy, failed)] if failed else [])
+        [dp_plan(spec, policy, failed)] if failed and spec.chunks == 1 else [])
 
 
 def best_of(settings: SolverSettings, found: list[Candidate]) -> Solution:

@@ -2,6 +2,8 @@
 
 import subprocess
 
+import pytest
+
 from conftest import EXAMPLES, ROOT
 from helpers.cli import run
 
@@ -53,6 +55,7 @@ def documented_commands() -> list[str]:
     return commands
 
 
+@pytest.mark.timeout(1500)  # twelve planner commands, two plan-alls: 10 min at load 50
 def test_readme_and_docs_commands_run_in_order(tmp_path):
     """After `make demo`, the README's activation line and then every planner and what-if
     command of README.md and docs/*.md run as written, in order, in one folder (here beside a

@@ -86,7 +86,7 @@ def library(tmp_path_factory):
 def test_index_format(library):
     spec, folder = library
     index = json.loads((folder / "index.json").read_text())
-    assert index["format"] == "recycle-plan-library" and index["version"] == 2
+    assert index["format"] == "recycle-plan-library" and index["version"] == 3
     assert index["max_failures"] == 2 and index["complete"]
     assert len(index["entries"]) == len(situations(spec, 2))
     for entry in index["entries"]:

@@ -23,14 +23,15 @@ def plan():
 
 def test_core_fields_as_the_issue_specifies(plan):
     data = plan_to_dict(plan)
-    assert data["format"] == "recycle-plan" and data["version"] == 1
+    assert data["format"] == "recycle-plan" and data["version"] == 3
     assert data["spec"] == {"stages": 4, "pipelines": 3, "microbatches": 8,
                             "time": {"forward": 1, "backward_input": 1, "backward_weight": 1,
                                      "p2p": 0.1, "allreduce": 0, "optimizer": 0}}
     assert data["failed"] == [[1, 0]]
     worker = data["workers"][0]
     assert set(worker) >= {"pipeline", "stage", "ops"}
-    assert set(worker["ops"][0]) == {"kind", "pipeline", "stage", "microbatch", "start", "end"}
+    assert set(worker["ops"][0]) == {"kind", "pipeline", "stage", "chunk", "microbatch",
+                                     "start", "end"}
     assert {"iteration_time", "period", "fault_free_period", "degradation",
             "lower_bound"} <= set(data["metrics"])
     assert {(w["pipeline"], w["stage"]) for w in data["workers"]} == \

@@ -27,6 +27,17 @@ CONFIG_ERROR = 3
 """Exit status of a worker that refuses to run (bad job or library): the launcher stops."""
 STALLED = 4
 """Exit status of a worker whose training thread stalled for longer than the lease."""
+FENCED = 6
+"""Exit status of a worker that read a decision excluding it (its lease had expired, or a
+newer incarnation took its place): it left without acting on it."""
+EXECUTOR_ERROR = 7
+"""Exit status of a worker whose error was raised by the executor, not by user code: a failed
+worker (its micro-batches are re-routed), never a bug that stops the job."""
+GRACE = 30.0
+"""Seconds from a SIGTERM (preemption) to a consistent checkpoint and every process gone:
+SLURM's and Kubernetes' defaults are 30 s or less."""
+RDZV_TIMEOUT = 300.0
+"""Seconds a host agent waits for its coordinator's store before it gives up."""
 COORDINATOR_LOST = 5
 """Exit status of a worker (and host agent) that lost the coordinator and stopped with a
 checkpoint; `--resume` continues from it."""
@@ -49,6 +60,8 @@ class WorkerConfig:
     bucket_mb: float = BUCKET_MB    # gradient all-reduce bucket size
     undo_copy: str = UNDO_COPY      # where the step-undo copy lives: host or device
     faults: list[dict] = field(default_factory=list)
+    log_dir: str | None = None      # this attempt's log folder (host agents write there)
+    grace: float = GRACE            # seconds a worker waits after SIGTERM for the stop
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)

@@ -30,6 +30,7 @@ import copy
 import gc
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -46,8 +47,8 @@ from recycle_planner.errors import RecycleError
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control import protocol as P
 from recycle_planner.executor.control.link import LOST, ControlLost, Link, StoreLink
-from recycle_planner.executor.config import (CONFIG_ERROR, COORDINATOR_LOST, STALLED,
-                                             WorkerConfig)
+from recycle_planner.executor.config import (CONFIG_ERROR, COORDINATOR_LOST, EXECUTOR_ERROR,
+                                             FENCED, STALLED, WorkerConfig)
 from recycle_planner.executor.data.boundary import Layout, call, layout_of
 from recycle_planner.executor.data.comm import PeerFailure, prepare, short_error
 from recycle_planner.executor.data.generation import Generation
@@ -126,10 +127,15 @@ class Worker:
     def run(self) -> None:
         self.link.watch(self._beat, self._watched, self._on_abort)
         threading.Thread(target=self._stall_watch, name="recycle-stall", daemon=True).start()
+        _on_sigterm(self.config.grace)
         try:
             self._live()
         except ControlLost as exc:
             self._coordinator_lost(str(exc))
+        except ExecutorError as exc:
+            log.error("%s", exc)
+            self.link.close()
+            _exit(EXECUTOR_ERROR)
         finally:
             self.link.close()
 
@@ -153,6 +159,8 @@ class Worker:
             return self._quit()
         decision = self.link.decision(gen)
         while True:
+            if decision.excludes(self.rank, self.incarnation):
+                return self._fenced(decision)
             self.decision = decision
             if decision.action == "stop":
                 return self._stop(decision)
@@ -196,6 +204,11 @@ class Worker:
         except ControlLost:
             raise
         except Exception as exc:  # noqa: BLE001 - user code (model, loss, data): a bug
+            if not isinstance(exc, RecycleError) and not raised_in_user_code(exc):
+                failure = "executor error"
+                raise ExecutorError(f"the executor (not user code) raised at iteration "
+                                    f"{self._iteration}: this worker leaves as failed\n"
+                                    f"{traceback.format_exc().rstrip()}") from None
             # bad input the executor diagnosed (a shape beyond its maximum): its one line
             failure = str(exc) if isinstance(exc, RecycleError) else traceback.format_exc()
             t_fail = time.perf_counter()
@@ -259,6 +272,17 @@ class Worker:
         log.warning("training stopped: %s", decision.reason)
         self.link.send(msg.Stopped(decision.gen, self.rank))
         self._quit()
+
+    def _fenced(self, decision: P.Decision) -> None:
+        """A decision that excludes this process: the control plane declared it dead (its lease
+        expired while it was cut off or stopped) or a newer incarnation replaced it. It must
+        not act on the decision (it would run a plan that counts on other ranks): it leaves."""
+        log.warning("generation %d excludes this worker (rank %d, incarnation %d): declared dead "
+                    "while it could not be reached; leaving without acting on it", decision.gen,
+                    self.rank, self.incarnation)
+        self._stopped = True
+        self.link.close()
+        _exit(FENCED)
 
     def _quit(self) -> None:
         log.info("worker leaves")
@@ -444,6 +468,43 @@ def _output_layout(module: torch.nn.Module, sample: Any, device: torch.device,
     except Exception:  # noqa: BLE001 - any failure on meta: fall back to real compute
         out = run(device, tree_map(lambda t: torch.zeros_like(t, device=device), sample))
     return layout_of(out)
+
+
+class ExecutorError(RecycleError):
+    """An error raised inside the executor's own code during a generation: this worker fails
+    (a death, re-routed like any other), the job does not stop as for a user's bug."""
+
+
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+_STDLIB = os.path.dirname(os.__file__)
+
+
+def raised_in_user_code(exc: BaseException) -> bool:
+    """Whether user code (the model, loss, data, optimizer: the job's files, and torch or
+    any library they call) was running when `exc` was raised: some frame of its traceback is
+    outside this package and the standard library. An error whose every frame is the
+    executor's own (say a `list.index` in comm.py) is not the user's bug."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(not f.filename.startswith((_PACKAGE, _STDLIB)) for f in frames)
+
+
+def _on_sigterm(grace: float) -> None:
+    """SIGTERM (preemption: SLURM and Kubernetes signal every process of the job) does not
+    kill a worker at once: its launcher (or coordinator), signalled too, aborts the
+    generation and decides a stop, so every worker undoes a half-finished iteration and the
+    stage's first live worker writes a consistent checkpoint. Should no stop come (only this
+    process was signalled), the worker leaves after `grace` seconds like a killed one."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def leave_later(signum, frame) -> None:
+        log.warning("SIGTERM: waiting up to %.0f s for the launcher's stop", grace)
+        timer = threading.Timer(grace, lambda: (log.error("no stop within the grace period: "
+                                                          "leaving"), _exit(128 + signum)))
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, leave_later)
 
 
 def _setup_logging(rank: int, incarnation: int) -> None:

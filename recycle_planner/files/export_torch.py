@@ -1,7 +1,9 @@
 """Export a fault-free plan to torch.distributed.pipelining's CSVs.
 
 One row per pipeline-stage rank, one cell per action in execution order (`0F1` = stage 0
-forward of micro-batch 1; I, W and B as in torch). Two formats, as torch's
+forward of micro-batch 1; I, W and B as in torch). Where workers hold several chunks the
+stage is the virtual stage, as torch numbers them (rank r's row of an interleaved job has
+stages r, r + S, ...; of a V job, r and 2S - 1 - r). Two formats, as torch's
 `_PipelineScheduleRuntime._load_csv(path, format=...)` reads them: `compute_only` (torch adds
 the sends and receives itself) and `compute_comms` (`torch_comms_rows`: the programs' own
 order, receives and sends included, `1RECV_F2`, `1SEND_B2`, with `1REDUCE_GRAD` where the
@@ -40,9 +42,12 @@ def torch_rows(plan: Plan, pipeline: int = 0) -> list[list[str]]:
     spec = plan.spec
     if not 0 <= pipeline < spec.pipelines:
         raise RecycleError(f"pipeline {pipeline} is outside 0..{spec.pipelines - 1}")
+    # torch numbers a rank's chunks by virtual stage (several stages per rank).
+    vstage = plan.schedule.space.vstage_of
     rows = []
     for s in range(spec.stages):
-        rows.append([op.torch_action() for op in plan.schedule.ops((pipeline, s))
+        rows.append([op.torch_action(int(vstage[op.stage, op.chunk]))
+                     for op in plan.schedule.ops((pipeline, s))
                      if op.kind not in COLLECTIVE_NAMES])
     return rows
 

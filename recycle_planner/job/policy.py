@@ -89,6 +89,11 @@ def budget_caps(spec: JobSpec, policy: Policy) -> tuple[int, ...]:
 
 def _schedule_caps(spec: JobSpec, policy: Policy) -> list[int]:
     S, M = spec.stages, spec.microbatches
+    if spec.chunks > 1:  # in (micro-batch, chunk) pairs: what the generated orders hold
+        from recycle_planner.schedules.generators import chunk_orders
+        from recycle_planner.schedules.interleaved import peak_inflight
+
+        return [peak_inflight(order) for order in chunk_orders(spec, policy)]
     if policy.schedule == "gpipe":
         return [M] * S
     if policy.schedule == "zb-h1":

@@ -3,6 +3,15 @@
 Every per-stage figure is stored as a tuple with one value per stage, so that the rest of the
 code never has to ask whether the user wrote a number or a list. `JobSpec.to_dict` writes the
 spec back with the same keys as the TOML file (a number where all stages agree).
+
+A job may give each worker several model chunks (`chunks` = v, virtual stages; `layout`
+"interleaved": worker s holds virtual stages s, s + S, ..., as Megatron-LM and torch's
+ScheduleInterleaved1F1B place them; "v": two chunks, worker s holds s and 2S - 1 - s, as
+ScheduleZBVZeroBubble does). The compute and p2p costs are then stored per virtual stage
+(S x v values, virtual stage order): a number or a list of S values is a worker's cost for all
+its chunks, split evenly among them (the same model cut finer, so that v = 1, 2, 4 compare), a
+list of S x v values gives every virtual stage's own; p2p is a message's latency and is not
+split. All-reduce and optimizer stay per worker (one per worker and iteration).
 """
 
 from __future__ import annotations
@@ -17,7 +26,13 @@ from typing import Any, Mapping
 from recycle_planner.errors import SpecError
 
 TIME_KEYS = ("forward", "backward_input", "backward_weight", "p2p", "allreduce", "optimizer")
-TOP_KEYS = ("name", "stages", "pipelines", "microbatches", "microbatch_size", "time", "memory")
+TOP_KEYS = ("name", "stages", "pipelines", "microbatches", "microbatch_size", "chunks", "layout",
+            "time", "memory")
+LAYOUTS = ("interleaved", "v")
+# Costs stored per virtual stage when a worker holds several chunks (the rest stay per worker),
+# and those of them split evenly among a worker's chunks when given per worker.
+VIRTUAL_KEYS = ("forward", "backward_input", "backward_weight", "p2p")
+SPLIT_KEYS = ("forward", "backward_input", "backward_weight")
 MEMORY_KEYS = ("activation", "budget", "static", "max_inflight")
 # Costs a job may leave out: zero is a valid value for each (no p2p latency, ...).
 TIME_DEFAULTS = {"backward_weight": 0.0, "p2p": 0.0, "allreduce": 0.0, "optimizer": 0.0}
@@ -46,14 +61,17 @@ class MemorySpec:
     static: tuple[float, ...] | None = None
     max_inflight: int | None = None
 
-    def caps(self, stages: int) -> tuple[int | None, ...]:
-        """In-flight micro-batch limit per stage implied by this model (None: no limit)."""
+    def caps(self, stages: int, chunks: int = 1) -> tuple[int | None, ...]:
+        """In-flight micro-batch limit per stage implied by this model (None: no limit). With
+        `chunks` per worker the unit is one micro-batch on one chunk, which holds
+        1/chunks of `activation[s]`: the limit is then in those units (`max_inflight`
+        micro-batches are `max_inflight * chunks` of them)."""
         out: list[int | None] = []
         for s in range(stages):
-            cap = self.max_inflight
+            cap = None if self.max_inflight is None else self.max_inflight * chunks
             if self.budget is not None and self.activation is not None:
                 static = self.static[s] if self.static else 0.0
-                room = (self.budget - static) / self.activation[s]
+                room = (self.budget - static) / (self.activation[s] / chunks)
                 by_bytes = int(math.floor(min(room, 2.0**62) + 1e-9))  # room may overflow
                 cap = by_bytes if cap is None else min(cap, by_bytes)
             out.append(cap)
@@ -64,7 +82,8 @@ class MemorySpec:
 class JobSpec:
     """S stages, D pipelines, M micro-batches per pipeline per iteration, and per-stage costs in
     milliseconds. `p2p[s]` is the latency of a message sent by a stage-s worker (activations
-    downstream, gradients upstream)."""
+    downstream, gradients upstream). With `chunks` > 1 the costs of `VIRTUAL_KEYS` have one
+    value per virtual stage (see the module docstring)."""
 
     stages: int
     pipelines: int
@@ -78,6 +97,36 @@ class JobSpec:
     memory: MemorySpec | None = None
     microbatch_size: int | None = None
     name: str | None = None
+    chunks: int = 1
+    layout: str = "interleaved"
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.stages * self.chunks
+
+    def holder(self, vstage: int) -> int:
+        """The stage whose workers hold virtual stage `vstage`."""
+        return holder_of(self.stages, self.chunks, self.layout, vstage)
+
+    def virtual(self, stage: int, chunk: int) -> int:
+        """The virtual stage of chunk `chunk` on a stage-`stage` worker."""
+        return virtual_of(self.stages, self.chunks, self.layout, stage, chunk)
+
+    def one_chunk(self) -> "JobSpec":
+        """The same job with each worker's chunks as one stage (costs summed, a message's
+        latency the largest of its chunks'): what systems that place one chunk per worker
+        (Oobleck, Bamboo) run. This spec itself when it has one chunk."""
+        if self.chunks == 1:
+            return self
+        from dataclasses import replace
+
+        def per_worker(values: tuple[float, ...], combine) -> tuple[float, ...]:
+            return tuple(combine(values[self.virtual(s, c)] for c in range(self.chunks))
+                         for s in range(self.stages))
+
+        return replace(self, chunks=1, layout="interleaved",
+                       **{key: per_worker(getattr(self, key), sum) for key in SPLIT_KEYS},
+                       p2p=per_worker(self.p2p, max))
 
     @property
     def backward(self) -> tuple[float, ...]:
@@ -89,7 +138,9 @@ class JobSpec:
         return self.stages * self.pipelines
 
     def caps(self) -> tuple[int | None, ...]:
-        return self.memory.caps(self.stages) if self.memory else (None,) * self.stages
+        """In-flight limit per stage (micro-batches; micro-batch chunks with chunks > 1)."""
+        return (self.memory.caps(self.stages, self.chunks) if self.memory
+                else (None,) * self.stages)
 
     def to_dict(self) -> dict[str, Any]:
         """The spec with the TOML file's keys; a number where every stage has the same value."""
@@ -99,7 +150,16 @@ class JobSpec:
         out.update(stages=self.stages, pipelines=self.pipelines, microbatches=self.microbatches)
         if self.microbatch_size is not None:
             out["microbatch_size"] = self.microbatch_size
+        if self.chunks > 1:
+            out.update(chunks=self.chunks, layout=self.layout)
         out["time"] = {k: _compact(getattr(self, k)) for k in TIME_KEYS}
+        if self.chunks > 1:  # a per-worker number is split among the chunks on reading
+            for key in SPLIT_KEYS:
+                per_chunk = getattr(self, key)[0]
+                if not isinstance(out["time"][key], list):  # a number: every chunk alike
+                    whole = per_chunk * self.chunks
+                    out["time"][key] = (_plain(whole) if whole / self.chunks == per_chunk
+                                        else [_plain(v) for v in getattr(self, key)])
         if self.memory is not None:
             mem: dict[str, Any] = {}
             for key in MEMORY_KEYS:
@@ -145,6 +205,19 @@ def load_spec(path: str | Path) -> JobSpec:
     return _parse(data, str(path))
 
 
+def holder_of(stages: int, chunks: int, layout: str, vstage: int) -> int:
+    """The stage holding virtual stage `vstage` (interleaved: vstage mod S; V: chunk 0 on
+    stage s is s, chunk 1 is 2S - 1 - s)."""
+    chunk, pos = divmod(vstage, stages)
+    return stages - 1 - pos if layout == "v" and chunk % 2 else pos
+
+
+def virtual_of(stages: int, chunks: int, layout: str, stage: int, chunk: int) -> int:
+    """The virtual stage of `chunk` on a stage-`stage` worker (inverse of `holder_of`)."""
+    pos = stages - 1 - stage if layout == "v" and chunk % 2 else stage
+    return chunk * stages + pos
+
+
 def _compact(values: tuple[float, ...]) -> float | list[float]:
     first = values[0]
     if all(v == first for v in values):
@@ -177,24 +250,66 @@ def _parse(data: Mapping[str, Any], where: str) -> JobSpec:
     name = data.get("name")
     if name is not None and not isinstance(name, str):
         raise SpecError(f"{where}: 'name' must be a string")
+    chunks, layout = _chunks(data, where)
+    if cells * chunks > MAX_CELLS:
+        raise SpecError(f"{where}: stages x chunks x pipelines x microbatches = "
+                        f"{cells * chunks:,} is more than the planner handles ({MAX_CELLS:,})")
 
     costs = {}
     for key in TIME_KEYS:
         positive = key in ("forward", "backward_input")
-        costs[key] = _per_stage(time.get(key, TIME_DEFAULTS.get(key)), stages, where,
-                                f"time.{key}", positive=positive, maximum=MAX_MS)
+        value = time.get(key, TIME_DEFAULTS.get(key))
+        if key in VIRTUAL_KEYS and chunks > 1:
+            costs[key] = _per_virtual_stage(value, stages, chunks, layout, where,
+                                            f"time.{key}", positive, split=key in SPLIT_KEYS)
+        else:
+            costs[key] = _per_stage(value, stages, where, f"time.{key}", positive=positive,
+                                    maximum=MAX_MS)
 
     memory = None
     if "memory" in data:
         memory = _parse_memory(data["memory"], stages, where)
 
     spec = JobSpec(stages=stages, pipelines=pipelines, microbatches=microbatches,
-                   memory=memory, microbatch_size=mbs, name=name, **costs)
+                   memory=memory, microbatch_size=mbs, name=name, chunks=chunks, layout=layout,
+                   **costs)
     for s, cap in enumerate(spec.caps()):
-        if cap is not None and cap < 1:
+        if cap is not None and cap < chunks:  # every chunk of one micro-batch
             raise SpecError(f"{where}: 'memory.budget' leaves stage {s} no room for a single "
                             f"micro-batch's activations")
     return spec
+
+
+def _chunks(data: Mapping[str, Any], where: str) -> tuple[int, str]:
+    """`chunks` (default 1) and `layout` (default interleaved; V needs exactly two chunks)."""
+    chunks = _count(data, "chunks", where) if "chunks" in data else 1
+    layout = data.get("layout", "interleaved")
+    if layout not in LAYOUTS:
+        raise SpecError(f"{where}: 'layout' must be one of: {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "v" and chunks != 2:
+        raise SpecError(f"{where}: layout 'v' places exactly 2 chunks per worker, but "
+                        f"'chunks' is {chunks}")
+    if "layout" in data and chunks == 1:
+        raise SpecError(f"{where}: 'layout' places several chunks per worker: set 'chunks' "
+                        f"to 2 or more, or drop 'layout'")
+    return chunks, layout
+
+
+def _per_virtual_stage(value: Any, stages: int, chunks: int, layout: str, where: str,
+                       key: str, positive: bool, split: bool) -> tuple[float, ...]:
+    """One value per virtual stage: a list of S x v values as given, a number or a list of S
+    values per worker (divided among its chunks when `split`; the list is by stage, and
+    chunk c of stage s takes stage s's value)."""
+    virtual = stages * chunks
+    if isinstance(value, list) and len(value) == virtual:
+        return _per_stage(value, virtual, where, key, positive=positive, maximum=MAX_MS)
+    if isinstance(value, list) and len(value) != stages:
+        raise SpecError(f"{where}: '{key}' lists {len(value)} values but there are {stages} "
+                        f"stages ({virtual} virtual stages)")
+    per_stage = _per_stage(value, stages, where, key, positive=positive, maximum=MAX_MS)
+    share = chunks if split else 1
+    return tuple(per_stage[holder_of(stages, chunks, layout, v)] / share
+                 for v in range(virtual))
 
 
 def _parse_memory(mem: Any, stages: int, where: str) -> MemorySpec:

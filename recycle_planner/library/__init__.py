@@ -2,7 +2,7 @@
 
 A folder with one plan file per situation and `index.json`:
 
-    {"format": "recycle-plan-library", "version": 2, "spec_hash": "...", "spec": {...},
+    {"format": "recycle-plan-library", "version": 3, "spec_hash": "...", "spec": {...},
      "policy": {...}, "max_failures": 2, "settings": {...}, "fault_free_period": 501.4,
      "entries": [{"failed_per_stage": [0, 1, 0, 0], "file": "k0-1-0-0.json.gz",
                   "placement": [[1]], "failed": [[0, 1]], "failure_sets": 4,

@@ -19,10 +19,12 @@ from recycle_planner.library.hashing import spec_hash
 from recycle_planner.words import plural
 
 LIBRARY_FORMAT = "recycle-plan-library"
-LIBRARY_VERSION = 2
-"""2: compact plan files (action strings, see files/planfile.py) and entries made at run time
-(`made`). A version-1 library (timed plan files) is still read as it is; a write makes it 2."""
-READABLE_VERSIONS = (1, 2)
+LIBRARY_VERSION = 3
+"""3: the spec may give workers several chunks, and plan files carry every op's chunk (plan
+format versions 3 and 4). 2: compact plan files (action strings, see files/planfile.py) and
+entries made at run time (`made`). Versions 1 (timed plan files) and 2 are still read as they
+are; a write makes the index 3."""
+READABLE_VERSIONS = (1, 2, 3)
 INDEX = "index.json"
 
 
@@ -106,6 +108,9 @@ class LibraryIndex:
             if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool):
                 raise PlanFileError(f"{path}: '{key}' is missing or malformed")
         spec = JobSpec.from_dict(data["spec"], f"{path}: spec")
+        if spec.chunks > 1 and data["version"] < 3:
+            raise PlanFileError(f"{path}: a version-{data['version']} library has one chunk "
+                                f"per worker, but its spec has {spec.chunks}")
         try:
             policy = Policy.from_dict(data["policy"])
         except RecycleError as exc:

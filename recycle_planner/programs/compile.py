@@ -141,6 +141,9 @@ def compile_orders(plan: Plan, ranks, mapping: Mapping | None = None) -> Orders:
     ones. A dead rank has no program."""
     spec = plan.spec
     S, D, M = spec.stages, spec.pipelines, spec.microbatches
+    if spec.chunks > 1:
+        raise RecycleError(f"programs are compiled for one chunk per worker, but this plan's "
+                           f"workers hold {spec.chunks}: running virtual stages is a later step")
     ranks = np.array(sorted(ranks), dtype=np.int64)
     outside = ranks[(ranks < 0) | (ranks >= S * D)]
     if len(outside):

@@ -12,6 +12,11 @@ Every pipeline runs the same order, so a generator returns one list per stage of
   fills the cool-down bubble, and every stage keeps at most S micro-batches in flight, 1F1B's
   peak. Uniform costs give m(F + I + W) + (p - 1)(F + I - W).
 With the I/W split and 1F1B or GPipe, each B becomes I immediately followed by W.
+
+Workers with several chunks (schedules/interleaved.py): with the interleaved layout, 1F1B is
+interleaved 1F1B and ZB-H1 interleaved zero bubble; with the V layout, ZB-H1 is ZB-V and 1F1B
+is ZB-V's order with the backward fused (or, split, each B as I then W). GPipe runs one chunk
+per worker.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import numpy as np
 from recycle_planner.errors import SpecError
 from recycle_planner.job.policy import Policy, natural_caps
 from recycle_planner.job.spec import JobSpec
+from recycle_planner.schedules.interleaved import (ChunkOrder, fused, interleaved, peak_inflight,
+                                                  zb_v)
 from recycle_planner.schedules.ops import B, F, I, W, OpSpace
 from recycle_planner.schedules.schedule import Schedule, with_collectives
 
@@ -79,8 +86,48 @@ def zb_h1(stages: int, microbatches: int, caps: tuple[int, ...] | None = None) -
     return out
 
 
-def stage_orders(spec: JobSpec, policy: Policy) -> list[StageOrder]:
-    """The compute-only order of each stage under `policy`, within the memory caps."""
+def stage_orders(spec: JobSpec, policy: Policy) -> list[ChunkOrder]:
+    """The compute-only order of each stage under `policy`, within the memory caps, as
+    (kind, virtual stage, micro-batch) triples (the virtual stage is the stage itself when a
+    worker holds one chunk)."""
+    if spec.chunks > 1:
+        return chunk_orders(spec, policy)
+    return [[(kind, s, m) for kind, m in order]
+            for s, order in enumerate(_single_chunk_orders(spec, policy))]
+
+
+def chunk_orders(spec: JobSpec, policy: Policy) -> list[ChunkOrder]:
+    """The orders of a job whose workers hold several chunks (see the module docstring); an
+    error where the memory budget is below what the schedule keeps in flight."""
+    S, v, M = spec.stages, spec.chunks, spec.microbatches
+    if policy.schedule == "gpipe":
+        raise SpecError(f"gpipe runs one chunk per worker, but the job has {v}: use 1f1b or "
+                        f"zb-h1")
+    if spec.layout == "v":
+        orders = zb_v(S, M)
+        if policy.schedule == "1f1b":
+            orders = [fused(o) for o in orders]
+            if policy.decouple:
+                orders = [_split(o) for o in orders]
+    else:
+        orders = interleaved(S, v, M, policy.decouple, zero_bubble=policy.schedule == "zb-h1")
+    for s, (order, cap) in enumerate(zip(orders, spec.caps())):
+        need = peak_inflight(order)
+        if cap is not None and need > cap:
+            raise SpecError(f"{policy.schedule} with {v} chunks keeps {need} micro-batch chunks "
+                            f"in flight on stage {s}, but the memory budget allows {cap}")
+    return orders
+
+
+def _split(order: ChunkOrder) -> ChunkOrder:
+    """Each fused B as I immediately followed by W."""
+    out: ChunkOrder = []
+    for kind, vstage, m in order:
+        out += [(I, vstage, m), (W, vstage, m)] if kind == B else [(kind, vstage, m)]
+    return out
+
+
+def _single_chunk_orders(spec: JobSpec, policy: Policy) -> list[StageOrder]:
     S, M = spec.stages, spec.microbatches
     caps = natural_caps(spec, policy)
     if policy.schedule == "gpipe":
@@ -96,12 +143,12 @@ def stage_orders(spec: JobSpec, policy: Policy) -> list[StageOrder]:
 
 def fault_free(spec: JobSpec, policy: Policy) -> Schedule:
     """The fault-free schedule: every pipeline runs `stage_orders`, then all-reduce and step."""
-    space = OpSpace(spec.stages, spec.pipelines, spec.microbatches)
-    per_stage = stage_orders(spec, policy)
+    space = OpSpace.of(spec)
+    per_stage = [np.array(order, dtype=np.int64).reshape(-1, 3)
+                 for order in stage_orders(spec, policy)]
     orders = []
     for d in range(spec.pipelines):
         for s, order in enumerate(per_stage):
-            kinds = np.array([k for k, _ in order], dtype=np.int64)
-            mbs = np.array([m for _, m in order], dtype=np.int64)
-            orders.append(with_collectives(space, d, s, space.compute(kinds, d, s, mbs)))
+            ids = space.compute(order[:, 0], d, order[:, 1], order[:, 2])
+            orders.append(with_collectives(space, d, s, ids))
     return Schedule(spec=spec, policy=policy, failed=(), orders=tuple(orders))

@@ -30,7 +30,7 @@ class Schedule:
 
     @cached_property
     def space(self) -> OpSpace:
-        return OpSpace(self.spec.stages, self.spec.pipelines, self.spec.microbatches)
+        return OpSpace.of(self.spec)
 
     def worker_index(self, worker: Worker) -> int:
         return worker_index(self.spec.stages, *worker)

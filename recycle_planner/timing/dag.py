@@ -39,8 +39,8 @@ def _nodes_and_edges(schedule: Schedule, with_order: bool) -> nx.DiGraph:
     src, dst, lat = data_edges(schedule, ids, loc, kind, pipe, stage, mb)
     for a, b, t in zip(src.tolist(), dst.tolist(), lat.tolist()):
         graph.add_edge(ops[a], ops[b], latency=t)
-    for s in sorted(set(stage.tolist())):
-        graph.add_node((SYNC, s), duration=0.0, worker=None)
+    for s in sorted({op.stage for op in ops}):  # workers' stages (compute ops decode to
+        graph.add_node((SYNC, s), duration=0.0, worker=None)  # virtual stages)
     for op in ops:
         if op.kind in ("W", "B"):  # a stage's all-reduce needs every weight gradient of it
             graph.add_edge(op, (SYNC, op.stage), latency=0.0)
@@ -53,7 +53,9 @@ def _nodes_and_edges(schedule: Schedule, with_order: bool) -> nx.DiGraph:
                 graph.add_edge(sync, op, latency=0.0)
                 if with_order and i > 0:
                     graph.add_edge(named[i - 1], sync, latency=0.0)
-            elif with_order and i > 0:
+            elif with_order and i > 0 and not graph.has_edge(named[i - 1], op):
+                # (a data edge between the two keeps its latency: a worker that holds two
+                # consecutive virtual stages still sends itself the activation)
                 graph.add_edge(named[i - 1], op, latency=0.0)
     return graph
 

@@ -24,9 +24,11 @@ from recycle_planner.schedules.ops import AR, B, F, I, OPT, W, worker_name
 from recycle_planner.schedules.schedule import Schedule
 
 def cost_table(spec: JobSpec) -> np.ndarray:
-    """cost[kind, stage] in milliseconds."""
+    """cost[kind, stage] in milliseconds: by virtual stage for compute ops, by stage for the
+    collectives (`OpSpace.decode`'s stage; the columns past S are unused for them)."""
+    pad = (0.0,) * (spec.virtual_stages - spec.stages)
     return np.array([spec.forward, spec.backward_input, spec.backward_weight, spec.backward,
-                     spec.allreduce, spec.optimizer], dtype=np.float64)
+                     spec.allreduce + pad, spec.optimizer + pad], dtype=np.float64)
 
 
 def data_edges(schedule: Schedule, ids: np.ndarray, loc: np.ndarray, kind: np.ndarray,
@@ -35,9 +37,10 @@ def data_edges(schedule: Schedule, ids: np.ndarray, loc: np.ndarray, kind: np.nd
     """(source, destination, latency) of every data dependency among the scheduled ops, as
     positions in `ids` (`loc` maps op id -> position, -1 if absent): a forward needs the
     previous stage's forward; a backward its own forward and the next stage's backward; W its
-    I; the optimizer step its all-reduce. An absent source is an error."""
+    I; the optimizer step its all-reduce. Stages are virtual stages (the chain runs through
+    every chunk in order). An absent source is an error."""
     spec, space = schedule.spec, schedule.space
-    S = spec.stages
+    S = spec.virtual_stages
     p2p = np.asarray(spec.p2p)
     src: list[np.ndarray] = []
     dst: list[np.ndarray] = []

@@ -68,7 +68,7 @@ def _structure(plan: Plan) -> list[Violation]:
         return out + [Violation("missing-op", "the plan has no ops")]
     kind, pipe, stage, mb = space.decode(ids)
     held = worker_at(S, workers)[1]
-    wrong = np.flatnonzero(stage != held)
+    wrong = np.flatnonzero(space.worker_stage(kind, stage) != held)
     if wrong.size:
         i = int(wrong[0])
         out.append(Violation("wrong-stage", f"{space.to_op(int(ids[i]))} runs on worker "
@@ -81,8 +81,9 @@ def _structure(plan: Plan) -> list[Violation]:
                              f"{counts[dup[0]]} times ({plural(dup.size, 'such op')})"))
     present = counts > 0
     grid = space.compute(np.arange(4)[:, None, None, None], np.arange(D)[None, :, None, None],
-                         np.arange(S)[None, None, :, None], np.arange(M)[None, None, None, :])
-    has = present[grid]  # [kind, d, s, m]
+                         np.arange(space.V)[None, None, :, None],
+                         np.arange(M)[None, None, None, :])
+    has = present[grid]  # [kind, d, virtual stage, m]
     split = has[I] | has[W]
     if not plan.policy.decouple and split.any():
         d, s, m = (int(x[0]) for x in np.nonzero(split))
@@ -113,7 +114,7 @@ def _structure(plan: Plan) -> list[Violation]:
         i = int(apart[0])
         d = worker_at(S, workers[i])[0]
         out.append(Violation("split-microbatch", f"{space.to_op(int(ids[i]))} runs on worker "
-                             f"{d}:{stage[i]} but its forward on another worker "
+                             f"{d}:{space.holder[stage[i]]} but its forward on another worker "
                              f"({plural(apart.size, 'such op')})"))
     # Collectives: each live worker's own all-reduce then optimizer step, last.
     for w, order in enumerate(sched.orders):

@@ -1,6 +1,7 @@
 """Gantt charts of plans (matplotlib): one row per worker, grouped by pipeline.
 
-Colours by op kind; re-routed ops are hatched and labelled with the pipeline they belong to;
+Colours by op kind, one shade per model chunk where workers hold several (the first chunk
+darkest); re-routed ops are hatched and labelled with the pipeline they belong to;
 dead workers are drawn as dead; the all-reduce and the optimizer step are blocks of their own.
 Several plans are stacked on one time scale, for example a fault-free plan above a failure
 plan. The file's extension picks the format: .png, .svg or .pdf.
@@ -69,6 +70,10 @@ def draw_gantt(plans: Sequence[Plan], path: str | Path, titles: Sequence[str] | 
     handles = [Patch(facecolor=COLOURS[k], label=f"{KIND_NAMES[k]}: {KIND_TITLES[k]}"
                      if not is_collective(k) else KIND_TITLES[k])
                for k in range(len(KIND_NAMES)) if k in kinds]
+    chunks = max(plan.spec.chunks for plan, _ in panels)
+    if chunks > 1:
+        handles += [Patch(facecolor=shade("#7f7f7f", c, chunks), label=f"chunk {c}")
+                    for c in range(chunks)]
     if any(plan.schedule.rerouted_count() for plan, _ in panels):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
                              label="re-routed (label: pPIPELINE:MICRO-BATCH, or pPIPELINE)"))
@@ -101,22 +106,21 @@ def _draw_panel(ax, plan: Plan, pipelines: list[int], PolyCollection, ms_per_pt:
         y += 0.6
     keep = np.array([int(w) in y_of for w in workers], dtype=bool)
     ids_k, workers_k = ids[keep], workers[keep]
-    kind, pipe, _, mb = sched.space.decode(ids_k)
+    kind, pipe, vstage, mb = sched.space.decode(ids_k)
+    coll = is_collective(kind)
+    chunk = np.where(coll, 0, sched.space.chunk_of[np.where(coll, 0, vstage)])
     start, end = timing.start[ids_k], timing.end[ids_k]
     ys = np.array([y_of[int(w)] for w in workers_k])
     moved = rerouted(sched.space, ids_k, workers_k)
     h = 0.8
-    for k in range(6):
-        for rr in (False, True):
-            sel = (kind == k) & (moved == rr)
-            if not sel.any():
-                continue
-            x0, x1, yy = start[sel], end[sel], ys[sel] - h / 2
-            verts = np.stack([np.stack([x0, yy], 1), np.stack([x1, yy], 1),
-                              np.stack([x1, yy + h], 1), np.stack([x0, yy + h], 1)], 1)
-            coll = PolyCollection(verts, facecolors=COLOURS[k], edgecolors="white",
-                                  linewidths=0.4, hatch="///" if rr else None)
-            ax.add_collection(coll)
+    for k, c, rr in np.unique(np.stack([kind, chunk, moved]), axis=1).T.tolist():
+        sel = (kind == k) & (chunk == c) & (moved == rr)
+        x0, x1, yy = start[sel], end[sel], ys[sel] - h / 2
+        verts = np.stack([np.stack([x0, yy], 1), np.stack([x1, yy], 1),
+                          np.stack([x1, yy + h], 1), np.stack([x0, yy + h], 1)], 1)
+        ax.add_collection(PolyCollection(verts, facecolors=shade(COLOURS[k], c, sched.space.C),
+                                         edgecolors="white", linewidths=0.4,
+                                         hatch="///" if rr else None))
     for w, yy in y_of.items():
         if worker_at(S, w) in dead:
             ax.add_patch(_dead_patch(t_end, yy, h))
@@ -138,6 +142,14 @@ def _draw_panel(ax, plan: Plan, pipelines: list[int], PolyCollection, ms_per_pt:
     ax.set_ylim(y - 0.6 + 0.5, -0.7)
     ax.grid(axis="x", color="#e0e0e0", linewidth=0.5)
     ax.set_axisbelow(True)
+
+
+def shade(colour: str, chunk: int, chunks: int) -> str:
+    """`colour` for chunk `chunk` of `chunks`: the first as it is, each later one mixed with
+    more white (up to 55%), so that a worker's chunks tell apart at a glance."""
+    mix = 0.55 * chunk / max(1, chunks - 1)
+    rgb = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(v + (255 - v) * mix):02x}" for v in rgb)
 
 
 def _dead_patch(t_end: float, y: float, h: float):

@@ -72,7 +72,8 @@ def plan_summary(plan: Plan) -> str:
         worst = m.bubble_rate if m.max_bubble_rate is None else m.max_bubble_rate
         lines.append(f"  bubble rate     {m.bubble_rate:.1%} mean, {worst:.1%} worst worker")
     if m.peak_inflight is not None:
-        lines.append(f"  peak in-flight  {plural(m.peak_inflight, 'micro-batch')} per worker")
+        unit = "micro-batch" if plan.spec.chunks == 1 else "micro-batch chunk"
+        lines.append(f"  peak in-flight  {plural(m.peak_inflight, unit)} per worker")
     if m.rerouted_ops is not None:
         lines.append(f"  re-routed ops   {m.rerouted_ops:,} of {m.ops or 0:,}")
     if m.throughput is not None:

@@ -41,6 +41,7 @@ def recoverable(stages: int, dead: tuple[int, ...]) -> bool:
 
 def bamboo_spec(spec: JobSpec, dead: tuple[int, ...] = ()) -> JobSpec:
     """One Bamboo pipeline with `dead` stages taken over (see the module docstring)."""
+    spec = spec.one_chunk()  # Bamboo places one chunk per worker
     S = spec.stages
     groups = groups_of(S, dead)
 
@@ -115,7 +116,7 @@ class Bamboo(Strategy):
 
     def _overhead(self) -> str:
         """The redundancy's per-worker cost, from the spec's figures."""
-        spec = self.ctx.spec
+        spec = self.ctx.spec.one_chunk()
         S = spec.stages
         extra = [spec.forward[(s + 1) % S] for s in range(S)]
         line = (f"from the spec: a worker runs {_span(extra)} ms of redundant forward per "

@@ -58,6 +58,7 @@ def received(state: Sequence[float], length: int) -> float:
 def pipeline_spec(spec: JobSpec, length: int, microbatches: int) -> JobSpec:
     """One pipeline of `length` stages running `microbatches` micro-batches (see the module
     docstring); a slice's p2p latency is the largest of the stages it touches."""
+    spec = spec.one_chunk()  # Oobleck places one chunk per worker
     S = spec.stages
     time = {key: window(getattr(spec, key), length)
             for key in ("forward", "backward_input", "backward_weight", "allreduce", "optimizer")}

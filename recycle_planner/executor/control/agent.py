@@ -26,7 +26,7 @@ worker with torchrun's environment variables, then loops:
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
 import select
@@ -46,22 +46,31 @@ import torch.distributed as dist
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control import protocol as P
+from recycle_planner.executor.control.runfolder import RunFolder, claim
 from recycle_planner.executor.faults import Fault
+from recycle_planner.executor.job import Job, load_job
 from recycle_planner.executor.data.state import latest_checkpoint, write_manifest
-from recycle_planner.executor.config import (BUCKET_MB, CONFIG_ENV, CONFIG_ERROR, STALLED,
+from recycle_planner.executor.config import (BUCKET_MB, CONFIG_ENV, CONFIG_ERROR,
+                                             EXECUTOR_ERROR, FENCED, GRACE, STALLED,
                                              UNDO_COPY, UNDO_PLACES, WorkerConfig)
 from recycle_planner.files.planfile import read_plan
 from recycle_planner.job.spec import load_spec
 from recycle_planner.job.workers import dead_per_stage, format_workers
-from recycle_planner.library import PlanLibrary
+from recycle_planner.library import PlanLibrary, library_lock
 from recycle_planner.library.entries import ON_DEMAND, REFINED
 from recycle_planner.library.lookup import MissingPlan
 from recycle_planner.library.ondemand import (ON_DEMAND_BUDGET, REFINE_BUDGET, REFINE_MARGIN,
                                               REFINE_WHICH, plan_on_demand, refine_command,
                                               refine_settings_hash, wants_refinement)
 from recycle_planner.io import write_json
+from recycle_planner.timing.replay import measured_spec, replay_period, stage_costs
 
 log = logging.getLogger(__name__)
+
+RESULT_VERSION = 2
+"""result.json's layout: 2 added the run id, the attempt, the generation of every iteration
+and the plans' predicted periods."""
+
 
 class TrainingStopped(RecycleError):
     """Training ended before its last iteration: failures beyond the library's threshold, a
@@ -89,6 +98,8 @@ class LaunchConfig:
     max_restarts: int = 3                 # restarts per rank
     checkpoint_every: int = 100           # iterations between checkpoints (0: final only)
     resume: bool = False                  # start from the run folder's latest checkpoint
+    start_over: bool = False              # discard the run folder's earlier run (runfolder.py)
+    grace: float = GRACE                  # SIGTERM: a consistent checkpoint within this long
     library: str | None = None            # overrides the job's plan library
     spec: str | None = None               # job spec file: with no library, plan on demand
                                           # into RUN_DIR/plans (see `prepare_library`)
@@ -120,14 +131,15 @@ class LaunchConfig:
         if self.refine not in REFINE_WHICH:
             raise RecycleError(f"refine {self.refine!r} is not one of {', '.join(REFINE_WHICH)}")
 
-    def worker_config(self) -> WorkerConfig:
+    def worker_config(self, log_dir: Path | None = None) -> WorkerConfig:
         return WorkerConfig(run_dir=str(Path(self.run_dir).resolve()), backend=self.backend,
+                            log_dir=str(log_dir.resolve()) if log_dir is not None else None,
                             heartbeat=self.heartbeat, lease=self.hang_timeout,
                             pg_timeout=self.pg_timeout,
                             poll=self.poll, checkpoint_every=self.checkpoint_every,
                             resume=self.resume, library=self.library,
                             threads=self.threads, bucket_mb=self.bucket_mb,
-                            undo_copy=self.undo_copy,
+                            undo_copy=self.undo_copy, grace=self.grace,
                             faults=[f.to_dict() for f in self.faults])
 
 
@@ -153,9 +165,43 @@ class LaunchResult:
     op_times: dict[str, dict] = field(default_factory=dict)
     """Per worker that finished ("pipeline:stage"), per generation, per op kind: [count,
     seconds, seconds from the op's last wait for a peer to its end (its own work)]."""
+    run_id: str = ""                     # the run this result belongs to (run.json)
+    attempt: int = 1                     # which start of that run (1 + resumes)
+    iteration_gen: list[int | None] = field(default_factory=list)
+    """The generation that completed iteration i (None: an earlier attempt did)."""
+    reference_period: float | None = None  # the library's fault-free period (ms)
+    generations: list[dict] = field(default_factory=list)
+    """Per generation that ran, a `GenerationRecord`: its plan's predicted period beside the
+    step measured and the plan re-timed with the ops' measured costs."""
+    version: int = RESULT_VERSION
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """What one generation predicted and what it measured (times in ms). `measured_ms`: the
+    median time between consecutive iterations it completed; `replayed_ms`: its plan
+    re-timed with the per-stage op costs its workers measured (`timing/replay.py`): what the
+    plan predicts on the ops as they ran here, so that predicted vs replayed is the machine
+    (op times unlike the profile's) and replayed vs measured is what the model misses."""
+
+    gen: int
+    dead: tuple[tuple[int, int], ...]
+    plan: str
+    predicted_ms: float
+    predicted_degradation: float
+    iterations: int
+    measured_ms: float | None
+    replayed_ms: float | None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _median(values: list[float]) -> float | None:
+    return sorted(values)[len(values) // 2] if values else None
 
 
 def worker_command(target: str, args: Sequence[str] = ()) -> list[str]:
@@ -182,13 +228,59 @@ def launch(target: str | Sequence[str], config: LaunchConfig, args: Sequence[str
     if isinstance(target, str):
         check_target(target)
         command = worker_command(target, args)
+        config = preflight(config, load_job(target, args) if _is_factory(target) else None)
     else:
         command = list(target)
-    config = prepare_library(config)
-    result = Agent(command, config, on_event).run()
+        config = preflight(config, None)
+    return run_agent(Agent, config, command, on_event)
+
+
+def run_agent(kind, config: LaunchConfig, command: list[str], on_event, *more) -> LaunchResult:
+    """Claim the run folder, prepare the library and hold its lock for the run's life (the
+    run adds the plans it makes on demand), then run `kind` (`Agent` or `Coordinator`)."""
+    folder = claim(config.run_dir, config.resume, config.start_over)
+    try:
+        config = prepare_library(config)
+        with contextlib.ExitStack() as stack:
+            if config.library is not None and config.on_demand:
+                stack.enter_context(library_lock(config.library, f"a run in {config.run_dir}"))
+            result = kind(command, config, on_event, folder, *more).run()
+    finally:
+        folder.release()
     if result.status != "completed":
         raise TrainingStopped(result.message, result)
     return result
+
+
+def _is_factory(target: str) -> bool:
+    return not (target.endswith(".py") and ":" not in target)
+
+
+def preflight(config: LaunchConfig, job: Job | None) -> LaunchConfig:
+    """What can be checked before any process starts, so that a wrong worker count, a job
+    that names no library, a missing library or a job file that fails to load is one line at
+    once rather than after every worker's start-up. (`--resume` with nothing to resume is
+    checked when the run folder is claimed.) A training script (not a job factory) names its
+    library only in its workers, which check it. Returns `config` naming the job's library,
+    whose lock the run then holds."""
+    if config.library is not None:
+        spec = PlanLibrary.open(config.library).spec
+    elif config.spec is not None:
+        spec = load_spec(config.spec)
+    elif job is not None:
+        if job.library is None:
+            raise RecycleError("the job names no plan library: set Job.library or pass "
+                               "--library (or --spec, to plan on demand) to the launcher")
+        spec = PlanLibrary.open(job.library).spec
+        config = replace(config, library=str(Path(job.library).resolve()))
+    else:
+        return config
+    where = config.library or config.spec or job.library
+    _check_size(spec, config.nproc, where)
+    if job is not None and len(job.stages) != spec.stages:
+        raise RecycleError(f"the job has {len(job.stages)} stages but the plan library "
+                           f"{where} has {spec.stages}")
+    return config
 
 
 def prepare_library(config: LaunchConfig) -> LaunchConfig:
@@ -202,11 +294,17 @@ def prepare_library(config: LaunchConfig) -> LaunchConfig:
     if config.library is not None:
         spec = PlanLibrary.open(config.library, load_spec(config.spec) if config.spec
                                 else None).spec
-        if spec.workers != config.nproc:
-            raise RecycleError(f"the plan library {config.library} is for {spec.pipelines} "
-                               f"pipelines x {spec.stages} stages = {spec.workers} workers, "
-                               f"not {config.nproc}")
+        _check_size(spec, config.nproc, config.library)
     return config
+
+
+def _check_size(spec, nproc: int, where) -> None:
+    if spec.chunks > 1:  # the runtime runs one chunk per worker; virtual stages come later
+        raise RecycleError(f"the plan library {where} gives each worker {spec.chunks} model "
+                           "chunks; launch runs one chunk per worker")
+    if spec.workers != nproc:
+        raise RecycleError(f"the plan library {where} is for {spec.pipelines} pipelines x "
+                           f"{spec.stages} stages = {spec.workers} workers, not {nproc}")
 
 
 @dataclass
@@ -232,24 +330,39 @@ class _Proc:
     killed: bool = False                 # killed for a lost lease, exit not yet reaped
 
 
+def host_store(addr: str, port: int, timeout: float, option: str) -> dist.TCPStore:
+    """The store this process hosts for its workers (or host agents); a port that is taken
+    (or an address this machine does not have) is one line naming `option`, not c10d's
+    traceback."""
+    try:
+        return dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistError) as exc:
+        text = str(exc)
+        why = ("the port is in use (by another job, or a coordinator or launcher still "
+               "running)" if "EADDRINUSE" in text or "in use" in text
+               else text.splitlines()[0] if text else type(exc).__name__)
+        raise RecycleError(f"cannot host the store on {addr}:{port}: {why}; choose another "
+                           f"{option}" + (" (0: any free port)" if option == "--master-port"
+                                          else "")) from None
+
+
 class Agent:
+    PORT_OPTION = "--master-port"
+
     def __init__(self, command: list[str], config: LaunchConfig,
-                 on_event: Callable[[dict], None] | None = None):
+                 on_event: Callable[[dict], None] | None, folder: RunFolder):
         self.command = command
         self.config = config
         self.on_event = on_event
+        self.folder = folder
         self.run_dir = Path(config.run_dir)
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.previous_losses: list = []
-        if config.resume and (self.run_dir / "result.json").is_file():
-            try:  # losses of the iterations before the checkpoint come from the earlier run
-                self.previous_losses = json.loads(
-                    (self.run_dir / "result.json").read_text()).get("losses", [])
-            except (OSError, ValueError):
-                pass
-        self.store = dist.TCPStore(config.master_addr, config.master_port, is_master=True,
-                                   wait_for_workers=False,
-                                   timeout=timedelta(seconds=config.startup_timeout))
+        self.log_dir = folder.log_dir
+        # losses of the iterations before the checkpoint come from the earlier attempts
+        self.previous_losses = folder.earlier_losses() if config.resume else {}
+        self.next_loss = 0                          # the next iteration to add to losses.jsonl
+        self.store = host_store(config.master_addr, config.master_port,
+                                config.startup_timeout, self.PORT_OPTION)
         self.port = self.store.port
         self.t0 = time.time()
         self.procs: dict[int, _Proc] = {}          # live processes by rank
@@ -277,6 +390,8 @@ class Agent:
         self.refinements: dict[tuple[int, ...], _Refinement] = {}
         self.refined: set[tuple[int, ...]] = set()   # situations refined (or tried) once
         self.plan_switch = False                     # a switch to a refined plan is under way
+        self.preempted: float | None = None          # when SIGTERM came
+        self.preempt_said = False
 
     # -- main loop ---------------------------------------------------------------------------
 
@@ -291,6 +406,7 @@ class Agent:
         if threading.current_thread() is threading.main_thread():
             old_fd = signal.set_wakeup_fd(wake_w.fileno())
             previous = signal.signal(signal.SIGCHLD, lambda *_: None)
+            previous_term = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             self._start()
             while self.outcome is None:
@@ -300,7 +416,11 @@ class Agent:
                 self._restart_due(now)
                 self._hellos()
                 self._checkpoints()
+                self._save_losses()
                 self._refinements_done(now)
+                self._preemption(now)
+                if self.outcome is not None:
+                    break
                 getattr(self, f"_phase_{self.phase}")(now)
                 select.select([wake_r], [], [], self.config.idle_poll if self.phase ==
                               "running" and previous is not None else self.config.poll)
@@ -313,17 +433,47 @@ class Agent:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGCHLD, previous)
+                signal.signal(signal.SIGTERM, previous_term)
                 signal.set_wakeup_fd(old_fd)
             wake_r.close()
             wake_w.close()
             self._stop_refinements()
             self._kill_all()
 
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.preempted is None:
+            self.preempted = time.time()
+
+    def _preemption(self, now: float) -> None:
+        """SIGTERM (preemption): abandon the generation, so that every member undoes a
+        half-finished iteration, and decide a stop (`_phase_gathering`), whose members write a
+        consistent checkpoint that `--resume` continues; all within the grace period, after
+        which whatever is left is killed."""
+        if self.preempted is None:
+            return
+        grace = self.config.grace
+        if not self.preempt_said:
+            self.preempt_said = True
+            self._event("preempted", f"SIGTERM: stopping with a checkpoint within the "
+                                     f"{grace:g} s grace period")
+            if self.phase == "starting":
+                self._finish_with("stopped", "SIGTERM before training started: nothing to "
+                                             "checkpoint")
+            elif self.phase == "running":
+                self._abort("SIGTERM (preemption)")
+            return
+        if now - self.preempted > 0.9 * grace and self.phase != "exiting":
+            found = latest_checkpoint(self.run_dir) if self.stages else None
+            self._finish_with("stopped", f"SIGTERM: the workers did not stop within the "
+                                         f"{grace:g} s grace period; "
+                              + (f"latest complete checkpoint: iteration {found[0]} in "
+                                 f"{found[1]}" if found else "no complete checkpoint"))
+
     def _start(self) -> None:
         for rank in range(self.config.nproc):
             self._spawn(rank, 0)
         self._event("start", f"{self.config.nproc} workers started, store on port "
-                             f"{self.port}, logs in {self.run_dir / 'logs'}")
+                             f"{self.port}, logs in {self.log_dir}")
 
     def _spawn(self, rank: int, incarnation: int) -> None:
         c = self.config
@@ -334,9 +484,10 @@ class Agent:
             "ROLE_WORLD_SIZE": str(c.nproc), "MASTER_ADDR": c.master_addr,
             "MASTER_PORT": str(self.port), "TORCHELASTIC_RESTART_COUNT": str(incarnation),
             "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "recycle",
-            "OMP_NUM_THREADS": str(c.threads), CONFIG_ENV: c.worker_config().to_json(),
+            "OMP_NUM_THREADS": str(c.threads),
+            CONFIG_ENV: c.worker_config(self.log_dir).to_json(),
         })
-        path = self.run_dir / "logs" / f"rank{rank}.{incarnation}.log"
+        path = self.log_dir / f"rank{rank}.{incarnation}.log"
         with open(path, "wb") as out:
             popen = subprocess.Popen(self.command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -436,7 +587,7 @@ class Agent:
             if not self.procs and self.lib is None and not self.restart_at:
                 last = _last_line(self.first_death_log) if self.first_death_log else ""
                 self._finish_with("failed", f"every worker died before starting: {last} (see "
-                                            f"the logs in {self.run_dir / 'logs'})")
+                                            f"the logs in {self.log_dir})")
             return
         if self.restart_at:
             return
@@ -493,7 +644,8 @@ class Agent:
             steps[rank] = None
         dead_before = set(self.decision.dead)
         switched, self.plan_switch = self.plan_switch, False
-        self._decide(steps, bug=self._bug())
+        self._decide(steps, bug=self._bug() or ("preempted (SIGTERM)" if self.preempted
+                                                 else None))
         if self.decision is not None and set(self.decision.dead) == dead_before \
                 and not any(v is None for v in steps.values()) and not switched:
             self.idle_reconfigurations += 1
@@ -558,8 +710,9 @@ class Agent:
             return hit.file.name, hit.entry.metrics.degradation
 
         gen = self.gen + 1
+        incs = {r: self.procs[r].incarnation for r in steps if r in self.procs}
         decision = P.decide(gen, lib.spec.pipelines, lib.spec.stages, steps, lookup, initial,
-                            bug)
+                            bug, incs)
         if decision.action == "plan":
             try:
                 self._plan_on_demand(decision.dead)
@@ -569,9 +722,11 @@ class Agent:
                 def lookup(dead):
                     raise RecycleError(failed)
             decision = P.decide(gen, lib.spec.pipelines, lib.spec.stages, steps, lookup,
-                                initial, bug)
+                                initial, bug, incs)
             assert decision.action != "plan"
         self.store.set(P.decision_key(gen), decision.to_json())
+        if self.decision is None:  # this attempt's first iteration
+            self.next_loss = decision.restart
         self.gen, self.decision = gen, decision
         if self.config.checkpoint_every:  # the next one the workers will write
             every = self.config.checkpoint_every
@@ -591,6 +746,7 @@ class Agent:
             self._dismiss_newcomers()
             return
         joined = [r for r, k in steps.items() if k is None]
+        period = lib.lookup(decision.dead, decision.plan).entry.period
         self._event("generation", f"generation {gen}: {len(decision.members)} live workers, "
                                   f"dead {format_workers(decision.dead)}, plan {decision.plan} "
                                   f"(predicted degradation "
@@ -599,7 +755,7 @@ class Agent:
                     + (f"; {', '.join(self._name(r) for r in joined)} joined" if joined and
                        not initial else ""),
                     gen=gen, dead=[list(w) for w in decision.dead], plan=decision.plan,
-                    degradation=decision.degradation, restart=decision.restart,
+                    degradation=decision.degradation, period=period, restart=decision.restart,
                     joined=joined if not initial else [],
                     steps={str(r): k for r, k in sorted(steps.items())})
         self.phase = "running"
@@ -633,7 +789,7 @@ class Agent:
         self.refined.add(counts)
         out = self.run_dir / "refine" / f"k{'-'.join(map(str, counts))}.json.gz"
         out.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "logs" / f"refine-{out.name[:-8]}.log", "wb") as log_file:
+        with open(self.log_dir / f"refine-{out.name[:-8]}.log", "wb") as log_file:
             popen = subprocess.Popen(
                 refine_command(self.lib.folder, counts, self.config.refine_budget, out),
                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
@@ -752,8 +908,8 @@ class Agent:
         per_mb: dict[str, float] = {}
         spec = self.lib.spec if self.lib else None
         gens: list[int] = []
+        self._save_losses()
         for i in range(n):
-            values: dict[tuple[int, int], tuple[int, float]] = {}
             end = None
             gen = -1
             for rank in range(world):
@@ -761,16 +917,12 @@ class Agent:
                 if done is not None:
                     end = max(end or 0.0, done.t - self.t0)
                     gen = max(gen, done.gen)
-                rec = msg.get(self.store, msg.Losses, iteration=i, rank=rank)
-                if rec is not None:
-                    for p, m, v in rec.losses:
-                        if (p, m) not in values or values[(p, m)][0] <= rec.gen:
-                            values[(p, m)] = (rec.gen, v)
+            values = self._iteration_losses(i, range(world))
             ends.append(end)
             gens.append(gen)
             complete = spec is not None and len(values) == spec.pipelines * spec.microbatches
             losses.append(sum(v for _, v in values.values()) / len(values) if complete else
-                          self.previous_losses[i] if i < len(self.previous_losses) else None)
+                          self.previous_losses.get(i))
             per_mb.update({f"{i}/{p}/{m}": v for (p, m), (_, v) in values.items()})
         recoveries = []
         for death in self.deaths:
@@ -795,11 +947,83 @@ class Agent:
                 op_times[self._name(rank)] = times.times
         self._event("end", message, status=status)
         found = latest_checkpoint(self.run_dir) if self.stages else None
+        record = self.folder.record
+        generations = [g.to_json() for g in self._generation_records(ends, gens, op_times)]
         result = LaunchResult(status, message, n, losses, ends, self.events, recoveries,
                               str(found[1]) if found else None, str(self.run_dir), per_mb,
-                              spec.to_dict() if spec is not None else None, op_times)
+                              spec.to_dict() if spec is not None else None, op_times,
+                              record.run_id, record.attempt,
+                              [g if g >= 0 else None for g in gens],
+                              self.lib.reference_period if self.lib else None, generations)
         write_json(self.run_dir / "result.json", result.to_dict())
         return result
+
+    def _generation_records(self, ends: list, gens: list[int], op_times: dict
+                            ) -> list[GenerationRecord]:
+        steps: dict[int, list[float]] = {}
+        for i in range(1, len(ends)):
+            if gens[i] >= 0 and gens[i] == gens[i - 1] and None not in (ends[i], ends[i - 1]):
+                steps.setdefault(gens[i], []).append(1e3 * (ends[i] - ends[i - 1]))
+        records = []
+        for event in self.events:
+            if event["kind"] != "generation":
+                continue
+            gen, dead = event["gen"], tuple(tuple(w) for w in event["dead"])
+            records.append(GenerationRecord(
+                gen, dead, event["plan"], event["period"], event["degradation"],
+                sum(1 for g in gens if g == gen), _median(steps.get(gen, [])),
+                self._replayed(gen, dead, event["plan"], op_times)))
+        return records
+
+    def _replayed(self, gen: int, dead, plan: str, op_times: dict) -> float | None:
+        """The generation's plan re-timed with the op costs its workers measured."""
+        spec = self.lib.spec
+        costs = stage_costs(op_times, gen, spec.stages)
+        if not op_times or any(not c.ms for c in costs):
+            return None
+        try:
+            return replay_period(self.lib.lookup(dead, plan).plan(), measured_spec(spec, costs))
+        except RecycleError as exc:
+            log.warning("cannot replay generation %d's plan: %s", gen, exc)
+            return None
+
+    def _iteration_losses(self, i: int, ranks, enough: int | None = None
+                          ) -> dict[tuple[int, int], tuple[int, float]]:
+        """Iteration i's micro-batch losses the `ranks` reported: (pipeline, micro-batch) ->
+        (generation, loss), the latest generation's report winning; stops reading once it
+        has `enough`."""
+        values: dict[tuple[int, int], tuple[int, float]] = {}
+        for rank in ranks:
+            if enough is not None and len(values) >= enough:
+                break
+            rec = msg.get(self.store, msg.Losses, iteration=i, rank=rank)
+            if rec is not None:
+                for p, m, v in rec.losses:
+                    if (p, m) not in values or values[(p, m)][0] <= rec.gen:
+                        values[(p, m)] = (rec.gen, v)
+        return values
+
+    def _save_losses(self) -> None:
+        """Append to losses.jsonl every iteration whose D*M losses are all known, as soon as
+        they are (a killed launcher or coordinator writes no result; the resumed run takes
+        the losses before its checkpoint from there). Every last-stage worker reports all of
+        them after the losses' all-reduce, so one report is usually enough."""
+        if self.decision is None:
+            return
+        spec = self.lib.spec
+        need = spec.pipelines * spec.microbatches
+        last = [d * spec.stages + spec.stages - 1 for d in range(spec.pipelines)]
+        rows = []
+        while True:
+            values = self._iteration_losses(self.next_loss, last, need)
+            if len(values) < need:
+                break
+            rows.append({"iteration": self.next_loss,
+                         "loss": sum(v for _, v in values.values()) / len(values),
+                         "gen": max(g for g, _ in values.values()),
+                         "attempt": self.folder.record.attempt})
+            self.next_loss += 1
+        self.folder.add_losses(rows)
 
     def _kill_all(self) -> None:
         for proc in self.procs.values():
@@ -841,6 +1065,10 @@ def exit_how(code: int, lease: float) -> str:
     """How a worker process ended, from its exit status, in words for the events."""
     if code == 0:
         return "exited with status 0 before the end"
+    if code == FENCED:
+        return "was fenced (it read a decision that excludes it, and left)"
+    if code == EXECUTOR_ERROR:
+        return "failed inside the executor (not in user code; see its log)"
     if code == STALLED:
         return f"stalled (its training thread made no progress for the {lease:g} s lease)"
     return f"killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"

@@ -32,23 +32,27 @@ import time
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.control import messages as msg
-from recycle_planner.executor.control.agent import (Agent, LaunchConfig, LaunchResult,
-                                                    TrainingStopped, _Proc, prepare_library)
+from recycle_planner.executor.control.agent import (Agent, LaunchConfig, LaunchResult, _Proc,
+                                                    preflight, run_agent)
+from recycle_planner.executor.control.runfolder import RunFolder
 from recycle_planner.executor.config import CONFIG_ERROR, CONFIG_KEY
 
 class Coordinator(Agent):
     """`Agent` for workers on other hosts: exits come from host agents, hangs are leases."""
 
-    def __init__(self, config: LaunchConfig, nnodes: int, on_event=None):
-        super().__init__([], config, on_event)
+    PORT_OPTION = "--port"
+
+    def __init__(self, command: list[str], config: LaunchConfig, on_event, folder: RunFolder,
+                 nnodes: int):
+        super().__init__(command, config, on_event, folder)
         self.nnodes = nnodes
         self.hosts: dict[int, dict] = {}
         self.incarnation: dict[int, int] = {}
 
     def _start(self) -> None:
-        self.store.set(CONFIG_KEY, self.config.worker_config().to_json())
+        self.store.set(CONFIG_KEY, self.config.worker_config(self.log_dir).to_json())
         for rank in range(self.config.nproc):  # a placeholder until its host agent reports
-            self.procs[rank] = _Proc(rank, 0, None, self.run_dir / "logs", time.time())
+            self.procs[rank] = _Proc(rank, 0, None, self.log_dir, time.time())
         self._event("start", f"coordinator for {self.nnodes} hosts x "
                              f"{self.config.nproc // self.nnodes} workers, store on port "
                              f"{self.port}; waiting for the host agents")
@@ -65,7 +69,7 @@ class Coordinator(Agent):
             if rank not in self.procs and msg.get(self.store, msg.Spawned, rank=rank,
                                                   incarnation=inc) is not None:
                 self.incarnation[rank] = inc
-                self.procs[rank] = _Proc(rank, inc, None, self.run_dir / "logs", time.time())
+                self.procs[rank] = _Proc(rank, inc, None, self.log_dir, time.time())
                 self._event("restart", f"worker {self._name(rank)} restarted by its host agent "
                                        f"(incarnation {inc})", rank=rank)
         for rank, proc in list(self.procs.items()):
@@ -113,8 +117,6 @@ def coordinate(config: LaunchConfig, nnodes: int, on_event=None) -> LaunchResult
     if nnodes < 1 or config.nproc % nnodes:
         raise RecycleError(f"{config.nproc} workers cannot be spread evenly over {nnodes} "
                            f"hosts")
-    config = prepare_library(config)  # plans made on demand go to the shared run folder
-    result = Coordinator(config, nnodes, on_event).run()
-    if result.status != "completed":
-        raise TrainingStopped(result.message, result)
-    return result
+    config = preflight(config, None)  # the job itself is loaded by the host agents' workers
+    # plans made on demand go to the library (with --spec, in the shared run folder)
+    return run_agent(Coordinator, config, [], on_event, nnodes)

@@ -34,10 +34,13 @@ import torch.distributed as dist
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.control.agent import _last_line, exit_how
 from recycle_planner.executor.config import (CONFIG_ENV, CONFIG_ERROR, CONFIG_KEY,
-                                             COORDINATOR_LOST, WorkerConfig)
+                                             COORDINATOR_LOST, RDZV_TIMEOUT, WorkerConfig)
 from recycle_planner.executor.control import messages as msg
 
 log = logging.getLogger(__name__)
+
+CONNECT_TRY = 2.0
+"""Seconds of one connection attempt to the coordinator while waiting for it."""
 
 EXIT_STATUS = {"completed": 0, "failed": 1, "stopped": 2}
 """The host agent's exit status by the job's outcome (COORDINATOR_LOST when it lost it)."""
@@ -55,12 +58,15 @@ class HostConfig:
     max_restarts: int = 0              # restarts per local worker
     restart_delay: float = 0.0
     startup_timeout: float = 300.0
+    rdzv_timeout: float = RDZV_TIMEOUT  # how long to wait for the coordinator to be there
     poll: float = 0.02
 
     def __post_init__(self) -> None:
         host, _, port = self.endpoint.rpartition(":")
         if not host or not port.isdigit():
             raise RecycleError(f"--rdzv-endpoint {self.endpoint!r} is not HOST:PORT")
+        if not self.rdzv_timeout > 0:
+            raise RecycleError(f"--rdzv-timeout must be positive, got {self.rdzv_timeout}")
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise RecycleError(f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1}")
 
@@ -85,16 +91,41 @@ class HostAgent:
         self.command = command
         self.config = config
         self.on_event = on_event or (lambda message: log.info("%s", message))
-        host, port = config.address
-        try:
-            self.store = dist.TCPStore(host, port, is_master=False,
-                                       timeout=timedelta(seconds=config.startup_timeout))
-        except (RuntimeError, dist.DistError) as exc:
-            raise RecycleError(f"cannot reach the coordinator at {config.endpoint}: "
-                               f"{str(exc).splitlines()[0]}") from None
+        self.store = self._connect()
         self.node_rank = config.node_rank
         self.workers: dict[int, _Local] = {}
         self.restarts: dict[int, int] = {}
+        self.preempted: float | None = None
+
+    def _connect(self) -> dist.TCPStore:
+        """The coordinator's store, waiting for it up to `rdzv_timeout` (a host agent may
+        start before its coordinator), saying so in the log; then one line."""
+        c = self.config
+        host, port = c.address
+        deadline = time.monotonic() + c.rdzv_timeout
+        said = 0.0
+        while True:
+            left = deadline - time.monotonic()
+            try:  # a plain probe first: c10d logs every failed try on stderr
+                socket.create_connection((host, port), max(0.1, min(CONNECT_TRY, left))).close()
+                break
+            except OSError as exc:
+                why = str(exc) or type(exc).__name__
+            if time.monotonic() >= deadline:
+                raise RecycleError(f"no coordinator at {c.endpoint} after {c.rdzv_timeout:g} "
+                                   f"s (start 'recycle-planner coordinator' there first, or "
+                                   f"check --rdzv-endpoint): {why[:120]}")
+            if time.monotonic() - said >= 10 or not said:
+                said = time.monotonic()
+                self.on_event(f"waiting for the coordinator at {c.endpoint} (giving up in "
+                              f"{deadline - said:.0f} s)")
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        try:
+            return dist.TCPStore(host, port, is_master=False,
+                                 timeout=timedelta(seconds=c.startup_timeout))
+        except (RuntimeError, dist.DistError) as exc:
+            raise RecycleError(f"cannot reach the coordinator at {c.endpoint}: "
+                               f"{str(exc).splitlines()[0]}") from None
 
     def run(self) -> int:
         """Run this host's workers until the job ends; returns the exit status."""
@@ -109,11 +140,12 @@ class HostAgent:
             self.world = c.nnodes * c.nproc_per_node
             self.worker_env = worker_config.to_json()
             self.lease = worker_config.lease
-            self.log_dir = Path(worker_config.run_dir) / "logs"
+            self.grace = worker_config.grace
+            self.log_dir = Path(worker_config.log_dir or Path(worker_config.run_dir) / "logs")
             self.log_dir.mkdir(parents=True, exist_ok=True)
             ranks = [self.node_rank * c.nproc_per_node + i for i in range(c.nproc_per_node)]
             for i, rank in enumerate(ranks):
-                self._spawn(rank, i, 0)
+                self._spawn(rank, i, self._next_incarnation(rank))
             msg.put(self.store, msg.HostUp(self.node_rank, socket.gethostname(), os.getpid(),
                                            tuple(ranks)))
             self.on_event(f"host {self.node_rank}: workers {ranks} started (logs in "
@@ -125,6 +157,13 @@ class HostAgent:
             for w in self.workers.values():
                 if w.popen.poll() is None:
                     os.kill(w.popen.pid, signal.SIGKILL)
+
+    def _next_incarnation(self, rank: int) -> int:
+        """Incarnations count in the coordinator's store, not in this process: an agent
+        started again with the same --node-rank (a rebooted host) gives its workers new
+        incarnations, which the coordinator admits at an iteration boundary (a re-join), and
+        never meets the kill notices of the processes it had before."""
+        return self.store.add(f"incarnation/{rank}", 1) - 1
 
     def _spawn(self, rank: int, local_rank: int, incarnation: int) -> None:
         c = self.config
@@ -143,6 +182,8 @@ class HostAgent:
             popen = subprocess.Popen(self.command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.workers[rank] = _Local(rank, local_rank, incarnation, popen, path)
+        if incarnation > 0:  # the coordinator learns of it (a restart, or a rebooted host)
+            msg.put(self.store, msg.Spawned(rank, incarnation))
 
     def _watch(self) -> int:
         """Poll the store every `poll` seconds; a worker's exit wakes the loop at once (through
@@ -153,18 +194,33 @@ class HostAgent:
         wake_w.setblocking(False)
         old_fd = signal.set_wakeup_fd(wake_w.fileno())
         previous = signal.signal(signal.SIGCHLD, lambda *_: None)
+        previous_term = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             return self._loop(wake_r)
         finally:
             signal.signal(signal.SIGCHLD, previous)
+            signal.signal(signal.SIGTERM, previous_term)
             signal.set_wakeup_fd(old_fd)
             wake_r.close()
             wake_w.close()
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """SIGTERM (preemption): keep the workers running, so that the coordinator's stop (if
+        it was signalled too) finds them and they write their checkpoint; if no outcome comes
+        within the grace period, kill them and leave (the coordinator then sees them dead)."""
+        if self.preempted is None:
+            self.preempted = time.time()
+            self.on_event(f"host {self.node_rank}: SIGTERM: waiting up to {self.grace:g} s for "
+                          f"the job's stop")
 
     def _loop(self, wake) -> int:
         c = self.config
         pending: dict[int, float] = {}      # rank -> when to restart it
         while True:
+            if self.preempted is not None and time.time() - self.preempted > self.grace:
+                self.on_event(f"host {self.node_rank}: no stop within the grace period: "
+                              f"killing the workers")
+                return 128 + signal.SIGTERM
             outcome = msg.get(self.store, msg.Outcome)
             if outcome is not None:
                 self._wait_for_workers(30.0)
@@ -180,18 +236,17 @@ class HostAgent:
                 if code is None:
                     continue
                 del self.workers[rank]
-                how = exit_how(code, self.lease)
+                how = "left (exit status 0)" if code == 0 else exit_how(code, self.lease)
                 msg.put(self.store, msg.WorkerExit(rank, w.incarnation, code, how,
                                                    _last_line(w.log_path)))
                 if code != CONFIG_ERROR and self.restarts.get(rank, 0) < c.max_restarts:
                     pending[rank] = now + c.restart_delay
                 self.on_event(f"host {self.node_rank}: worker rank {rank} {how}")
             for rank, when in list(pending.items()):
-                if now >= when:
+                if now >= when and self.preempted is None:
                     del pending[rank]
                     self.restarts[rank] = self.restarts.get(rank, 0) + 1
-                    self._spawn(rank, self._local_rank[rank], self.restarts[rank])
-                    msg.put(self.store, msg.Spawned(rank, self.restarts[rank]))
+                    self._spawn(rank, self._local_rank[rank], self._next_incarnation(rank))
             select.select([wake], [], [], c.poll)
             try:
                 while wake.recv(512):

@@ -63,7 +63,10 @@ class Decision:
     non-first worker of a stage at the very start), and the plan file chosen for the dead set.
     `action` is `run`, `stop` (then `reason` says why, and the members only write a
     checkpoint of iteration `restart`) or `plan` (the library has no plan for the dead set:
-    the launcher's to answer, never posted)."""
+    the launcher's to answer, never posted). `incarnations[rank]` is the process of that rank
+    the decision counts on: a worker that reads a decision that does not count on it (its
+    lease expired, a newer incarnation took its place) is fenced and leaves without acting
+    on it (`excludes`)."""
 
     gen: int
     action: str
@@ -74,13 +77,19 @@ class Decision:
     plan: str | None = None
     degradation: float | None = None
     reason: str = ""
+    incarnations: Mapping[int, int] = field(default_factory=dict)
+
+    def excludes(self, rank: int, incarnation: int) -> bool:
+        """Whether this decision leaves out the worker process (`rank`, `incarnation`)."""
+        return rank not in self.members or self.incarnations.get(rank, incarnation) != incarnation
 
     def to_json(self) -> str:
         return dumps({"gen": self.gen, "action": self.action, "members": list(self.members),
                       "dead": [list(w) for w in self.dead], "restart": self.restart,
                       "sources": {str(k): v for k, v in self.sources.items()},
                       "plan": self.plan, "degradation": self.degradation,
-                      "reason": self.reason})
+                      "reason": self.reason,
+                      "incarnations": {str(k): v for k, v in self.incarnations.items()}})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Decision":
@@ -89,7 +98,9 @@ class Decision:
                    dead=tuple(tuple(w) for w in d["dead"]), restart=int(d["restart"]),
                    sources={int(k): int(v) for k, v in d["sources"].items()},
                    plan=d.get("plan"), degradation=d.get("degradation"),
-                   reason=d.get("reason", ""))
+                   reason=d.get("reason", ""),
+                   incarnations={int(k): int(v)
+                                 for k, v in d.get("incarnations", {}).items()})
 
     def group_rank(self, rank: int) -> int:
         return self.members.index(rank)
@@ -97,7 +108,7 @@ class Decision:
 
 def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None],
            lookup: Callable[[list[Worker]], tuple[str, float] | None], initial: bool = False,
-           bug: str | None = None) -> Decision:
+           bug: str | None = None, incarnations: Mapping[int, int] | None = None) -> Decision:
     """The membership decision for generation `gen`, from the workers that reported.
 
     `steps[rank]` is the number of optimizer steps a reporting worker's stage has taken, or
@@ -114,8 +125,11 @@ def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None
     step iteration i+1 before every stage has stepped iteration i).
 
     `bug` (an exception in user code, reported by a worker) is never re-routed: the decision
-    is a stop at the restart iteration, so that the members write a consistent checkpoint."""
+    is a stop at the restart iteration, so that the members write a consistent checkpoint;
+    so is any other reason to stop the job (a SIGTERM at preemption) passed as `bug`.
+    `incarnations[rank]`: the process of each reporting rank, recorded in the decision."""
     members = tuple(sorted(steps))
+    incs = {r: incarnations[r] for r in members} if incarnations else {}
     dead = tuple(worker_of(r, stages) for r in range(pipelines * stages) if r not in steps)
     stateful = {r: k for r, k in steps.items() if k is not None}
     by_stage: dict[int, list[int]] = {}
@@ -127,7 +141,8 @@ def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None
                            f"stages may differ by at most one step")
 
     def stop(reason: str) -> Decision:
-        return Decision(gen, "stop", tuple(sorted(stateful)), dead, restart, reason=reason)
+        return Decision(gen, "stop", tuple(sorted(stateful)), dead, restart, reason=reason,
+                        incarnations=incs)
 
     if bug is not None:
         return stop(bug)
@@ -150,4 +165,5 @@ def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None
         first = by_stage[s][0]
         if steps[r] is None or (initial and r != first):
             sources[r] = first
-    return Decision(gen, "run", members, dead, restart, sources, plan, degradation)
+    return Decision(gen, "run", members, dead, restart, sources, plan, degradation,
+                    incarnations=incs)

@@ -1,0 +1,139 @@
+"""A real etcd cluster of one to five members on this machine's loopback: for the tests, the
+benchmark and trying the failover without a cluster.
+
+Each member is Debian's `etcd` binary (package `etcd-server`) on its own pair of free ports and
+its own data folder; `kill(i)` and `start(i)` take one member away and bring it back (its data
+kept, as a member that restarts does), so that a test can lose one member or the quorum.
+Timings are tightened (heartbeat 50 ms, election 500 ms) so that a lost leader is replaced in
+about a second, and the least lease etcd grants is 1 s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from recycle_planner.errors import RecycleError
+
+log = logging.getLogger(__name__)
+
+
+def etcd_binary() -> str | None:
+    """The `etcd` server on PATH (or /usr/bin, where Debian puts it), None without one."""
+    return shutil.which("etcd") or shutil.which("etcd", path="/usr/bin:/usr/sbin")
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports that are free on 127.0.0.1 now."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class EtcdCluster:
+    """`members` etcd processes on loopback; use as a context manager (stopped and their
+    folders removed on exit)."""
+
+    def __init__(self, members: int = 3, folder: Path | None = None, quiet: bool = True):
+        binary = etcd_binary()
+        if binary is None:
+            raise RecycleError("etcd is not installed (Debian: apt-get install etcd-server)")
+        self.binary = binary
+        self.size = members
+        self._own_folder = folder is None
+        self.folder = Path(folder or tempfile.mkdtemp(prefix="recycle-etcd-"))
+        ports = free_ports(2 * members)
+        self.client_ports = ports[:members]
+        self.peer_ports = ports[members:]
+        self.names = [f"m{i}" for i in range(members)]
+        self.procs: list[subprocess.Popen | None] = [None] * members
+        self.quiet = quiet
+
+    @property
+    def endpoints(self) -> str:
+        """The client endpoints, as `--etcd` takes them."""
+        return ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+
+    def endpoint(self, i: int) -> str:
+        return f"127.0.0.1:{self.client_ports[i]}"
+
+    def _command(self, i: int, state: str) -> list[str]:
+        initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names,
+                                                                        self.peer_ports))
+        return [self.binary, "--name", self.names[i],
+                "--data-dir", str(self.folder / self.names[i]),
+                "--listen-client-urls", f"http://127.0.0.1:{self.client_ports[i]}",
+                "--advertise-client-urls", f"http://127.0.0.1:{self.client_ports[i]}",
+                "--listen-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
+                "--initial-cluster", initial, "--initial-cluster-state", state,
+                "--initial-cluster-token", f"recycle-{os.getpid()}-{self.client_ports[0]}",
+                "--heartbeat-interval", "50", "--election-timeout", "500",
+                "--log-level", "error" if self.quiet else "info"]
+
+    def start(self, i: int | None = None) -> None:
+        """Start member `i` (every member when None)."""
+        for j in range(self.size) if i is None else [i]:
+            log_file = open(self.folder / f"{self.names[j]}.log", "ab")
+            self.procs[j] = subprocess.Popen(self._command(j, "new"), stdout=log_file,
+                                             stderr=subprocess.STDOUT, start_new_session=True)
+            log_file.close()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Until the cluster answers a linearizable read (it has a leader and a quorum)."""
+        from recycle_planner.executor.control.store import EtcdStore, StoreUnavailable
+
+        deadline = time.monotonic() + timeout
+        store = EtcdStore(self.endpoints, timeout=1.0)
+        try:
+            while True:
+                try:
+                    store.revision()
+                    return
+                except StoreUnavailable as exc:
+                    if time.monotonic() > deadline:
+                        raise RecycleError(f"etcd did not become ready in {timeout:g} s: "
+                                           f"{exc}; logs in {self.folder}") from None
+                    time.sleep(0.1)
+        finally:
+            store.close()
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Stop member `i` at once (SIGKILL: as if its machine vanished)."""
+        proc = self.procs[i]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+            proc.wait(10)
+        self.procs[i] = None
+
+    def stop(self) -> None:
+        for i in range(self.size):
+            self.kill(i, signal.SIGTERM)
+
+    def __enter__(self) -> "EtcdCluster":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self._own_folder:
+            shutil.rmtree(self.folder, ignore_errors=True)

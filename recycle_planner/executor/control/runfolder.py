@@ -1,0 +1,207 @@
+"""A run folder belongs to one run: its record (`run.json`), its lock, its logs per attempt and
+the losses of every iteration it trained.
+
+A launcher (or coordinator) claims the folder before any process starts (`claim`):
+
+- a folder with no run in it starts a new run (a fresh run id, attempt 1);
+- `--resume` continues the run whose record is there (same run id, the next attempt) from
+  its newest complete checkpoint; with no checkpoint there is nothing to resume, which is
+  said at once, not after the workers' start-up;
+- a folder holding another run's checkpoints is refused in one line unless `--resume`
+  (continue it) or `--start-over` (remove that run's checkpoints, losses and result, said in
+  the log, and start a new run) is given: a new run never writes beside an old run's
+  checkpoints, where a checkpoint of the same iteration would be taken for its own.
+
+While the run lives it holds `RUN/.run.lock` (flock: the kernel releases it when the holder
+dies), so that a second launcher on the same folder is refused in one line too.
+
+Each attempt writes its processes' logs into `logs/attempt-N/`, so a resumed run never
+overwrites the failed attempt's logs. The launcher appends each iteration's losses to
+`losses.jsonl` as soon as they are known (a killed coordinator writes no result.json), and a
+resumed run's result takes the iterations before its checkpoint from there.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from recycle_planner.errors import RecycleError
+from recycle_planner.io import write_json
+
+log = logging.getLogger(__name__)
+
+RUN_RECORD = "run.json"
+RUN_LOCK = ".run.lock"
+LOSSES = "losses.jsonl"
+CHECKPOINTS = "checkpoints"
+RESULT = "result.json"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """`run.json`: which run the folder holds and which attempt of it is (or was last)
+    running."""
+
+    run_id: str
+    attempt: int
+    started: float
+    version: int = VERSION
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict, where: Path) -> "RunRecord":
+        try:
+            return cls(str(data["run_id"]), int(data["attempt"]), float(data["started"]),
+                       int(data.get("version", VERSION)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RecycleError(f"{where}: not a run record ({exc})") from None
+
+    def log_dir(self, run_dir: str | Path) -> Path:
+        return Path(run_dir) / "logs" / f"attempt-{self.attempt}"
+
+
+def read_record(run_dir: str | Path) -> RunRecord | None:
+    path = Path(run_dir) / RUN_RECORD
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise RecycleError(f"{path}: unreadable run record ({exc})") from None
+    if not isinstance(data, dict):
+        raise RecycleError(f"{path}: not a run record")
+    return RunRecord.from_json(data, path)
+
+
+def _checkpoints(run_dir: Path) -> list[str]:
+    folder = run_dir / CHECKPOINTS
+    return sorted(p.name for p in folder.glob("iter-*")) if folder.is_dir() else []
+
+
+class RunFolder:
+    """The claimed folder: its record and its lock (held until `release`)."""
+
+    def __init__(self, run_dir: Path, record: RunRecord, fd: int):
+        self.run_dir = run_dir
+        self.record = record
+        self._fd: int | None = fd
+
+    @property
+    def log_dir(self) -> Path:
+        return self.record.log_dir(self.run_dir)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def add_losses(self, rows: list[dict]) -> None:
+        """Append iterations' losses (`{"iteration", "loss", "gen", "attempt"}`)."""
+        if rows:
+            with open(self.run_dir / LOSSES, "a") as out:
+                out.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+                out.flush()
+                os.fsync(out.fileno())
+
+    def earlier_losses(self) -> dict[int, float]:
+        """Every iteration's loss written by this run's attempts so far (the latest wins)."""
+        return read_losses(self.run_dir)
+
+
+def read_losses(run_dir: str | Path) -> dict[int, float]:
+    path = Path(run_dir) / LOSSES
+    losses: dict[int, float] = {}
+    if not path.is_file():
+        return losses
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            losses[int(row["iteration"])] = float(row["loss"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a crash
+    return losses
+
+
+def claim(run_dir: str | Path, resume: bool, start_over: bool) -> RunFolder:
+    """Take the folder for this run (see the module's docstring); a `RecycleError` in one line
+    if it holds another run, is in use, or has nothing to resume."""
+    from recycle_planner.executor.data.state import latest_checkpoint
+
+    if resume and start_over:
+        raise RecycleError("--resume continues the run in the folder and --start-over "
+                           "discards it: give one")
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = _lock(run_dir)
+    try:
+        previous = read_record(run_dir)
+        checkpoints = _checkpoints(run_dir)
+        if resume:
+            if latest_checkpoint(run_dir) is None:
+                raise RecycleError(f"--resume: no complete checkpoint in "
+                                   f"{run_dir / CHECKPOINTS} to resume from")
+            record = RunRecord(previous.run_id if previous else _new_id(),
+                               previous.attempt + 1 if previous else 1, time.time())
+        else:
+            who = f"run {previous.run_id}" if previous else "an earlier run"
+            if checkpoints and not start_over:
+                raise RecycleError(
+                    f"{run_dir} holds {who}'s checkpoints (the newest {checkpoints[-1]}): "
+                    f"continue it with --resume, start over with --start-over (removes them), "
+                    f"or choose another --run-dir")
+            _discard(run_dir, who, said=bool(checkpoints))
+            record = RunRecord(_new_id(), (previous.attempt + 1) if previous else 1,
+                               time.time())
+        write_json(run_dir / RUN_RECORD, record.to_json())
+        record.log_dir(run_dir).mkdir(parents=True, exist_ok=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return RunFolder(run_dir, record, fd)
+
+
+def _new_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+def _discard(run_dir: Path, who: str, said: bool) -> None:
+    """A new run: the earlier run's checkpoints (only with --start-over, and `said` in the
+    log), losses and result go; its logs stay, under their own attempt folders."""
+    for name in (CHECKPOINTS, LOSSES, RESULT):
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    if said:
+        log.warning("--start-over: removed %s's checkpoints, losses and result from %s", who,
+                    run_dir)
+
+
+def _lock(run_dir: Path) -> int:
+    path = run_dir / RUN_LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode(errors="replace").strip()
+        os.close(fd)
+        raise RecycleError(f"{run_dir} is in use by another run ({holder or 'a process'}): "
+                           f"wait for it to end, or choose another --run-dir") from None
+    except OSError as exc:
+        os.close(fd)
+        raise RecycleError(f"{path}: cannot lock the run folder: {exc}") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode())
+    return fd

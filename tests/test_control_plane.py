@@ -1,0 +1,160 @@
+"""Election, membership and decisions on both control stores (in one process; the real-process
+failover on a 3-member etcd is in test_control_failover.py)."""
+
+import threading
+import time
+
+import pytest
+
+from recycle_planner.executor.control.election import Deposed, Election
+from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_binary
+from recycle_planner.executor.control.failover import stand_by_or_lead
+from recycle_planner.executor.control.plane import (HostMember, HostRecord, Keys, Leader,
+                                                    wait_for)
+from recycle_planner.executor.control.store import EtcdStore, MemoryStore
+
+NO_ETCD = "etcd is not installed (make test installs Debian's etcd-server where it runs as root)"
+PIPELINES, STAGES, PER_HOST = 3, 2, 2   # 3 hosts, each one whole pipeline
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    if etcd_binary() is None:
+        pytest.skip(NO_ETCD)
+    with EtcdCluster(1) as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=["memory", "etcd"])
+def store(request):
+    s = MemoryStore() if request.param == "memory" else EtcdStore(
+        request.getfixturevalue("etcd").endpoints, timeout=3)
+    yield s
+    s.close()
+
+
+_jobs = iter(range(10**6))
+
+
+@pytest.fixture
+def keys():
+    return Keys(f"job{next(_jobs)}-{time.monotonic_ns()}")
+
+
+def lookup(dead):
+    return f"plan-dead-{len(dead)}", 0.0
+
+
+def hosts(store, keys, n=PIPELINES, steps=lambda: 7):
+    return [HostMember(store, keys, HostRecord(i, f"h{i}", tuple(range(i * PER_HOST,
+                                                                       (i + 1) * PER_HOST))),
+                       1, lambda i=i: {r: steps() for r in range(i * PER_HOST,
+                                                                 (i + 1) * PER_HOST)})
+            for i in range(n)]
+
+
+def coordinators(store, keys, names, stop, decisions):
+    threads = [threading.Thread(target=stand_by_or_lead, daemon=True,
+                                args=(store, keys, name, 1, PIPELINES, STAGES, lookup, stop),
+                                kwargs={"on_decision": decisions.append}) for name in names]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_one_candidate_leads_and_the_next_leads_when_it_resigns(store, keys):
+    a = Election(store, keys.election, "a", 1)
+    b = Election(store, keys.election, "b", 1)
+    won_a = a.campaign()
+    got = []
+    t = threading.Thread(target=lambda: got.append(b.campaign()))
+    t.start()
+    time.sleep(0.3)
+    assert got == [] and a.leader().value == "a"
+    a.resign()
+    t.join(5)
+    assert got and got[0].revision > won_a.revision and b.leader().value == "b"
+    b.resign()
+    assert b.leader() is None
+
+
+def test_a_deposed_leaders_writes_are_refused(store, keys):
+    a = Election(store, keys.election, "a", 1)
+    a.campaign()
+    assert a.write([(keys.decision, "from a", 0)])
+    store.revoke(a._keeper.lease)           # a's lease ran out while it was cut off
+    b = Election(store, keys.election, "b", 1)
+    b.campaign()
+    a.deposed.clear()                       # a has not noticed yet: the store refuses anyway
+    assert not a.write([(keys.decision, "late, from a", 0)])
+    assert b.write([(keys.decision, "from b", 0)])
+    assert store.get(keys.decision).value == "from b"
+    b.resign()
+    a._keeper.close(revoke=False)
+
+
+def test_host_loss_gives_every_survivor_the_next_decision(store, keys):
+    stop, decisions = threading.Event(), []
+    threads = coordinators(store, keys, ["c0", "c1"], stop, decisions)
+    members = hosts(store, keys)
+    try:
+        assert wait_for(lambda: all(m.decision and m.decision.gen == 1 for m in members), 10)
+        first = members[0].decision
+        assert (first.action, first.members, first.plan) == ("run", tuple(range(6)),
+                                                            "plan-dead-0")
+        members[2].close(leave=False)   # host 2 vanishes: its lease runs out
+        t0 = time.monotonic()
+        assert wait_for(lambda: all(m.decision.gen == 2 for m in members[:2]), 10)
+        took = time.monotonic() - t0
+        second = members[0].decision
+        assert second.members == (0, 1, 2, 3) and second.dead == ((2, 0), (2, 1))
+        assert (second.restart, second.plan) == (7, "plan-dead-2")
+        assert took < 1 + 2.5, took      # the lease (1 s) plus the reports and the decision
+        assert [d.gen for d in decisions] == [1, 2]  # each generation decided once
+        assert store.get(keys.host(2)) is None
+        assert store.get_prefix(keys.root + "ready/")[0] == []  # reports gone with their use
+    finally:
+        stop.set()
+        for m in members[:2]:
+            m.close()
+        for t in threads:
+            t.join(5)
+    assert store.get_prefix(keys.election)[0] == [] and store.get_prefix(keys.hosts)[0] == []
+
+
+def test_a_new_leader_finishes_the_collection_its_predecessor_started(store, keys):
+    members = hosts(store, keys)
+    first = Election(store, keys.election, "first", 1)
+    first.campaign()
+    leader = Leader(first, keys, PIPELINES, STAGES, lookup)
+    leader._load()
+    leader._settle()                       # every host is up: abort 0 ("start")
+    assert wait_for(lambda: len(store.get_prefix(keys.ready(0))[0]) == 3, 5)
+    first.resign()                         # gone before deciding generation 1
+    stop, decisions = threading.Event(), []
+    threads = coordinators(store, keys, ["second"], stop, decisions)
+    try:
+        assert wait_for(lambda: all(m.decision and m.decision.gen == 1 for m in members), 10)
+        time.sleep(0.3)
+        assert [d.gen for d in decisions] == [1]
+    finally:
+        stop.set()
+        for m in members:
+            m.close()
+        for t in threads:
+            t.join(5)
+
+
+def test_a_host_sees_the_store_go_as_lost(keys):
+    store = MemoryStore()
+    lost = threading.Event()
+    member = HostMember(store, keys, HostRecord(0, "h0", (0, 1)), 1, dict,
+                        on_lost=lambda reason: lost.set())
+    store.revoke(member.keeper.lease)
+    assert lost.wait(3) and "expired" in member.lost
+    member.close()
+
+
+def test_writing_without_leading_is_refused(keys):
+    with pytest.raises(Deposed):
+        Election(MemoryStore(), keys.election, "x", 1).write([("k", "v", 0)])
