@@ -318,9 +318,14 @@ def predicted_and_measured(result) -> list[str]:
               help="Point-to-point latency instead of measuring it.")
 @click.option("--allreduce", type=number("allreduce"), default=None, metavar="MS",
               help="Gradient all-reduce time instead of measuring it.")
+@click.option("--undo-copy", type=click.Choice(UNDO_PLACES), default=UNDO_COPY,
+              show_default=True, help="Where the run keeps the copy that undoes a step (as "
+              "launch --undo-copy): 'device' adds one copy of the parameters and optimizer "
+              "state to the static memory.")
 def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: int,
             output: Path, name: str | None, device: str, repeats: int, warmup: int,
-            memory_budget: str | None, p2p: float | None, allreduce: float | None) -> None:
+            memory_budget: str | None, p2p: float | None, allreduce: float | None,
+            undo_copy: str) -> None:
     """Measure JOB's stages on this machine and write a job spec for the planner.
 
     Per stage: forward, input-gradient and weight-gradient time, optimizer step, activation
@@ -351,7 +356,7 @@ def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: in
     with Ticker(f"profiling {target} on {device}"):
         spec, stages = profile_job(job, pipelines, microbatches, name=name, device=device,
                                    repeats=repeats, warmup=warmup, memory_budget=budget,
-                                   p2p=p2p, allreduce=allreduce)
+                                   p2p=p2p, allreduce=allreduce, undo_copy=undo_copy)
     header = (f"Profiled by recycle-planner profile {target} on {device}\n"
               f"({sys.platform}, {repeats} repeats); times in ms, memory in bytes\n"
               + spread_note(stages))

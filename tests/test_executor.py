@@ -190,9 +190,8 @@ def test_a_stage_without_live_workers_stops_and_resumes_from_the_periodic_checkp
     assert_losses_equal(resumed.losses, ref.losses)
 
 
-@BACKENDS
 def test_an_exception_in_user_code_stops_the_job_with_a_checkpoint_and_is_never_rerouted(
-        tmp_path, backend):
+        tmp_path, backend="gloo"):  # not a fault: nothing NCCL's semantics would change
     """data() raises ValueError for one micro-batch of pipeline 1 in iteration 3: a bug, not
     a dead worker. Every worker leaves the iteration, the job stops at iteration 3 with a
     consistent checkpoint, the traceback appears once in the launcher's output, the exit

@@ -43,6 +43,14 @@ def test_profile_measures_every_stage_and_writes_a_spec_the_planner_reads(tmp_pa
     assert base <= spec.memory.static[0] <= base + 64  # + Adam's step counters
     text = out.read_text()
     assert "# stage 0 spread (p90-p10)/median: F " in text and "p2p" in text
+    # the step-undo copy on the device: one more copy of the parameters and Adam's state
+    dev = tmp_path / "dev.toml"
+    r = run("profile", TINY, "-d", "2", "-m", "4", "-o", dev, "--repeats", "2", "--p2p", "0.1",
+            "--allreduce", "0.1", "--undo-copy", "device", "--", "--blocks", "3",
+            "--microbatch-size", "8")
+    assert r.exit_code == 0, r.output
+    undo = load_spec(dev).memory.static[0] - spec.memory.static[0]
+    assert 3 * params0 <= undo <= 3 * params0 + 64
     # Stage 0 has no input gradient: its I is bookkeeping, its W the whole backward.
     assert spec.backward_input[0] < spec.backward_weight[0]
     plan = plan_situation(spec, Policy(), [(1, 0)])

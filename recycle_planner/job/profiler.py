@@ -61,6 +61,7 @@ class StageProfile:
     static: int             # bytes held for the whole run
     output_bytes: int       # one micro-batch's output (the activation sent downstream)
     grad_bytes: int         # the stage's gradients (what the all-reduce moves)
+    undo_bytes: int = 0     # the step-undo copy: parameters and optimizer state
     spread: dict[str, float] = field(default_factory=dict)
     """Per figure (F, I, W, optimizer, p2p, allreduce): the spread of its repeats, (90th
     percentile - 10th) / median; a large one says the machine was busy (`SPREAD_WARNING`)."""
@@ -176,7 +177,7 @@ def profile_stages(job, device: str = "cpu", repeats: int = 10,
             backward_weight=_ms(times["W"]), optimizer=_ms(step_times),
             activation=activation,
             static=3 * param_bytes + opt_bytes,  # params, grads, buckets; the state
-            output_bytes=output_bytes, grad_bytes=param_bytes,
+            output_bytes=output_bytes, grad_bytes=param_bytes, undo_bytes=param_bytes + opt_bytes,
             spread={"F": spread(times["F"]), "I": spread(times["I"]),
                     "W": spread(times["W"]), "optimizer": spread(step_times)}))
         value = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
@@ -356,13 +357,17 @@ def profile_job(job, pipelines: int, microbatches: int, name: str | None = None,
                 memory_budget: float | None = None, p2p: float | None = None,
                 allreduce: float | None = None, measure_communication: bool = True,
                 wrap: Callable[[list[str]], list[str]] | None = None,
+                undo_copy: str = "host",
                 ) -> tuple[JobSpec, list[StageProfile]]:
     """The job spec of `job` on this machine with D = `pipelines` and M = `microbatches`.
 
     Communication is measured on CPU unless `p2p` / `allreduce` (ms) are given or
     `measure_communication` is off (then it counts as 0). The memory budget is `memory_budget`
     bytes, else the GPU's memory, else this machine's memory shared by its D*S workers.
-    `wrap` rewrites the command of each communication-measuring process (`measure_comm`)."""
+    `wrap` rewrites the command of each communication-measuring process (`measure_comm`).
+    `undo_copy` is where the run keeps the step-undo copy (`executor/config.py`'s
+    UNDO_PLACES): on the device, it is one more copy of the parameters and optimizer state in
+    the static memory."""
     if pipelines < 1 or microbatches < 1:
         raise RecycleError("pipelines and microbatches must be at least 1")
     from recycle_planner.executor.data.boundary import flat
@@ -395,7 +400,9 @@ def profile_job(job, pipelines: int, microbatches: int, name: str | None = None,
     # what is in flight (`executor/data/pool.py`): a received activation is the stage's input,
     # already in `activation`.
     inputs = [0] + [st.output_bytes for st in stages[:-1]]
-    stages = [replace(st, static=st.static + microbatches * (inputs[s] + st.output_bytes))
+    undo = 1 if undo_copy == "device" else 0
+    stages = [replace(st, static=st.static + microbatches * (inputs[s] + st.output_bytes)
+                      + undo * st.undo_bytes)
               for s, st in enumerate(stages)]
     budget = memory_budget if memory_budget is not None else _device_memory(device,
                                                                             pipelines * S)
