@@ -452,8 +452,12 @@ class Worker:
         host blocks in (on NCCL: a `.tolist()`, a `.to(device)`, a pinned allocation, the
         step gate; `Comm.wait` returns at once there), and the clock restarts."""
         lease = self.config.lease
-        peer_seen = 0.0
+        peer_seen = checked = time.monotonic()
         while not self._stopped:
+            now = time.monotonic()
+            if now - checked > 1.0:  # this process was stopped (SIGSTOP): no time of its own
+                peer_seen = now
+            checked = now
             runtime = self.runtime
             comm = runtime.comm if runtime is not None else None
             started = runtime.op_started if runtime is not None else None

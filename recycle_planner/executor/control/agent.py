@@ -956,7 +956,7 @@ class Agent:
         per_mb: dict[str, float] = {}
         spec = self.lib.spec if self.lib else None
         gens: list[int] = []
-        self._save_losses()
+        self._save_losses(upto=n)
         for i in range(n):
             end = None
             gen = -1
@@ -1050,20 +1050,25 @@ class Agent:
                         values[(p, m)] = (rec.gen, v)
         return values
 
-    def _save_losses(self) -> None:
-        """Append to losses.jsonl every iteration whose D*M losses are all known, as soon as
-        they are (a killed launcher or coordinator writes no result; the resumed run takes
-        the losses before its checkpoint from there). Every last-stage worker reports all of
-        them after the losses' all-reduce, so one report is usually enough."""
+    def _save_losses(self, upto: int | None = None) -> None:
+        """Append to losses.jsonl every iteration whose D*M losses are final, as soon as they
+        are (a killed launcher or coordinator writes no result; the resumed run takes the
+        losses before its checkpoint from there). Every last-stage worker reports all of
+        them after the losses' all-reduce, so one report is usually enough. An iteration's
+        losses are final once the next iteration's are all known (its forwards ran after
+        every stage's step of it, which the step gate confirmed): an attempt abandoned after
+        its losses were known is redone, and its redo's report wins. At the end (`upto`):
+        every iteration the run completed."""
         if self.decision is None:
             return
         spec = self.lib.spec
         need = spec.pipelines * spec.microbatches
         last = [d * spec.stages + spec.stages - 1 for d in range(spec.pipelines)]
         rows = []
-        while True:
+        while upto is None or self.next_loss < upto:
             values = self._iteration_losses(self.next_loss, last, need)
-            if len(values) < need:
+            if len(values) < need or upto is None and len(
+                    self._iteration_losses(self.next_loss + 1, last, need)) < need:
                 break
             rows.append({"iteration": self.next_loss,
                          "loss": sum(v for _, v in values.values()) / len(values),
