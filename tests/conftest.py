@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_missing
+from recycle_planner.executor.control.store import EtcdStore, MemoryStore
 from recycle_planner.job.spec import TIME_KEYS, JobSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,3 +47,22 @@ def with_changes(spec: JobSpec, **changes) -> JobSpec:
 @pytest.fixture
 def small_spec() -> JobSpec:
     return make_spec(pipelines=4, p2p=0.1, allreduce=1, optimizer=0.5)
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    """A one-member etcd on loopback ports for a test module; skipped with the reason when
+    etcd is not installed."""
+    if etcd_missing() is not None:
+        pytest.skip(etcd_missing())
+    with EtcdCluster(1) as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=["memory", "etcd"])
+def store(request):
+    """Each control store in turn: the embedded one and etcd (one contract for both)."""
+    s = MemoryStore() if request.param == "memory" else EtcdStore(
+        request.getfixturevalue("etcd").endpoints, timeout=3)
+    yield s
+    s.close()

@@ -7,29 +7,12 @@ import time
 import pytest
 
 from recycle_planner.executor.control.election import Deposed, Election
-from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_missing
 from recycle_planner.executor.control.failover import stand_by_or_lead
 from helpers.waiting import wait_for
 from recycle_planner.executor.control.plane import HostMember, HostRecord, Keys, Leader
-from recycle_planner.executor.control.store import EtcdStore, MemoryStore
+from recycle_planner.executor.control.store import MemoryStore
 
 PIPELINES, STAGES, PER_HOST = 3, 2, 2   # 3 hosts, each one whole pipeline
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    if etcd_missing() is not None:
-        pytest.skip(etcd_missing())
-    with EtcdCluster(1) as cluster:
-        yield cluster
-
-
-@pytest.fixture(params=["memory", "etcd"])
-def store(request):
-    s = MemoryStore() if request.param == "memory" else EtcdStore(
-        request.getfixturevalue("etcd").endpoints, timeout=3)
-    yield s
-    s.close()
 
 
 _jobs = iter(range(10**6))

@@ -8,29 +8,9 @@ import time
 import pytest
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_missing
-from recycle_planner.executor.control.store import (DELETE, PUT, Compare, EtcdStore,
-                                                    LeaseKeeper, MemoryStore, StoreRefused, absent,
-                                                    created_at, parse_endpoints)
-
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    if etcd_missing() is not None:
-        pytest.skip(etcd_missing())
-    with EtcdCluster(1) as cluster:
-        yield cluster
-
-
-@pytest.fixture(params=["memory", "etcd"])
-def store(request):
-    if request.param == "memory":
-        s = MemoryStore()
-    else:
-        s = EtcdStore(request.getfixturevalue("etcd").endpoints, timeout=3)
-    yield s
-    s.close()
+from recycle_planner.executor.control.store import (DELETE, PUT, Compare, LeaseKeeper,
+                                                    StoreRefused, absent, created_at,
+                                                    parse_endpoints)
 
 
 _names = itertools.count()
