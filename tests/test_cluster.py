@@ -125,10 +125,8 @@ def test_the_coordinator_is_killed_workers_checkpoint_and_a_restart_resumes(tmp_
     with open(out, "wb") as log, Hosts(2) as net:
         coord = _coordinator(net, run, log, "--checkpoint-every", "2")
         agents = _agents(net, lib, log)
-        deadline = time.time() + 180
-        while not (run / "checkpoints" / "iter-000002" / "manifest.json").is_file():
-            assert time.time() < deadline and coord.poll() is None, out.read_text()[-4000:]
-            time.sleep(0.05)
+        _until(lambda: (run / "checkpoints" / "iter-000002" / "manifest.json").is_file(), 180,
+               out, [coord])
         coord.kill()
         codes = [_wait(a, 60, "a host agent", out) for a in agents]
     text = out.read_text(errors="replace")
@@ -137,16 +135,21 @@ def test_the_coordinator_is_killed_workers_checkpoint_and_a_restart_resumes(tmp_
     iteration, _ = checkpoint_params(run, 2)
     assert 2 <= iteration <= ITERATIONS
 
-    out2 = tmp_path / "out2.log"
-    with open(out2, "wb") as log, Hosts(2) as net:
-        coord = _coordinator(net, run, log, "--resume")
-        _agents(net, lib, log)
-        assert _wait(coord, 240, "the resumed coordinator", out2) == 0, out2.read_text()
-    result = json.loads((run / "result.json").read_text())
+    result = _resume(tmp_path, run, lib)
     assert [e["restart"] for e in result["events"] if e["kind"] == "generation"] == [iteration]
     _, params = checkpoint_params(run, 2)
     assert_params_equal(params, ref.params)
     assert_losses_equal(result["losses"][iteration:], ref.losses[iteration:])
+
+
+def _resume(tmp_path: Path, run: Path, lib: Path) -> dict:
+    """A new coordinator with --resume and new host agents finish the run; its result."""
+    out = tmp_path / "out2.log"
+    with open(out, "wb") as log, Hosts(2) as net:
+        coord = _coordinator(net, run, log, "--resume")
+        _agents(net, lib, log)
+        assert _wait(coord, 240, "the resumed coordinator", out) == 0, out.read_text()
+    return json.loads((run / "result.json").read_text())
 
 
 # -- drills with 3 hosts x 2 workers (2 stages x 3 pipelines; host h holds pipeline h) ----------
@@ -272,12 +275,7 @@ def test_a_coordinator_cut_off_is_noticed_within_the_lease(tmp_path, fault_free)
     iteration, _ = checkpoint_params(run, 2)
     assert 2 <= iteration <= ITERATIONS
 
-    out2 = tmp_path / "out2.log"
-    with open(out2, "wb") as log, Hosts(2) as net:
-        coord = _coordinator(net, run, log, "--resume")
-        _agents(net, lib, log)
-        assert _wait(coord, 240, "the resumed coordinator", out2) == 0, out2.read_text()
-    result = json.loads((run / "result.json").read_text())
+    result = _resume(tmp_path, run, lib)
     _, params = checkpoint_params(run, 2)
     assert_params_equal(params, ref.params)
     assert_losses_equal(result["losses"], ref.losses)
