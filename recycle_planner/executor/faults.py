@@ -25,11 +25,12 @@ For tests, the demo and chaos drills, never for production training. A fault is 
   started; `host-kill`: SIGKILL them.
 
 A fifth field `after-step=R[,R...]` makes the fault wait (at most half the lease) until
-workers R have taken their stage's optimizer step of that iteration, for a fault that must
-land between one stage's step and another's (`3:3:W3:kill:after-step=4,5`: rank 3 dies in
-its last weight gradient once ranks 4 and 5 have stepped, so that their stages must undo the
-step). Those steps run concurrently with the fault's point, so without it only timing says
-which came first.
+workers R have counted their stage's optimizer step of that iteration (a step taken before
+its clipping norm was known counts once checked, at the worker's next forward), for a
+fault that must land between one stage's step and another's (`3:3:W3:kill:after-step=4,5`:
+rank 3 dies in its last weight gradient once ranks 4 and 5 have stepped, so that their
+stages must undo the step). Those steps run concurrently with the fault's point, so
+without it only timing says which came first.
 
 Only incarnation 0 of a rank is hit: a worker restarted after its fault does not die again.
 Before dying, the worker writes the time into the store, so that the launcher can report the
@@ -140,9 +141,14 @@ class FaultInjector:
     def at(self, iteration: int, point: str) -> Fault | None:
         return self._at.get((iteration, point))
 
-    def trigger(self, iteration: int, point: str) -> None:
-        if point == "step" and iteration in self._watched:
+    def counted(self, iteration: int) -> None:
+        """This worker's stage counted its optimizer step of `iteration` (a step checked
+        after it was taken, `validation.py`, counts once checked): record it where a fault
+        with after-step waits for it."""
+        if iteration in self._watched:
             self._stepped(iteration)
+
+    def trigger(self, iteration: int, point: str) -> None:
         fault = self._at.get((iteration, point))
         if fault is not None and fault.point != "hold":
             if fault.after_step:
