@@ -48,7 +48,9 @@ class Validated(Protocol):
     def guess(self, stage: int, local: torch.Tensor) -> Hashable | None:
         """The outcome to step with before the sum is known, from this stage's own
         contribution; None when the local view says the guess would likely be wrong (the
-        step then waits for the sum, which costs the barrier only on those iterations)."""
+        step then waits for the sum, which costs the barrier only on those iterations).
+        `act` with a guess must leave the gradients as they are: a wrong guess is redone
+        from them."""
 
     def act(self, stage: int, params: Sequence[torch.Tensor], outcome: Hashable) -> bool:
         """Act on the gradients for `outcome`; False skips the optimizer step."""

@@ -1,0 +1,122 @@
+"""Step time with global-norm clipping: the barrier against optimizer post-validation.
+
+Usage: python benchmarks/bench_clipping.py [--repeat N] [--iterations N] [--clip NORM]
+                                           [--json FILE]
+
+The small GPT of examples/gpt_small.py (float32, no LR schedule, clipped to `--clip`), 2
+stages x 2 pipelines x 8 micro-batches on local CPU processes (gloo), profiled once and
+planned with the default policy (split backward, staggered optimizer). Each repeat trains it
+four times, alternating: with `--clip-barrier` (every stage waits for the global norm before
+its step) and without (each stage steps at once with the factor its own norm allows and
+checks it when the global norm arrives, `executor/data/validation.py`), fault-free and with
+worker 1:0 killed mid-forward at the middle iteration (its micro-batches re-routed to 0:0 for
+the rest of the run). Step time: the median time between iteration ends from iteration 5 (or
+from two iterations after the restart, for the re-routed plan); the table shows the median
+over the repeats, and how many steps were redone (the guess was wrong) or taken late (the
+stage's own norm was over the limit, so it waited for the global one) out of all steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from bench_executor import D, GPT, M, S, median_step, profile, run_ours
+from common import machine
+
+from recycle_planner.executor import parse_fault
+from recycle_planner.io import write_json
+from recycle_planner.job.policy import Policy
+from recycle_planner.library import PlanLibrary, Settings, build_library
+
+MODES = {"barrier": ["--clip-barrier"], "post-validated": []}
+KILLED, RANK = "1:0", 2
+
+
+def settled(res) -> dict[str, int]:
+    """Steps counted, redone and taken late, over every worker and generation."""
+    out = {"steps": 0, "REDO": 0, "LATE": 0}
+    for by_gen in res.op_times.values():
+        for table in by_gen.values():
+            out["steps"] += table["OPTIMIZER"][0]
+            for kind in ("REDO", "LATE"):
+                out[kind] += table.get(kind, [0])[0]
+    return out
+
+
+def one_run(job_args: list[str], lib: PlanLibrary, work: Path, kill_at: int | None) -> dict:
+    faults = [parse_fault(f"{RANK}:{kill_at}:F1")] if kill_at is not None else []
+    res = run_ours(GPT, job_args, lib, work, None, faults)
+    row = {"step_ms": median_step(res.iteration_end, 5, kill_at), **settled(res)}
+    if kill_at is not None:
+        gen = [e for e in res.events if e["kind"] == "generation"][-1]
+        row["rerouted_ms"] = median_step(res.iteration_end, gen["restart"] + 2)
+        row["plan"] = gen["plan"]
+    return row
+
+
+def run(repeat: int, iterations: int, clip: float, work: Path) -> dict:
+    job_args = ["--dtype", "float32", "--warmup", "0", "--clip", str(clip), "--iterations",
+                str(iterations)]
+    spec = profile("gpt-clip", GPT, job_args, work, None)
+    folder = work / "lib"
+    build_library(spec, Policy(), 1, folder, Settings(solver="heuristic"), jobs=1)
+    lib = PlanLibrary.open(folder)
+    rows: dict[str, list[dict]] = {f"{mode} {case}": [] for mode in MODES
+                                   for case in ("fault-free", "kill")}
+    for r in range(repeat):
+        for mode, extra in MODES.items():
+            for case, kill_at in (("fault-free", None), ("kill", iterations // 2)):
+                row = one_run(job_args + extra, lib, work / f"{mode}-{case}-{r}", kill_at)
+                logging.info("%s %s run %d: %s", mode, case, r, json.dumps(row))
+                rows[f"{mode} {case}"].append(row)
+    return {"spec": spec.to_dict(), "predicted_ms": lib.fault_free_period,
+            "predicted_rerouted_ms": lib.lookup([(1, 0)]).entry.period, "runs": rows}
+
+
+def markdown(results: dict) -> str:
+    runs = results["runs"]
+    lines = ["| clipping | fault-free step (ms) | step before the kill (ms) | step on the "
+             "re-routed plan, 1:0 dead (ms) | steps redone / taken late / all |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for mode in MODES:
+        free, kill = runs[f"{mode} fault-free"], runs[f"{mode} kill"]
+        counts = [sum(r[k] for r in free + kill) for k in ("REDO", "LATE", "steps")]
+        lines.append(f"| {mode} | {statistics.median(r['step_ms'] for r in free):.1f} | "
+                     f"{statistics.median(r['step_ms'] for r in kill):.1f} | "
+                     f"{statistics.median(r['rerouted_ms'] for r in kill):.1f} | "
+                     f"{counts[0]} / {counts[1]} / {counts[2]} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--clip", type=float, default=1.0, help="the global gradient norm")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench-clipping-") as tmp:
+        results = run(args.repeat, args.iterations, args.clip, Path(tmp))
+    results.update(machine=machine(), grid=f"{S} stages x {D} pipelines x {M} micro-batches",
+                   repeat=args.repeat, iterations=args.iterations, clip=args.clip,
+                   load_average=[load, os.getloadavg()[0]])
+    if args.json:
+        write_json(args.json, results)
+    print(f"machine: {results['machine']}; {results['grid']}; {args.repeat} runs each; "
+          f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after; planner's "
+          f"period {results['predicted_ms']:.1f} ms fault-free, "
+          f"{results['predicted_rerouted_ms']:.1f} ms with 1:0 dead")
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
