@@ -62,10 +62,10 @@ class _Sum:
         pass
 
 
-def _stage(grad_scale: float) -> StageState:
+def _stage(grad_scale: float, steps: int = 0) -> StageState:
     torch.manual_seed(0)
     module = torch.nn.Linear(4, 3).double()
-    state = StageState(module, torch.optim.Adam(module.parameters(), lr=0.1))
+    state = StageState(module, torch.optim.Adam(module.parameters(), lr=0.1), steps)
     for p in state.params:
         p.grad = torch.full_like(p, grad_scale)
     return state
@@ -88,23 +88,27 @@ def test_a_validated_step_is_the_barriers_step(grad, other, redone, late):
     total = float(hook.stats(0, want.params)) + other
     want.step(hook.apply(0, want.params, torch.tensor(total, dtype=torch.float64)))
 
-    got = _stage(grad)
+    got = _stage(grad, steps=3)
     before = _params(got)
     counted = []
     validation = PostValidation(hook, 0, got, counted.append)
     validation.begin(3, _Sum(total))
-    assert got.steps == 0 and validation.pending.iteration == 3
+    assert got.steps == 3 and validation.pending.iteration == 3
     assert any(p.grad is not None for p in got.params)  # kept until validated
     assert (validation.pending.guess is None) == late
     if not late:
         assert not all(torch.equal(a, b) for a, b in zip(before, _params(got)))  # stepped
     settled = validation.settle(_Sum(total))
     assert (settled.counted, settled.redone, settled.late) == (True, redone, late)
-    assert got.steps == 1 and counted == [3] and validation.pending is None
+    assert got.steps == 4 and counted == [3] and validation.pending is None
     assert all(p.grad is None for p in got.params)
     for a, b in zip(_params(got), _params(want)):
         assert torch.equal(a, b)
     assert validation.known() == {3: (total,)}
+    got.rollback_to(3)  # undone since (a restart at 3): its sum is no longer reported
+    assert validation.known() == {}
+    for a, b in zip(_params(got), before):
+        assert torch.equal(a, b)
 
 
 def test_a_pending_step_settles_as_the_decision_says():
@@ -113,16 +117,16 @@ def test_a_pending_step_settles_as_the_decision_says():
     total = float(hook.stats(0, _stage(0.01).params)) + 100.0
     want = _stage(0.01)
     want.step(hook.apply(0, want.params, torch.tensor(total, dtype=torch.float64)))
-    for sums, steps in (({5: (total,)}, 1), ({4: (1.0,)}, 0)):
-        got = _stage(0.01)
+    for sums, steps in (({5: (total,)}, 6), ({4: (1.0,)}, 5)):
+        got = _stage(0.01, steps=5)
         before = _params(got)
         validation = PostValidation(hook, 0, got)
         validation.begin(5, _Sum(total))
         validation.detach()  # the generation ended before the step was validated
         assert validation.known() == {5: (total,)}
         settled = validation.settle_with(sums)
-        assert settled.counted == (steps == 1) and got.steps == steps
-        expect = _params(want) if steps else before
+        assert settled.counted == (steps == 6) and got.steps == steps
+        expect = _params(want) if steps == 6 else before
         for a, b in zip(_params(got), expect):
             assert torch.equal(a, b)
         assert all(p.grad is None for p in got.params)

@@ -102,7 +102,7 @@ class PostValidation:
         """The sums this worker knows, by iteration (its `Ready` report)."""
         self.detach()
         out = {}
-        if self.last is not None:
+        if self.last is not None and self.last[0] == self.state.steps - 1:  # not undone since
             out[self.last[0]] = _values(self.last[1])
         if self.pending is not None and self.pending.total is not None:
             out[self.pending.iteration] = _values(self.pending.total)
