@@ -58,7 +58,7 @@ class _Sum:
     def wait(self, work, what):
         pass
 
-    def confirm(self, works, what):
+    def confirm(self, works, what, synchronize=True):
         pass
 
 

@@ -85,7 +85,7 @@ class PostValidation:
         pending)."""
         work = self.pending.work
         comm.wait(work, "all-stage sum")
-        comm.confirm([work], "all-stage sum")
+        comm.confirm([work], "all-stage sum", synchronize=False)  # no device-wide wait
         return self._resolve(self.pending.total)
 
     def detach(self) -> None:
