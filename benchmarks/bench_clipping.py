@@ -1,7 +1,7 @@
 """Step time with global-norm clipping: the barrier against optimizer post-validation.
 
 Usage: python benchmarks/bench_clipping.py [--repeat N] [--iterations N] [--clip NORM]
-                                           [--json FILE]
+                                           [--cpu-quota CPUS] [--json FILE]
 
 The small GPT of examples/gpt_small.py (float32, no LR schedule, clipped to `--clip`), 2
 stages x 2 pipelines x 8 micro-batches on local CPU processes (gloo), profiled once and
@@ -14,21 +14,29 @@ the rest of the run). Step time: the median time between iteration ends from ite
 from two iterations after the restart, for the re-routed plan); the table shows the median
 over the repeats, and how many steps were redone (the guess was wrong) or taken late (the
 stage's own norm was over the limit, so it waited for the global one) out of all steps.
+
+`--cpu-quota CPUS` gives every worker and the profiling process a cgroup of its own with that
+many CPUs (as `bench_executor.py`'s; root and cgroup v1): one "device" per worker, so that a
+stage waiting for the norm leaves its CPU idle instead of lending it to the others, as a GPU
+would.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_executor import D, GPT, M, S, median_step, profile, run_ours
+from bench_executor import D, GPT, M, QUOTA_SHARES, S, median_step, profile, run_ours
 from common import machine
+from cpu_quota import CpuQuota, QuotaGroups
 
 from recycle_planner.executor import parse_fault
 from recycle_planner.io import write_json
@@ -50,9 +58,10 @@ def settled(res) -> dict[str, int]:
     return out
 
 
-def one_run(job_args: list[str], lib: PlanLibrary, work: Path, kill_at: int | None) -> dict:
+def one_run(job_args: list[str], lib: PlanLibrary, work: Path, kill_at: int | None,
+            quota: QuotaGroups | None) -> dict:
     faults = [parse_fault(f"{RANK}:{kill_at}:F1")] if kill_at is not None else []
-    res = run_ours(GPT, job_args, lib, work, None, faults)
+    res = run_ours(GPT, job_args, lib, work, quota, faults)
     row = {"step_ms": median_step(res.iteration_end, 5, kill_at), **settled(res)}
     if kill_at is not None:
         gen = [e for e in res.events if e["kind"] == "generation"][-1]
@@ -61,10 +70,11 @@ def one_run(job_args: list[str], lib: PlanLibrary, work: Path, kill_at: int | No
     return row
 
 
-def run(repeat: int, iterations: int, clip: float, work: Path) -> dict:
+def run(repeat: int, iterations: int, clip: float, work: Path,
+        quota: QuotaGroups | None) -> dict:
     job_args = ["--dtype", "float32", "--warmup", "0", "--clip", str(clip), "--iterations",
                 str(iterations)]
-    spec = profile("gpt-clip", GPT, job_args, work, None)
+    spec = profile("gpt-clip", GPT, job_args, work, quota)
     folder = work / "lib"
     build_library(spec, Policy(), 1, folder, Settings(solver="heuristic"), jobs=1)
     lib = PlanLibrary.open(folder)
@@ -73,7 +83,8 @@ def run(repeat: int, iterations: int, clip: float, work: Path) -> dict:
     for r in range(repeat):
         for mode, extra in MODES.items():
             for case, kill_at in (("fault-free", None), ("kill", iterations // 2)):
-                row = one_run(job_args + extra, lib, work / f"{mode}-{case}-{r}", kill_at)
+                row = one_run(job_args + extra, lib, work / f"{mode}-{case}-{r}", kill_at,
+                              quota)
                 logging.info("%s %s run %d: %s", mode, case, r, json.dumps(row))
                 rows[f"{mode} {case}"].append(row)
     return {"spec": spec.to_dict(), "predicted_ms": lib.fault_free_period,
@@ -100,18 +111,30 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--clip", type=float, default=1.0, help="the global gradient norm")
+    parser.add_argument("--cpu-quota", type=float, default=None, metavar="CPUS",
+                        help="CPUs per worker process, fixed (cgroup v1 CFS quota)")
+    parser.add_argument("--cpu-period-us", type=int, default=CpuQuota.period_us,
+                        help="the quota's period")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # finally: workers, cgroups
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="bench-clipping-") as tmp:
-        results = run(args.repeat, args.iterations, args.clip, Path(tmp))
+    quota = None
+    if args.cpu_quota is not None:
+        quota = QuotaGroups(CpuQuota(args.cpu_quota, args.cpu_period_us, QUOTA_SHARES))
+    with tempfile.TemporaryDirectory(prefix="bench-clipping-") as tmp, \
+            quota or contextlib.nullcontext():
+        results = run(args.repeat, args.iterations, args.clip, Path(tmp), quota)
     results.update(machine=machine(), grid=f"{S} stages x {D} pipelines x {M} micro-batches",
                    repeat=args.repeat, iterations=args.iterations, clip=args.clip,
+                   cpu_quota=quota.quota.to_dict() if quota else None,
                    load_average=[load, os.getloadavg()[0]])
     if args.json:
         write_json(args.json, results)
-    print(f"machine: {results['machine']}; {results['grid']}; {args.repeat} runs each; "
+    quota_text = f"; {args.cpu_quota} CPU per process" if quota else ""
+    print(f"machine: {results['machine']}; {results['grid']}; {args.repeat} runs each"
+          f"{quota_text}; "
           f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after; planner's "
           f"period {results['predicted_ms']:.1f} ms fault-free, "
           f"{results['predicted_rerouted_ms']:.1f} ms with 1:0 dead")
