@@ -200,6 +200,7 @@ def test_fault_free_clipping_without_a_barrier_equals_the_reference(tmp_path):
                     ["--library", str(lib), *ARGS])
     assert result.status == "completed" and result.iterations == 8
     # every worker: stage 0 redoes 3-6, stage 1 redoes 4-6 and waits in 3
+    assert _settled(result, "VALIDATE") == 4 * 8  # every step, the last before the end
     assert _settled(result, "REDO") == 2 * 4 + 2 * 3 and _settled(result, "LATE") == 2
     ref = reference(ARGS, 2, 4)
     _, params = checkpoint_params(tmp_path / "run", 2)

@@ -47,10 +47,11 @@ from recycle_planner.executor.faults import FaultInjector
 log = logging.getLogger(__name__)
 
 KINDS = ("F", "I", "W", "B", "ALLREDUCE", "OPTIMIZER")
-SETTLED = ("REDO", "LATE")
-"""Steps of a post-validated hook (`validation.py`) redone because the guess was wrong, and
-taken only once the sum arrived (no guess): counted in `op_times` with the seconds their
-validation took (inside the op that validated them, usually the iteration's first F)."""
+SETTLED = ("VALIDATE", "REDO", "LATE")
+"""Steps of a post-validated hook (`validation.py`) validated, those of them redone because
+the guess was wrong, and those taken only once the sum arrived (no guess): counted in
+`op_times` with the seconds their validation took, waits for the sum included (inside the op
+that validated them, usually the iteration's first F)."""
 
 
 def new_op_times() -> dict[str, list[float]]:
@@ -468,7 +469,7 @@ class StageRuntime:
         self.count_settled(settled, t1 - t0, t1 - max(t0, self.comm.waited))
 
     def count_settled(self, settled: Settled, seconds: float, own: float) -> None:
-        for kind, happened in zip(SETTLED, (settled.redone, settled.late)):
+        for kind, happened in zip(SETTLED, (settled.counted, settled.redone, settled.late)):
             if happened:
                 spent = self.op_times[kind]
                 spent[0] += 1
