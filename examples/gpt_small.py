@@ -59,6 +59,9 @@ def options(argv=()) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=10, help="LR warm-up steps (0: none)")
     parser.add_argument("--clip", type=float, default=1.0,
                         help="global gradient norm (0: no clipping)")
+    parser.add_argument("--clip-barrier", action="store_true",
+                        help="every stage waits for the global norm before its step (the "
+                             "default steps at once and checks it afterwards)")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--library", default=None, help="plan library folder")
     return parser.parse_args(list(argv))
@@ -174,7 +177,8 @@ def make_job(argv=()) -> Job:
     return Job(stages=[stage_factory(s, opts) for s in range(opts.stages)], loss_fn=loss_fn,
                optimizer=optimizer, data=data_source(opts), iterations=opts.iterations,
                library=opts.library, scheduler=scheduler if opts.warmup else None,
-               step_hook=ClipGradNorm(opts.clip) if opts.clip else None, dynamic=dynamic)
+               step_hook=(ClipGradNorm(opts.clip, post_validate=not opts.clip_barrier)
+                          if opts.clip else None), dynamic=dynamic)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,9 @@ def options(argv=()) -> argparse.Namespace:
                              "(a float leaf with a gradient and an integer one without)")
     parser.add_argument("--clip", type=float, default=None, metavar="NORM",
                         help="clip gradients to this global norm over all stages")
+    parser.add_argument("--clip-barrier", action="store_true",
+                        help="with --clip: every stage waits for the global norm before its "
+                             "step (the default steps at once and checks it afterwards)")
     parser.add_argument("--warmup", type=int, default=0, metavar="STEPS",
                         help="linear LR warm-up over this many steps (a LambdaLR scheduler)")
     parser.add_argument("--autocast", choices=["bfloat16", "float16"], default=None,
@@ -176,7 +179,8 @@ def make_job(argv=()) -> Job:
                loss_fn=torch.nn.functional.mse_loss, optimizer=optimizer,
                data=data_source(opts), iterations=opts.iterations, library=opts.library,
                scheduler=scheduler,
-               step_hook=ClipGradNorm(opts.clip) if opts.clip is not None else None,
+               step_hook=(ClipGradNorm(opts.clip, post_validate=not opts.clip_barrier)
+                          if opts.clip is not None else None),
                autocast=opts.autocast)
 
 

@@ -73,14 +73,14 @@ def test_a_fault_after_steps_waits_for_them():
     watched = [injector(4), injector(5)]
     assert all(w.active for w in watched) and not injector(2).active
     for w in watched:
-        w.trigger(2, "step")
+        w.counted(2)
         w.trigger(3, "W3")
     assert steps == set()
     victim = injector(3)
     fired = []
     victim.fire = lambda f: fired.append((f, set(steps)))
-    worker4 = threading.Timer(0.05, watched[0].trigger, (3, "step"))
-    worker5 = threading.Timer(0.15, watched[1].trigger, (3, "step"))
+    worker4 = threading.Timer(0.05, watched[0].counted, (3,))
+    worker5 = threading.Timer(0.15, watched[1].counted, (3,))
     worker4.start(), worker5.start()
     victim.trigger(3, "W3")
     worker4.join(), worker5.join()

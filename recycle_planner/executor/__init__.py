@@ -8,7 +8,8 @@ Public API:
   `LaunchResult`; raises `TrainingStopped` when the job cannot finish.
 - `train_reference(job, pipelines, microbatches)`: the single-process result to compare with.
 - `parse_fault("1:2:F0")`: inject a real process death for tests and drills.
-- `ClipGradNorm(max_norm)`: global-norm gradient clipping across stages (a `StepHook`).
+- `ClipGradNorm(max_norm)`: global-norm gradient clipping across stages (a `StepHook`, and
+  a `Validated` one: stages step without waiting for the global norm and check it after).
 
 The package has two sides that meet in the worker (`worker.py`): `control/` (membership,
 generations, leases, decisions, the launcher, the coordinator and host agents; every message
@@ -29,7 +30,7 @@ _WHERE = {
     "worker_command": "control.agent", "Fault": "faults", "parse_fault": "faults",
     "Job": "job", "load_job": "job", "ReferenceResult": "reference",
     "train_reference": "reference", "run": "worker", "DynamicDims": "data.shapes",
-    "ClipGradNorm": "data.hooks", "StepHook": "data.hooks",
+    "ClipGradNorm": "data.hooks", "StepHook": "data.hooks", "Validated": "data.hooks",
 }
 
 __all__ = sorted(_WHERE)

@@ -6,15 +6,17 @@ For tests, the demo and chaos drills, never for production training. A fault is 
 - POINT `F2` (or I, W, B with an index): just before the worker's third forward (0-based
   index 2) of that iteration, so its peers are mid-forward (or mid-backward) waiting for it;
   `step`: right after its stage's optimizer step of that iteration, before the iteration has
-  ended everywhere; `allreduce`: just before its ALLREDUCE op, which waits for the stage's
-  gradient all-reduce (its buckets started during the worker's last W or B, so the peers
-  may already hold the sum); `optimizer`:
-  just before the step, after the stage's all-reduce (its peers have stepped; a last-stage
-  worker has not yet reported its losses); `start`: at the start of that iteration;
-  `recovery`: when it enters
-  recovery from another failure at that iteration or later (a failure during recovery);
-  `hold`: at the start of that iteration, if some worker is dead, pause until a restarted
-  worker asks to join (makes a re-join happen at a known point; no ACTION).
+  ended everywhere; `counted`: right after that step is counted (the same moment, except for
+  a step checked after it was taken, `data/validation.py`: once checked, inside the worker's
+  first forward of the next iteration, before that forward computes or sends); `allreduce`:
+  just before its ALLREDUCE op, which waits for the stage's gradient all-reduce (its buckets
+  started during the worker's last W or B, so the peers may already hold the sum);
+  `optimizer`: just before the step, after the stage's all-reduce (its peers have stepped; a
+  last-stage worker has not yet reported its losses); `start`: at the start of that
+  iteration; `recovery`: when it enters recovery from another failure at that iteration or
+  later (a failure during recovery); `hold`: at the start of that iteration, if some worker
+  is dead, pause until a restarted worker asks to join (makes a re-join happen at a known
+  point; no ACTION).
 - ACTION `kill` (default): SIGKILL, the process vanishes; `hang`: SIGSTOP, the whole process
   stops answering (caught by the launcher's heartbeat timeout); `stall`: only the training
   thread stops (as in a deadlock in user code) while heartbeats go on (caught by the peers'
@@ -25,11 +27,12 @@ For tests, the demo and chaos drills, never for production training. A fault is 
   started; `host-kill`: SIGKILL them.
 
 A fifth field `after-step=R[,R...]` makes the fault wait (at most half the lease) until
-workers R have taken their stage's optimizer step of that iteration, for a fault that must
-land between one stage's step and another's (`3:3:W3:kill:after-step=4,5`: rank 3 dies in
-its last weight gradient once ranks 4 and 5 have stepped, so that their stages must undo the
-step). Those steps run concurrently with the fault's point, so without it only timing says
-which came first.
+workers R have counted their stage's optimizer step of that iteration (a step taken before
+its clipping norm was known counts once checked, at the worker's next forward), for a
+fault that must land between one stage's step and another's (`3:3:W3:kill:after-step=4,5`:
+rank 3 dies in its last weight gradient once ranks 4 and 5 have stepped, so that their
+stages must undo the step). Those steps run concurrently with the fault's point, so
+without it only timing says which came first.
 
 Only incarnation 0 of a rank is hit: a worker restarted after its fault does not die again.
 Before dying, the worker writes the time into the store, so that the launcher can report the
@@ -53,7 +56,7 @@ log = logging.getLogger(__name__)
 
 ACTIONS = ("kill", "hang", "stall", "host-down", "host-stop", "host-kill")
 _POINT = re.compile(r"(?:(?P<kind>[FIWB])(?P<index>\d+)"
-                    r"|(?P<name>step|allreduce|optimizer|start|recovery|hold))")
+                    r"|(?P<name>step|counted|allreduce|optimizer|start|recovery|hold))")
 
 
 _AFTER = re.compile(r"after-step=(\d+(?:,\d+)*)")
@@ -92,7 +95,7 @@ def parse_fault(text: str) -> Fault:
     point = parts[2]
     if not _POINT.fullmatch(point):
         raise RecycleError(f"fault {text!r}: point {point!r} is not F<n>, I<n>, W<n>, B<n>, "
-                           f"step, allreduce, optimizer, start, recovery or hold")
+                           f"step, counted, allreduce, optimizer, start, recovery or hold")
     action = parts[3] if len(parts) >= 4 else "kill"
     if action not in ACTIONS:
         raise RecycleError(f"fault {text!r}: action {action!r} is not one of "
@@ -140,9 +143,17 @@ class FaultInjector:
     def at(self, iteration: int, point: str) -> Fault | None:
         return self._at.get((iteration, point))
 
-    def trigger(self, iteration: int, point: str) -> None:
-        if point == "step" and iteration in self._watched:
+    def counted(self, iteration: int) -> None:
+        """This worker's stage counted its optimizer step of `iteration` (a step checked
+        after it was taken, `validation.py`, counts once checked): record it where a fault
+        with after-step waits for it, then fire a fault at point `counted`."""
+        if not self.active:
+            return
+        if iteration in self._watched:
             self._stepped(iteration)
+        self.trigger(iteration, "counted")
+
+    def trigger(self, iteration: int, point: str) -> None:
         fault = self._at.get((iteration, point))
         if fault is not None and fault.point != "hold":
             if fault.after_step:

@@ -47,7 +47,8 @@ class Job:
       step, undone with it, copied and checkpointed with it), or None.
     - `step_hook`: a `hooks.StepHook` run between the gradient all-reduce and the optimizer
       step with a value summed over all stages (`hooks.ClipGradNorm` clips by the global
-      norm), or None.
+      norm; a `hooks.Validated` hook steps without waiting for the sum and is checked when
+      it arrives), or None.
     - `autocast`: "bfloat16" or "float16" to run forwards under `torch.autocast` (parameters,
       gradients and optimizer stay in their own dtype), or None.
 

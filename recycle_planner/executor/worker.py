@@ -153,6 +153,7 @@ class Worker:
                                     self.D, self.M, self.device, in_layout, out_layout,
                                     self.job.step_hook, self.job.autocast_dtype(),
                                     self.job.dynamic, self.config.bucket_mb)
+        self.runtime.on_counted = self.faults.counted
         # Everything built so far lives until the end: keep the collector off it, so that
         # the collection that closes a broken generation's groups takes microseconds.
         gc.freeze()
@@ -168,14 +169,40 @@ class Worker:
             if decision.excludes(self.rank, self.incarnation):
                 return self._fenced(decision)
             self.decision = decision
+            self._settle(decision)
             if decision.action == "stop":
                 return self._stop(decision)
             outcome = self._generation(decision)
             if outcome == "done" and self._finished(decision.gen):
                 return self._quit()
-            self.link.send(msg.Ready(decision.gen, self.rank,
-                                     self.state.steps if self.has_state else None, outcome))
+            self.link.send(self._ready(decision.gen, outcome))
             decision = self.link.decision(decision.gen + 1)
+
+    def _ready(self, gen: int, outcome: str) -> msg.Ready:
+        """What this worker reports when it leaves generation `gen`: its counted steps, its
+        pending step and the all-stage sums it knows (`validation.py`)."""
+        if not self.has_state:
+            return msg.Ready(gen, self.rank, None, outcome)
+        validation = self.runtime.validation
+        known = validation.known() if validation is not None else {}
+        return msg.Ready(gen, self.rank, self.state.steps, outcome,
+                         self.runtime.pending_step(), tuple(sorted(known.items())))
+
+    def _settle(self, decision: P.Decision) -> None:
+        """Settle a step taken before its all-stage sum was known, as the decision says:
+        validated with the sum it carries (redone if the guess was wrong), or reverted."""
+        runtime = self.runtime
+        iteration = runtime.pending_step()
+        if iteration is None:
+            return
+        runtime.op_times = self.op_times.setdefault(decision.gen, new_op_times())
+        t0 = time.monotonic()
+        settled = runtime.validation.settle_with(decision.sums)
+        seconds = time.monotonic() - t0
+        runtime.count_settled(settled, seconds, seconds)
+        log.info("generation %d: the pending step of iteration %d is %s", decision.gen,
+                 iteration, "reverted (no survivor knows its sum)" if not settled.counted
+                 else "validated and redone" if settled.redone else "validated")
 
     def _generation(self, decision: P.Decision) -> str:
         """Run one generation; returns 'done', 'switch' (membership changes at an iteration
@@ -252,6 +279,7 @@ class Worker:
                 switch_at = self.link.send(msg.SwitchAt(gen, iteration + 2)).iteration
                 log.info("a worker asks to join: switching at iteration %d", switch_at)
             if switch_at is not None and iteration >= switch_at:
+                self.runtime.validate()
                 generation.end(self.config.pg_timeout)
                 return None
             if self.faults.active:
@@ -260,6 +288,7 @@ class Worker:
             iteration = self._iteration = iteration + 1
             self.link.send(msg.IterationDone(iteration - 1, self.rank, gen, time.time()))
             self._checkpoint(decision, iteration)
+        self.runtime.validate()
         generation.end(self.config.pg_timeout)
         return iteration
 
@@ -316,6 +345,7 @@ class Worker:
         every = self.config.checkpoint_every
         if not final and not (every and steps % every == 0):
             return
+        self.runtime.validate()  # the checkpoint holds counted steps only
         if self.rank == self._stage_writer(decision):
             write_stage_checkpoint(self.config.run_dir, steps, self.s, self.state)
             self.link.send(msg.CheckpointWritten(steps, self.s))
@@ -337,6 +367,8 @@ class Worker:
         self._stopped = True
         if self.runtime is not None:
             self.runtime.reset()
+            if self.runtime.pending_step() is not None:  # no decision can settle it
+                self.runtime.validation.settle_alone()
         decision = self.decision
         written = []
         if self.has_state and decision is not None and decision.action == "run" and \

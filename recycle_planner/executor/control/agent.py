@@ -371,6 +371,8 @@ class _Round:
     `protocol.Decision`: members and their incarnations, dead set, restart, plan)."""
 
     ready: dict[int, int | None] = field(default_factory=dict)  # members' step counts
+    pending: dict[int, int] = field(default_factory=dict)  # members' unchecked steps
+    known: dict[int, dict[int, tuple[float, ...]]] = field(default_factory=dict)  # their sums
     aborted_at: float | None = None      # when its abort was posted
     join_posted: bool = False            # a re-join or plan switch was asked for
 
@@ -672,6 +674,9 @@ class Agent:
                 ready = msg.get(self.store, msg.Ready, gen=gen, rank=rank)
                 if ready is not None:
                     self.round.ready[rank] = ready.steps
+                    if ready.pending is not None:
+                        self.round.pending[rank] = ready.pending
+                    self.round.known[rank] = ready.known()
         missing = [r for r in members if r not in self.round.ready]
         if missing:
             # A live worker blocked on a stuck peer notices within the group timeout; one that
@@ -690,7 +695,8 @@ class Agent:
         dead_before = set(self.decision.dead)
         switched, self.plan_switch = self.plan_switch, False
         self._decide(steps, bug=self._bug() or ("preempted (SIGTERM)" if self.preempted
-                                                 else None))
+                                                 else None),
+                     pending=self.round.pending, known=self.round.known)
         if self.decision is not None and set(self.decision.dead) == dead_before \
                 and not any(v is None for v in steps.values()) and not switched:
             self.idle_reconfigurations += 1
@@ -741,7 +747,8 @@ class Agent:
                 f":\n{bug.traceback.rstrip()}")
 
     def _decide(self, steps: dict[int, int | None], initial: bool = False,
-                bug: str | None = None) -> None:
+                bug: str | None = None, pending: dict[int, int] | None = None,
+                known: dict[int, dict] | None = None) -> None:
         assert self.lib is not None
         lib = self.lib
 
@@ -757,7 +764,7 @@ class Agent:
         gen = self.gen + 1
         incs = {r: self.procs[r].incarnation for r in steps if r in self.procs}
         decision = P.decide(gen, lib.spec.pipelines, lib.spec.stages, steps, lookup, initial,
-                            bug, incs)
+                            bug, incs, pending, known)
         if decision.action == "plan":
             try:
                 self._plan_on_demand(decision.dead)
@@ -767,7 +774,7 @@ class Agent:
                 def lookup(dead):
                     raise RecycleError(failed)
             decision = P.decide(gen, lib.spec.pipelines, lib.spec.stages, steps, lookup,
-                                initial, bug, incs)
+                                initial, bug, incs, pending, known)
             assert decision.action != "plan"
         self.store.set(P.decision_key(gen), decision.to_json())
         if self.decision is None:  # this attempt's first iteration
@@ -801,7 +808,9 @@ class Agent:
                     gen=gen, dead=[list(w) for w in decision.dead], plan=decision.plan,
                     degradation=decision.degradation, period=period, restart=decision.restart,
                     joined=joined if not initial else [],
-                    steps={str(r): k for r, k in sorted(steps.items())})
+                    steps={str(r): k for r, k in sorted(steps.items())},
+                    pending={str(r): i for r, i in sorted((pending or {}).items())},
+                    validated=sorted(decision.sums))
         self.phase = Phase.RUNNING
         self._maybe_refine(dead_per_stage(lib.spec, decision.dead))
 

@@ -89,13 +89,25 @@ class Heartbeat(Message):
 @dataclass(frozen=True)
 class Ready(Message):
     """A member left generation `gen` (`reason`: failure or switch) with its stage's step
-    count (None: it holds no state)."""
+    count (None: it holds no state). `pending`: the iteration of a step it took before the
+    all-stage sum that checks it was known (post-validated clipping, `data/validation.py`),
+    None if none; `sums`: (iteration, the sum's values) for each all-stage sum it knows,
+    which may settle another member's pending step (`protocol.settle`)."""
 
     KEY: ClassVar[str] = "gen{gen}/ready/{rank}"
     gen: int
     rank: int
     steps: int | None
     reason: str
+    pending: int | None = None
+    sums: tuple[tuple[int, tuple[float, ...]], ...] = ()
+
+    def __post_init__(self) -> None:  # JSON gives lists
+        object.__setattr__(self, "sums", tuple((int(i), tuple(float(x) for x in v))
+                                               for i, v in self.sums))
+
+    def known(self) -> dict[int, tuple[float, ...]]:
+        return dict(self.sums)
 
 
 @dataclass(frozen=True)

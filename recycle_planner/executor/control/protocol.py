@@ -8,7 +8,9 @@ dies or hangs, a restarted worker joins) ends the generation:
 1. The launcher posts `Abort` (failure) or `JoinRequest` (a worker asks to join; the
    workers then stop at an agreed iteration boundary, `SwitchAt`).
 2. Every live worker abandons what it was doing and reports `Ready` with the number of
-   optimizer steps its stage has taken (`steps`).
+   optimizer steps its stage has counted (`steps`), the step it took and has not validated
+   yet, if any (`pending`: post-validated clipping, `data/validation.py`), and the all-stage
+   sums it knows (`sums`).
 3. The launcher decides (`decide`) and posts generation n+1's `Decision`: the members, the dead
    workers, the iteration to (re)start from, which worker sends its stage's state to which
    newcomer, or `stop` when a stage has no live worker left. A dead set the library lacks is
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.job.workers import format_workers
@@ -66,7 +68,9 @@ class Decision:
     the launcher's to answer, never posted). `incarnations[rank]` is the process of that rank
     the decision counts on: a worker that reads a decision that does not count on it (its
     lease expired, a newer incarnation took its place) is fenced and leaves without acting
-    on it (`excludes`)."""
+    on it (`excludes`). `sums[i]` is the all-stage sum of iteration i for every member whose
+    step of iteration i is pending: it validates that step with it before anything else
+    (`settle`); a member whose pending step's iteration is not there reverts it."""
 
     gen: int
     action: str
@@ -78,6 +82,7 @@ class Decision:
     degradation: float | None = None
     reason: str = ""
     incarnations: Mapping[int, int] = field(default_factory=dict)
+    sums: Mapping[int, tuple[float, ...]] = field(default_factory=dict)
 
     def excludes(self, rank: int, incarnation: int) -> bool:
         """Whether this decision leaves out the worker process (`rank`, `incarnation`)."""
@@ -89,7 +94,8 @@ class Decision:
                       "sources": {str(k): v for k, v in self.sources.items()},
                       "plan": self.plan, "degradation": self.degradation,
                       "reason": self.reason,
-                      "incarnations": {str(k): v for k, v in self.incarnations.items()}})
+                      "incarnations": {str(k): v for k, v in self.incarnations.items()},
+                      "sums": {str(k): list(v) for k, v in self.sums.items()}})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Decision":
@@ -100,15 +106,50 @@ class Decision:
                    plan=d.get("plan"), degradation=d.get("degradation"),
                    reason=d.get("reason", ""),
                    incarnations={int(k): int(v)
-                                 for k, v in d.get("incarnations", {}).items()})
+                                 for k, v in d.get("incarnations", {}).items()},
+                   sums={int(k): tuple(float(x) for x in v)
+                         for k, v in d.get("sums", {}).items()})
 
     def group_rank(self, rank: int) -> int:
         return self.members.index(rank)
 
 
+def settle(steps: Mapping[int, int | None], pending: Mapping[int, int],
+           known: Mapping[int, Mapping[int, Sequence[float]]]
+           ) -> tuple[dict[int, int | None], dict[int, tuple[float, ...]]]:
+    """The step counts once every pending step is settled, and the sums that settle them.
+
+    `pending[rank]` is the iteration of a step the worker took before the all-stage sum it
+    depends on was known (it counted `steps[rank]` steps before, so that is
+    `steps[rank]`); `known[rank]` the sums it knows by iteration. A pending step of
+    iteration i counts iff some reporting worker knows iteration i's sum: every member of
+    the generation contributed to it, so nobody holds a result that depends on i's other
+    outcome. Why this keeps stages within one step: a worker that counted step i knows
+    i's sum (it validated with it), and i's sum completed only once every member had taken
+    (or was waiting to take) step i; so when some survivor has counted i, every survivor
+    still at i has i pending and counts it now, and a pending step of i+1 that cannot count
+    (its sum needs every member past i) only ever meets survivors at i+1."""
+    sums: dict[int, tuple[float, ...]] = {}
+    for rank in sorted(known):
+        for iteration, values in known[rank].items():
+            sums.setdefault(iteration, tuple(float(v) for v in values))
+    settled = dict(steps)
+    used: dict[int, tuple[float, ...]] = {}
+    for rank, iteration in pending.items():
+        if steps.get(rank) != iteration:
+            raise RecycleError(f"rank {rank} reports a pending step of iteration {iteration} "
+                               f"after {steps.get(rank)} counted steps")
+        if iteration in sums:
+            settled[rank] = iteration + 1
+            used[iteration] = sums[iteration]
+    return settled, used
+
+
 def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None],
            lookup: Callable[[list[Worker]], tuple[str, float] | None], initial: bool = False,
-           bug: str | None = None, incarnations: Mapping[int, int] | None = None) -> Decision:
+           bug: str | None = None, incarnations: Mapping[int, int] | None = None,
+           pending: Mapping[int, int] | None = None,
+           known: Mapping[int, Mapping[int, Sequence[float]]] | None = None) -> Decision:
     """The membership decision for generation `gen`, from the workers that reported.
 
     `steps[rank]` is the number of optimizer steps a reporting worker's stage has taken, or
@@ -124,10 +165,16 @@ def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None
     abandoned iteration undoes that step (steps differ by at most one, because no stage can
     step iteration i+1 before every stage has stepped iteration i).
 
+    `pending` and `known` (by rank: the iteration of a step taken before its all-stage sum was
+    known, and the sums known) are settled first (`settle`): the step counts iff a survivor
+    knows its sum, which the decision carries (`Decision.sums`); the restart is then the
+    least settled count.
+
     `bug` (an exception in user code, reported by a worker) is never re-routed: the decision
     is a stop at the restart iteration, so that the members write a consistent checkpoint;
     so is any other reason to stop the job (a SIGTERM at preemption) passed as `bug`.
     `incarnations[rank]`: the process of each reporting rank, recorded in the decision."""
+    steps, sums = settle(steps, pending or {}, known or {})
     members = tuple(sorted(steps))
     incs = {r: incarnations[r] for r in members} if incarnations else {}
     dead = tuple(worker_of(r, stages) for r in range(pipelines * stages) if r not in steps)
@@ -142,7 +189,7 @@ def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None
 
     def stop(reason: str) -> Decision:
         return Decision(gen, "stop", tuple(sorted(stateful)), dead, restart, reason=reason,
-                        incarnations=incs)
+                        incarnations=incs, sums=sums)
 
     if bug is not None:
         return stop(bug)
@@ -157,7 +204,7 @@ def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None
         return stop(str(exc))
     if found is None:
         return Decision(gen, "plan", members, dead, restart,
-                        reason=f"no plan for dead workers {format_workers(dead)}")
+                        reason=f"no plan for dead workers {format_workers(dead)}", sums=sums)
     plan, degradation = found
     sources: dict[int, int] = {}
     for r in members:
@@ -166,4 +213,4 @@ def decide(gen: int, pipelines: int, stages: int, steps: Mapping[int, int | None
         if steps[r] is None or (initial and r != first):
             sources[r] = first
     return Decision(gen, "run", members, dead, restart, sources, plan, degradation,
-                    incarnations=incs)
+                    incarnations=incs, sums=sums)

@@ -306,11 +306,12 @@ class Comm:
         self.waiting_on_peer()
         return self.error is not None
 
-    def confirm(self, works, what: str) -> None:
+    def confirm(self, works, what: str, synchronize: bool = True) -> None:
         """The step gate: return only when every one of `works` is complete and error-free,
-        the device has run everything queued, and the generation is not abandoned; else
-        raise `PeerFailure`. As torchft's Manager gates its commit: a step taken on a
-        half-reduced gradient (NCCL's `wait` never raises) is never counted."""
+        the device has run everything queued (unless `synchronize` is False: only `works`
+        need be done, for a result the host reads next), and the generation is not
+        abandoned; else raise `PeerFailure`. As torchft's Manager gates its commit: a step
+        taken on a half-reduced gradient (NCCL's `wait` never raises) is never counted."""
         deadline = time.monotonic() + self._timeout.total_seconds()
         for work in works:
             self._await(work)
@@ -323,7 +324,8 @@ class Comm:
             error = None if self.aborted.is_set() else _error_of(work)
             if error is not None:
                 raise PeerFailure(f"{what} failed: {short_error(error)}")
-        self.backend.synchronize(self.device)
+        if synchronize:
+            self.backend.synchronize(self.device)
         if self.aborted.is_set():
             raise PeerFailure(f"the generation was abandoned before the {what} was confirmed")
         self.waited = time.monotonic()

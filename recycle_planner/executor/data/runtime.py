@@ -37,19 +37,26 @@ from recycle_planner.executor.data.boundary import (Layout, agreed_at_start, cal
                                                     prefix, unpack)
 from recycle_planner.executor.data.buckets import GradBuckets
 from recycle_planner.executor.data.comm import Comm, PeerFailure
+from recycle_planner.executor.data.hooks import validates
 from recycle_planner.executor.data.pool import BufferPool
 from recycle_planner.executor.data.shapes import DynamicDims
 from recycle_planner.executor.data.state import StageState
+from recycle_planner.executor.data.validation import PostValidation, Settled
 from recycle_planner.executor.faults import FaultInjector
 
 log = logging.getLogger(__name__)
 
 KINDS = ("F", "I", "W", "B", "ALLREDUCE", "OPTIMIZER")
+SETTLED = ("VALIDATE", "REDO", "LATE")
+"""Steps of a post-validated hook (`validation.py`) validated, those of them redone because
+the guess was wrong, and those taken only once the sum arrived (no guess): counted in
+`op_times` with the seconds their validation took, waits for the sum included (inside the op
+that validated them, usually the iteration's first F)."""
 
 
 def new_op_times() -> dict[str, list[float]]:
     """Per op kind: [count, seconds, seconds of own work] (see `StageRuntime.op_times`)."""
-    return {kind: [0, 0.0, 0.0] for kind in KINDS}
+    return {kind: [0, 0.0, 0.0] for kind in KINDS + SETTLED}
 
 
 POINTS = {"ALLREDUCE": "allreduce", "OPTIMIZER": "optimizer"}
@@ -147,7 +154,8 @@ class StageRuntime:
     resolved with the sizes of its micro-batch, on both ends alike, and its buffer grows to the
     largest message seen (fixed-shape jobs take none of this path). `hook` (a `StepHook`) runs
     between the gradient all-reduce and the optimizer step with the sum of every stage's
-    `stats` (`all_stages_sum`); `autocast` is the dtype of mixed-precision forwards;
+    `stats` (`all_stages_sum`), or, for a `hooks.Validated` one, is checked after a step taken
+    without waiting (`validation`); `autocast` is the dtype of mixed-precision forwards;
     `bucket_mb` the size of the gradient all-reduce's buckets (`buckets.GradBuckets`)."""
 
     def __init__(self, state: StageState, loss_fn: Callable, data: Callable, stage: int,
@@ -191,6 +199,11 @@ class StageRuntime:
         self.loss_work: Any = None
         """The pending all-reduce of `all_losses`."""
         self.buckets = GradBuckets(state.params, bucket_mb)
+        self.on_counted: Callable[[int], None] = lambda iteration: None
+        """Told the iteration of every step counted (the fault injector's after-step)."""
+        self.validation = PostValidation(hook, stage, state, lambda i: self.on_counted(i)) \
+            if validates(hook) else None
+        """The step taken before its hook's sum was known, until validated."""
         self.launch_at = -1
         """The running program's `launch`: the op that starts the gradient all-reduce."""
         self.reset()
@@ -215,7 +228,15 @@ class StageRuntime:
         self.loss_work = None
         self.op_started = None
         self.buckets.reset()
-        self.state.clear_grads()
+        if self.validation is not None:
+            self.validation.detach()
+        if self.pending_step() is None:  # else its gradients stay until it is settled
+            self.state.clear_grads()
+
+    def pending_step(self) -> int | None:
+        """The iteration of the step taken but not yet validated, if any."""
+        pending = self.validation.pending if self.validation is not None else None
+        return pending.iteration if pending is not None else None
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -314,6 +335,7 @@ class StageRuntime:
                       for x in self._received(k, "receiving an activation")]
             value = pytree.tree_unflatten(leaves, self.in_layout.spec)
             inputs = [x for x in leaves if x.requires_grad]
+        self.validate()
         with self._forward_context():
             out = call(self.module, value)
         if self.last:
@@ -418,17 +440,41 @@ class StageRuntime:
         counting a step, so a stage's counted step i+1 implies the data of iteration i+1
         from its neighbours arrived, which they sent only after counting step i: no stage is
         ever more than one step ahead of another, what `decide` can undo."""
+        self.validate()
         self.comm.confirm_received("the iteration's receives and all-reduces")
         if self.on_step is not None and self.all_losses is not None:
             values = self.all_losses.tolist()  # the iteration's one read of the losses
             M = self.microbatches
             self.on_step(iteration, {(i // M, i % M): v for i, v in enumerate(values)})
+        if self.validation is not None and self.comm.size > 1:
+            self.validation.begin(iteration, self.comm)  # counted when validated
+            return
         apply = True
-        if self.hook is not None:
+        if self.hook is not None:  # the barrier: wait for the sum
             params = self.state.params
             total = self.comm.all_stages_sum(self.hook.stats(self.stage, params))
             apply = self.hook.apply(self.stage, params, total) is not False
         self.state.step(apply, undoable=self.comm.size > 1)
+        self.on_counted(iteration)
+
+    def validate(self) -> None:
+        """Validate the pending step, if any, before the parameters are read (the first F of
+        the next iteration: every op of an iteration follows one of the worker's own F), or
+        before the generation ends cleanly or a checkpoint is written."""
+        if self.pending_step() is None:
+            return
+        t0 = time.monotonic()
+        settled = self.validation.settle(self.comm)
+        t1 = time.monotonic()
+        self.count_settled(settled, t1 - t0, t1 - max(t0, self.comm.waited))
+
+    def count_settled(self, settled: Settled, seconds: float, own: float) -> None:
+        for kind, happened in zip(SETTLED, (settled.counted, settled.redone, settled.late)):
+            if happened:
+                spent = self.op_times[kind]
+                spent[0] += 1
+                spent[1] += seconds
+                spent[2] += own
 
 
 def _graded(outputs: list[torch.Tensor], grads: list | None):

@@ -56,6 +56,14 @@ class StageState:
         a loss scaler does on an overflow; the iteration still counts) and clear the
         gradients. `undoable` False: no other live worker can report fewer steps (the
         generation's only member), so nothing is saved."""
+        self.take_step(apply, undoable)
+        self.count_step()
+
+    def take_step(self, apply: bool = True, undoable: bool = True) -> None:
+        """The first half of `step`: save, step the optimizer and the scheduler; the
+        gradients stay and the step is not counted yet. A step taken before its hook's sum
+        is known (`validation.py`) stops here until it is checked: `revert` takes it back
+        (to redo it from the same gradients), `count_step` counts it."""
         if undoable:
             self.undo.save(self.params, self.optimizer, self.scheduler, tensors=apply)
         else:
@@ -64,6 +72,13 @@ class StageState:
             self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+
+    def revert(self) -> None:
+        """Take back the step `take_step` took and nobody counted (the gradients stay)."""
+        self.undo.restore(self.params, self.optimizer, self.scheduler)
+
+    def count_step(self) -> None:
+        """The step is final: clear the gradients and count it."""
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
 
