@@ -185,3 +185,27 @@ def test_the_profiler_runs_the_runtimes_handlers_with_autocast_scheduler_and_hoo
     assert mixed[1].input_bytes == 16 * 32 * 2
     assert mixed[0].activation < plain[0].activation
     assert mixed[0].static == plain[0].static  # parameters and optimizer stay float32
+
+
+def test_nccl_buffers_are_estimated_from_its_defaults_into_a_cuda_jobs_static_memory():
+    """A worker holds one two-rank communicator per neighbouring-stage worker (re-routing may
+    reach any), plus its generation's, stage's and scalar rings: 4 MiB per connection and
+    channel. The estimate goes into the static memory it is given for; gloo's is 0."""
+    from recycle_planner.job.profiler import (NCCL_BUFFSIZE, StageProfile, job_spec,
+                                              nccl_estimate)
+
+    middle = nccl_estimate(1, 3, 4, scalars=True)
+    assert (middle.pair_communicators, middle.collective_communicators) == (8, 3)
+    assert middle.total == (8 * 2 * 2 + 3 * 2 * 2) * NCCL_BUFFSIZE  # 176 MiB
+    alone = nccl_estimate(0, 1, 1, scalars=False)
+    assert (alone.pair_communicators, alone.collective_communicators) == (0, 1)
+    st = StageProfile(1.0, 1.0, 1.0, 1.0, activation=100, static=1000, output_bytes=10,
+                      grad_bytes=8, undo_bytes=8, input_bytes=20)
+    stages = [st, st, st]
+    nccl = [nccl_estimate(s, 3, 4, True).total for s in range(3)]
+    spec, _ = job_spec(stages, 4, 2, [0.1] * 3, [0.1] * 3, [], [], 2**40, 8, nccl=nccl)
+    assert list(spec.memory.static) == [1000 + n for n in nccl]
+    assert list(spec.memory.activation) == [100 + 10 + 20] * 3  # and its two send buffers
+    spec, _ = job_spec(stages, 4, 2, [0.1] * 3, [0.1] * 3, [], [], 2**40, 8,
+                       undo_on_device=True)
+    assert list(spec.memory.static) == [1008] * 3

@@ -201,8 +201,11 @@ class Worker:
             self._checkpoint(decision, self.job.iterations, final=True)
             self.link.send(msg.OpTimes(self.rank, self.op_times))
             if self.device.type == "cuda":  # benchmarks/gpu_check.py reads it
-                log.info("peak device memory %d bytes",
-                         torch.cuda.max_memory_allocated(self.device))
+                free, total = torch.cuda.mem_get_info(self.device)
+                log.info("peak device memory %d bytes; in use on the device %d bytes, "
+                         "reserved by torch %d bytes",
+                         torch.cuda.max_memory_allocated(self.device), total - free,
+                         torch.cuda.memory_reserved(self.device))
             return "done"
         except PeerFailure as exc:
             failure = str(exc)
