@@ -306,6 +306,22 @@ class Comm:
             raise PeerFailure(f"{what} failed: {short_error(exc)}") from None
         finally:
             self.waited = time.monotonic()
+        self._release()
+
+    def _release(self) -> None:
+        """Forget the works known complete (their first error kept for the gate): a work
+        holds its tensors, and a receive buffer is reused only once nothing references it
+        (`pool.py`), so works kept until the step gate held every receive buffer of the
+        iteration (the pool grew with M). On NCCL a work usually completes after its wait
+        returns: it stays until a later wait or the gate finds it complete."""
+        received = []
+        for work in self.received:
+            if not work.is_completed():
+                received.append(work)
+            elif self.error is None:
+                self.error = _error_of(work)
+        self.received = received
+        self.waiting_on_peer()
 
     def _await(self, work) -> None:
         with self._awaiting:
@@ -357,6 +373,8 @@ class Comm:
     def confirm_received(self, what: str) -> None:
         """The step gate over everything waited for since the previous gate."""
         works, self.received = self.received, []
+        if self.error is not None:
+            raise PeerFailure(f"{what} failed: {short_error(self.error)}")
         self.confirm(works, what)
 
     def drain(self, limit: float) -> None:
