@@ -1,7 +1,7 @@
 """A worker's memory against the plan's: message buffers and peak resident memory (issue 23).
 
 Usage: python benchmarks/bench_memory.py [--out DIR] [--microbatches M] [--iterations N]
-                                         [--label NAME] [JOB ARGS...]
+                                         [--label NAME] [--reuse LABEL] [JOB ARGS...]
 
 Trains the small GPT of examples/gpt_small.py (default: 2 stages x 2 pipelines, 16
 micro-batches, a 2 MiB boundary message: --dim 256 --seq 256 --microbatch-size 8 --layers 1)
@@ -16,7 +16,8 @@ re-routed to worker 0:0 for the rest of the run), and reports per worker:
 - the plan's memory for the worker's stage: static + the plan's most micro-batches in flight
   x activation, from the spec `recycle-planner profile` wrote (both bounds the plans keep to).
 
-Writes OUT/memory-LABEL.json.
+Writes OUT/memory-LABEL.json. Compare two versions with the same plans (`--reuse`): the
+plans' in-flight counts follow the profile's times, which vary from run to run.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def launch(run_dir: Path, plans: Path, job_args: list[str], iterations: int,
            faults: list[str]) -> dict[int, int]:
     """Train; return each rank's peak resident memory (the largest over its incarnations)."""
     rp = str(Path(sys.executable).with_name("recycle-planner"))
-    cmd = [rp, "launch", "-n", "4", "--backend", "gloo", "--run-dir", str(run_dir),
+    cmd = [rp, "launch", "-n", "4", "--backend", "gloo", "--lease", "60", "--run-dir", str(run_dir),
            *[x for f in faults for x in ("--inject-fault", f)], JOB, "--",
            "--library", str(plans), "--iterations", str(iterations), *job_args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -128,16 +129,20 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--label", default="after")
+    parser.add_argument("--reuse", metavar="LABEL", help="train with the spec and plans an "
+                        "earlier run with this label wrote in OUT (the same plans for both "
+                        "versions: a new profile can plan other in-flight counts)")
     args, job_args = parser.parse_known_args()
     job_args = job_args or DEFAULT_JOB_ARGS
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rp = str(Path(sys.executable).with_name("recycle-planner"))
-    spec = out / f"gpt-{args.label}.toml"
-    _run([rp, "profile", JOB, "-d", "2", "-m", str(args.microbatches), "-o", str(spec),
-          "--repeats", "3", "--p2p", "0.1", "--allreduce", "0.1", "--", *job_args])
-    plans = out / f"plans-{args.label}"
-    _run([rp, "plan-all", str(spec), "-f", "1", "--force", "-o", str(plans)])
+    spec = out / f"gpt-{args.reuse or args.label}.toml"
+    plans = out / f"plans-{args.reuse or args.label}"
+    if not args.reuse:
+        _run([rp, "profile", JOB, "-d", "2", "-m", str(args.microbatches), "-o", str(spec),
+              "--repeats", "3", "--p2p", "0.1", "--allreduce", "0.1", "--", *job_args])
+        _run([rp, "plan-all", str(spec), "-f", "1", "--force", "-o", str(plans)])
     static, activation = load_spec(spec).memory.static, load_spec(spec).memory.activation
     report = {"machine": machine(), "job_args": job_args, "microbatches": args.microbatches,
               "runs": {}}
