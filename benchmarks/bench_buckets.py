@@ -35,7 +35,7 @@ from common import machine
 from recycle_planner.executor import LaunchConfig, launch, load_job
 from recycle_planner.io import write_json
 from recycle_planner.job.policy import Policy
-from recycle_planner.job.profiler import profile_job
+from recycle_planner.executor.profile import profile_job
 from recycle_planner.library import PlanLibrary, Settings, build_library
 
 POLICIES = {"split+staggered (default)": Policy(), "fused+barrier": Policy(decouple=False,
@@ -77,8 +77,8 @@ class _Done:
     def isend(self, buf, dst, tag):
         return None
 
-    def settle(self, work):
-        pass
+    def sent(self, work):
+        return True
 
     def wait(self, work, what=""):
         pass

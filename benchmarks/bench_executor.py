@@ -63,7 +63,8 @@ from recycle_planner.files.export_torch import export_torch_csv  # noqa: E402
 from recycle_planner.io import write_json  # noqa: E402
 from recycle_planner.library import PlanLibrary, Settings, build_library  # noqa: E402
 from recycle_planner.job.policy import Policy  # noqa: E402
-from recycle_planner.job.profiler import profile_job, write_spec  # noqa: E402
+from recycle_planner.executor.profile import profile_job  # noqa: E402
+from recycle_planner.job.profiler import write_spec  # noqa: E402
 from recycle_planner.job.spec import JobSpec, load_spec  # noqa: E402
 from recycle_planner.timing.replay import measured_spec, replay_period, stage_costs  # noqa
 

@@ -34,7 +34,8 @@ from bench_executor import D, M, S, median_step  # noqa: E402
 from recycle_planner.executor import LaunchConfig, launch, load_job  # noqa: E402
 from recycle_planner.io import write_json  # noqa: E402
 from recycle_planner.job.policy import Policy  # noqa: E402
-from recycle_planner.job.profiler import profile_job, write_spec  # noqa: E402
+from recycle_planner.executor.profile import profile_job  # noqa: E402
+from recycle_planner.job.profiler import write_spec  # noqa: E402
 from recycle_planner.library import Settings, build_library  # noqa: E402
 
 GPT = f"{ROOT / 'examples' / 'gpt_small.py'}:make_job"
@@ -58,8 +59,8 @@ class _NoComm:
     def isend(self, buf, dst, tag):
         return None
 
-    def settle(self, work):
-        pass
+    def sent(self, work):
+        return True
 
 
 def per_message(repeats: int = 20000) -> dict:

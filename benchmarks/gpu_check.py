@@ -12,7 +12,8 @@ On a machine with one GPU (`--device cpu` runs the same steps on gloo, to check 
 3. trains it with the plan on NCCL (`launch -n 1 --backend nccl`: a communicator of one rank,
    created non-blocking and connected eagerly, the step gate's stream synchronisation, the
    step-undo copy's pinned host buffer when a peer exists, `TORCH_NCCL_*` set), and reads the
-   worker's peak device memory from its log;
+   worker's peak device memory from its log, and the device memory in use beyond torch's
+   allocator (the CUDA context and NCCL's buffers, against the spec's NCCL estimate);
 4. trains the same stage with plain torch on the same device, the same micro-batches and the
    same schedule (one stage: forward and backward per micro-batch, then the step, which is what
    `Schedule1F1B` does with one stage), for the step time to compare;
@@ -35,6 +36,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from recycle_planner.job.profiler import nccl_estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = "examples/gpt_small.py:make_job"
@@ -118,8 +121,12 @@ def main() -> None:
     executor_step = statistics.median(_step_times(result))
     torch_step = _torch_step(job_args, args.device, args.microbatches, args.iterations)
 
-    log = (run_dir / "logs" / "rank0.0.log").read_text()
+    log = "\n".join(p.read_text() for p in sorted(run_dir.glob("logs/**/rank0.*.log")))
     peaks = [int(x) for x in re.findall(r"peak device memory (\d+) bytes", log)]
+    # The device's memory in use beyond torch's allocator: the CUDA context and NCCL's own
+    # buffers (one rank here: its communicators have no peer), against the spec's estimate.
+    outside = [int(used) - int(reserved) for used, reserved in re.findall(
+        r"in use on the device (\d+) bytes, reserved by torch (\d+) bytes", log)]
     spec_data = result["spec"]
     plan = json.loads(gzip.open(plans / "k0.json.gz").read()) \
         if (plans / "k0.json.gz").exists() else \
@@ -130,6 +137,8 @@ def main() -> None:
     report = {"device": args.device, "executor_step_s": executor_step,
               "torch_step_s": torch_step, "peak_memory_bytes": peaks[-1] if peaks else None,
               "planned_memory_bytes": planned, "peak_inflight": inflight,
+              "outside_torch_bytes": outside[-1] if outside else None,
+              "nccl_estimate_bytes": nccl_estimate(0, 1, 1, scalars=True).total,
               "losses_first_last": [result["losses"][0], result["losses"][-1]]}
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"step time      executor {1e3 * executor_step:.2f} ms, torch {1e3 * torch_step:.2f} "
@@ -137,6 +146,9 @@ def main() -> None:
     peak = report["peak_memory_bytes"]
     print(f"peak memory    {'n/a (cpu)' if peak is None else f'{peak / 2**20:.1f} MiB'} "
           f"against the plan's {planned / 2**20:.1f} MiB")
+    if outside:
+        print(f"outside torch  {outside[-1] / 2**20:.1f} MiB (CUDA context + NCCL; NCCL "
+              f"estimated {report['nccl_estimate_bytes'] / 2**20:.1f} MiB)")
     print(f"written        {out / 'gpu_check.json'}")
 
 

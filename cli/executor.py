@@ -436,7 +436,8 @@ def profile(target: str, args: tuple[str, ...], pipelines: int, microbatches: in
     """
     from recycle_planner.executor.job import load_job
     from recycle_planner.io import check_writable, is_stdout
-    from recycle_planner.job.profiler import profile_job, spread_note, write_spec
+    from recycle_planner.executor.profile import profile_job
+    from recycle_planner.job.profiler import spread_note, write_spec
     from recycle_planner.job.spec import JobSpec
 
     check_writable(output)  # before minutes of measuring

@@ -2,7 +2,8 @@
 stand-in for the process groups: buckets start in a fixed order as they complete, during the
 worker's last gradient op (before its ALLREDUCE op is reached), the last stage's losses after
 the last bucket, a failed start surfaces as `PeerFailure` at the wait, `reset` drops pending
-work. Exactness against one process is tests/test_executor*.py's (real groups)."""
+work. The message pools (`pool.py`) against the receives and sends in flight. Exactness
+against one process is tests/test_executor*.py's (real groups)."""
 
 import threading
 
@@ -49,8 +50,8 @@ class RecordingComm:
     def isend(self, buf, dst, tag):
         return Work()
 
-    def settle(self, work):
-        pass
+    def sent(self, work):
+        return True
 
     def wait(self, work, what="operation"):
         self.waited_works.append(work)
@@ -227,3 +228,60 @@ def test_receive_buffers_are_pooled_by_what_is_in_flight_not_one_per_op(tmp_path
         receives = sum(1 for kind, _ in program.issues if kind == "recv")
         assert receives >= microbatches
         assert 1 <= runtime.recv_pool.peak < receives, (dead, runtime.recv_pool.peak)
+
+
+class LaggingComm(RecordingComm):
+    """A send completes once the worker has waited for a later operation (the peers move on),
+    or never (`complete=False`); `sent` is asked, never waited for."""
+
+    def __init__(self, events, complete=True, **kwargs):
+        super().__init__(events, **kwargs)
+        self.complete = complete
+        self.in_flight: list[Work] = []
+        self.most = 0
+
+    def isend(self, buf, dst, tag):
+        work = Work()
+        work.done = False
+        self.in_flight.append(work)
+        self.most = max(self.most, len(self.in_flight))
+        return work
+
+    def sent(self, work):
+        return work.done
+
+    def wait(self, work, what="operation"):
+        super().wait(work, what)
+        if self.complete:
+            for w in self.in_flight:
+                w.done = True
+            self.in_flight = []
+
+
+def test_send_buffers_are_pooled_by_what_is_in_flight_and_never_waited_for(tmp_path):
+    """Stage 0 of a 2 x 2 job with 8 micro-batches sends 8 activations an iteration (16 with
+    its dead peer's re-routed ones): a buffer is refilled only once its send is known
+    complete, so the pool holds as many as were in flight at once; sends that never
+    complete cost one buffer each and block nothing."""
+    microbatches = 8
+    build_library(make_spec(stages=S, pipelines=D, microbatches=microbatches), Policy(), 1,
+                  tmp_path, Settings(solver="heuristic"), jobs=1)
+    layout = layout_of(torch.zeros(BATCH, WIDTH))
+    for dead in ([], [(1, 0)]):
+        hit = PlanLibrary.open(tmp_path).lookup(dead)
+        members = [r for r in range(D * S) if (r // S, r % S) not in dead]
+        program = bind(compile_program(hit.plan(), 0, hit.mapping), members)
+        sends = sum(1 for kind, _ in program.issues if kind == "send")
+        assert sends >= microbatches
+        for complete in (True, False):
+            runtime = StageRuntime(_stage(0), torch.nn.functional.mse_loss, _data, 0, S, D,
+                                   microbatches, torch.device("cpu"), None, layout)
+            runtime.comm = comm = LaggingComm([], complete, size=len(members))
+            iterations = 2 if complete else 1
+            for it in range(iterations):
+                runtime.run_iteration(program, it, threading.Event(),
+                                      FaultInjector([], 0, 0, print))
+            if complete:
+                assert runtime.send_pool.peak == comm.most < sends, (dead, comm.most)
+            else:
+                assert runtime.send_pool.peak == sends

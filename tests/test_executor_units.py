@@ -312,7 +312,7 @@ def test_nccl_groups_are_aborted_after_a_failure_and_shut_down_after_a_clean_end
 
     for failed, want in ((True, ["abort"]), (False, ["shutdown"])):
         comm = Comm.__new__(Comm)  # no process group on a CPU build: fake ones
-        comm.backend, comm.sends = BACKENDS["nccl"], []
+        comm.backend, comm.sends, comm.reapers = BACKENDS["nccl"], [], {}
         comm.group, comm.stage_group, comm.scalar_group = _FakeGroup(), _FakeGroup(), None
         groups = (comm.group, comm.stage_group)
         comm.close(failed=failed)

@@ -5,6 +5,7 @@ import pytest
 from click.testing import CliRunner
 
 from recycle_planner.cli.main import main
+from recycle_planner.executor.job import Job
 from recycle_planner.job.policy import Policy
 from recycle_planner.job.spec import load_spec
 from recycle_planner.planner import plan_situation
@@ -32,14 +33,14 @@ def test_profile_measures_every_stage_and_writes_a_spec_the_planner_reads(tmp_pa
     for values in (spec.forward, spec.backward_input, spec.backward_weight, spec.optimizer,
                    spec.p2p, spec.allreduce):  # communication measured between processes
         assert all(v > 0 for v in values)
-    # Stage 0 keeps its input and each block's Tanh output: 4 float64 tensors of 8 x 16.
-    assert spec.memory.activation[0] == 4 * 8 * 16 * 8
+    # Stage 0 keeps its input and each block's Tanh output: 4 float64 tensors of 8 x 16, and
+    # the send buffer of its output while the micro-batch is in flight (pooled by what is in
+    # flight, as the receive buffers: the received input of stage 1 is one of its tensors).
+    message = 8 * 16 * 8
+    assert spec.memory.activation[0] == 4 * message + message
     assert spec.memory.activation[1] > spec.memory.activation[0]
-    assert spec.memory.static[0] > 3 * (3 * (16 * 16 + 16)) * 8  # params, grads, undo copy
-    # ... and the send buffers: one per sending op (stage 0 sends its 8 x 16 float64 output
-    # for each of the 4 micro-batches; receive buffers are pooled with the activations).
-    params0, buffers0 = 3 * (16 * 16 + 16) * 8, 4 * (8 * 16 * 8)
-    base = 5 * params0 + buffers0  # params, grads, buckets, Adam's two moments; the buffers
+    params0 = 3 * (16 * 16 + 16) * 8
+    base = 5 * params0  # params, grads, buckets, Adam's two moments (no send buffers now)
     assert base <= spec.memory.static[0] <= base + 64  # + Adam's step counters
     text = out.read_text()
     assert "# stage 0 spread (p90-p10)/median: F " in text and "p2p" in text
@@ -96,7 +97,7 @@ def test_launch_checks_the_library_against_the_worker_count(tmp_path):
                                              ("mps", "measures cpu or cuda")])
 def test_unusable_device_is_one_line(device, message):
     from recycle_planner.errors import RecycleError
-    from recycle_planner.job.profiler import usable_device
+    from recycle_planner.executor.profile import usable_device
 
     with pytest.raises(RecycleError, match=message):
         usable_device(device)
@@ -129,3 +130,82 @@ def test_spread_is_the_interdecile_range_over_the_median_and_warns_when_large(ca
         note = spread_note([st])
     assert note == "stage 0 spread (p90-p10)/median: F 10%, p2p 4000%"
     assert "stage 0's p2p varied by 4000% of its median" in caplog.text
+
+
+def _job(autocast=None, events=None):
+    """Two float32 stages, an LR scheduler and a step hook that record what the profiler
+    ran."""
+    import torch
+
+    events = events if events is not None else []
+
+    def stage(s):
+        def build():
+            torch.manual_seed(s)
+            return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(),
+                                       torch.nn.Linear(32, 32))
+        return build
+
+    def scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda k: events.append("scheduler") or 1.0 / (k + 1))
+
+    class Hook:
+        def stats(self, stage, params):
+            events.append(("stats", stage))
+            return torch.zeros((), dtype=torch.float64)
+
+        def apply(self, stage, params, total):
+            events.append(("apply", stage))
+            return True
+
+    def data(iteration, pipeline, microbatch):
+        g = torch.Generator().manual_seed(iteration)
+        return torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
+
+    return Job([stage(0), stage(1)], torch.nn.functional.mse_loss,
+               lambda p: torch.optim.SGD(p, lr=0.1), data, iterations=1, scheduler=scheduler,
+               step_hook=Hook(), autocast=autocast)
+
+
+def test_the_profiler_runs_the_runtimes_handlers_with_autocast_scheduler_and_hook():
+    """What is measured is what runs: under bfloat16 autocast the forward saves and sends
+    bfloat16 tensors (the old copy of the runtime ran float32 whatever the job said), and
+    every profiled step stepped the job's LR scheduler and ran its step hook."""
+    from recycle_planner.executor.profile import profile_stages
+
+    events = []
+    plain = profile_stages(_job(events=events), repeats=3, warmup=1)
+    steps = 3 + 1 + 1  # repeats, warm-up, the iteration that measures activations
+    assert events.count("scheduler") == 2 * (steps + 1)  # LambdaLR's own first call per stage
+    assert [e for e in events if e != "scheduler"] == \
+        [("stats", 0), ("apply", 0)] * steps + [("stats", 1), ("apply", 1)] * steps
+    mixed = profile_stages(_job("bfloat16"), repeats=3, warmup=1)
+    assert plain[0].output_bytes == 16 * 32 * 4 and mixed[0].output_bytes == 16 * 32 * 2
+    assert mixed[1].input_bytes == 16 * 32 * 2
+    assert mixed[0].activation < plain[0].activation
+    assert mixed[0].static == plain[0].static  # parameters and optimizer stay float32
+
+
+def test_nccl_buffers_are_estimated_from_its_defaults_into_a_cuda_jobs_static_memory():
+    """A worker holds one two-rank communicator per neighbouring-stage worker (re-routing may
+    reach any), plus its generation's, stage's and scalar rings: 4 MiB per connection and
+    channel. The estimate goes into the static memory it is given for; gloo's is 0."""
+    from recycle_planner.job.profiler import (NCCL_BUFFSIZE, StageProfile, job_spec,
+                                              nccl_estimate)
+
+    middle = nccl_estimate(1, 3, 4, scalars=True)
+    assert (middle.pair_communicators, middle.collective_communicators) == (8, 3)
+    assert middle.total == (8 * 2 * 2 + 3 * 2 * 2) * NCCL_BUFFSIZE  # 176 MiB
+    alone = nccl_estimate(0, 1, 1, scalars=False)
+    assert (alone.pair_communicators, alone.collective_communicators) == (0, 1)
+    st = StageProfile(1.0, 1.0, 1.0, 1.0, activation=100, static=1000, output_bytes=10,
+                      grad_bytes=8, undo_bytes=8, input_bytes=20)
+    stages = [st, st, st]
+    nccl = [nccl_estimate(s, 3, 4, True).total for s in range(3)]
+    spec, _ = job_spec(stages, 4, 2, [0.1] * 3, [0.1] * 3, [], [], 2**40, 8, nccl=nccl)
+    assert list(spec.memory.static) == [1000 + n for n in nccl]
+    assert list(spec.memory.activation) == [100 + 10 + 20] * 3  # and its two send buffers
+    spec, _ = job_spec(stages, 4, 2, [0.1] * 3, [0.1] * 3, [], [], 2**40, 8,
+                       undo_on_device=True)
+    assert list(spec.memory.static) == [1008] * 3

@@ -30,6 +30,7 @@ import copy
 import gc
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -227,9 +228,13 @@ class Worker:
                 return "switch"
             self._checkpoint(decision, self.job.iterations, final=True)
             self.link.send(msg.OpTimes(self.rank, self.op_times))
+            self._log_buffers(generation)
             if self.device.type == "cuda":  # benchmarks/gpu_check.py reads it
-                log.info("peak device memory %d bytes",
-                         torch.cuda.max_memory_allocated(self.device))
+                free, total = torch.cuda.mem_get_info(self.device)
+                log.info("peak device memory %d bytes; in use on the device %d bytes, "
+                         "reserved by torch %d bytes",
+                         torch.cuda.max_memory_allocated(self.device), total - free,
+                         torch.cuda.memory_reserved(self.device))
             return "done"
         except PeerFailure as exc:
             failure = str(exc)
@@ -539,6 +544,17 @@ class Worker:
 
     def _announce_fault(self, fault: Fault) -> None:
         self.link.send(msg.FaultFired(self.rank, self.incarnation, time.time(), str(fault)))
+
+    def _log_buffers(self, generation: Generation) -> None:
+        """The message buffers the last generation held at most, against one per sending op
+        (what the send side kept before its pool), and the process's peak resident memory
+        (benchmarks/bench_memory.py reads it)."""
+        rt = self.runtime
+        sends = sum(1 for kind, _ in generation.program.issues if kind == "send")
+        log.info("message buffers: receive pool %d (%d bytes), send pool %d (%d bytes), "
+                 "sends per iteration %d; max RSS %d bytes", rt.recv_pool.peak,
+                 rt.recv_pool.nbytes, rt.send_pool.peak, rt.send_pool.nbytes, sends,
+                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
     def _stepped(self, iteration: int) -> None:
         self.link.send(msg.Stepped(iteration, self.rank))

@@ -1,24 +1,21 @@
-"""Measure a job's stages on this machine and write the job spec the planner reads.
+"""The job spec from a profile: what the plan's time and memory model counts, without torch.
 
-The planner is only as good as its costs. `profile_job` runs each of the user's stage modules
-on one sample micro-batch and measures, per stage:
+The measuring is the executor's (`executor/profile.py`: the runtime's own handlers, the
+communication between local gloo processes); this module turns its per-stage records
+(`StageProfile`) into the `JobSpec` the planner reads (`job_spec`) and writes it as TOML:
 
-- forward (F), input-gradient backward (I) and weight-gradient backward (W) time, with the
-  same torch helpers the executor runs (`stage_backward_input` / `stage_backward_weight`;
-  stage 0 has no input gradient, so its I is nearly free and its W is the whole backward,
-  exactly as the executor runs it), median of several repeats after a warm-up;
-- activation memory: the bytes one in-flight micro-batch holds from its forward to its W
-  (tensors autograd saves, found with saved-tensor hooks, plus the stage's input and output);
-- static memory on the device: parameters, gradients, the gradient all-reduce's bucket
-  buffers (one more copy of the gradients), the optimizer state, and the send buffers (one
-  per sending op for the generation: M*(input + output bytes); receive buffers are pooled by
-  what is in flight and counted with the activations); the copy
-  the executor keeps to undo a step lives on the host (`--undo-copy host`, the default) and is
-  not counted;
+- times: forward (F), input-gradient (I) and weight-gradient (W) backward, the optimizer
+  step, each the median of several repeats, with point-to-point and all-reduce times;
+- activation memory, per micro-batch in flight: what autograd saves in its forward, its input
+  and output (the received input is a view of its receive buffer: receive buffers are pooled
+  by what is in flight, `executor/data/pool.py`), and its two send buffers (the output sent
+  downstream, the input gradient sent upstream), which are pooled the same way;
+- static memory: parameters, gradients, the gradient all-reduce's bucket buffers, the optimizer
+  state, the step-undo copy when it lives on the device (`--undo-copy device`), and on a CUDA
+  job NCCL's own buffers, *estimated* from NCCL's documented defaults (`nccl_estimate`: no
+  CPU can measure them; `benchmarks/gpu_check.py` measures a worker's device memory on a GPU);
 - the spread of every figure's repeats ((p90 - p10) / median), written into the spec's header
-  and warned about above 50% (a busy machine);
-- the optimizer step (with that copy), and on CPU the point-to-point time of the stage's
-  output and the all-reduce of its gradients, measured between local gloo processes.
+  and warned about above 50% (a busy machine).
 
 `recycle-planner profile JOB --pipelines D --microbatches M -o job.toml` writes the result as
 a TOML spec (`load_spec` reads it back); then `recycle-planner plan-all job.toml` builds the
@@ -27,19 +24,13 @@ plan library the executor uses.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
-import os
 import statistics
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.io import atomic_write
@@ -58,144 +49,14 @@ class StageProfile:
     backward_weight: float  # ms
     optimizer: float        # ms
     activation: int         # bytes held per in-flight micro-batch
-    static: int             # bytes held for the whole run
+    static: int             # bytes held for the whole run: params, grads, buckets, state
     output_bytes: int       # one micro-batch's output (the activation sent downstream)
     grad_bytes: int         # the stage's gradients (what the all-reduce moves)
     undo_bytes: int = 0     # the step-undo copy: parameters and optimizer state
+    input_bytes: int = 0    # one micro-batch's input (the activation received)
     spread: dict[str, float] = field(default_factory=dict)
     """Per figure (F, I, W, optimizer, p2p, allreduce): the spread of its repeats, (90th
     percentile - 10th) / median; a large one says the machine was busy (`SPREAD_WARNING`)."""
-
-
-def usable_device(device: str):
-    """`torch.device(device)`, or a one-line error if this torch cannot use it."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise RecycleError(f"unknown device {device!r} (expected cpu, cuda or cuda:N)") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RecycleError(f"device {device!r}: this torch has no usable CUDA device "
-                               f"(torch {torch.__version__}); profile on cpu or on a GPU machine")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise RecycleError(f"device {device!r}: only {torch.cuda.device_count()} CUDA "
-                               f"device(s) here")
-    elif dev.type != "cpu":
-        raise RecycleError(f"device {device!r}: the profiler measures cpu or cuda devices")
-    return dev
-
-
-def profile_stages(job, device: str = "cpu", repeats: int = 10,
-                   warmup: int = 2) -> list[StageProfile]:
-    """Profile every stage of `job` on one micro-batch (iteration 0, pipeline 0, micro-batch
-    0; with `Job.dynamic`, the largest of the first micro-batches) on `device`. A stage may
-    take and return a tensor or a tuple, list or dict of tensors, as in the executor
-    (`executor/boundary.py`): its floating-point leaves get gradients."""
-    import torch
-    from torch.distributed.pipelining._backward import (stage_backward, stage_backward_input,
-                                                         stage_backward_weight)
-    from torch.utils import _pytree as pytree
-
-    from recycle_planner.executor.data.boundary import call, flat, layout_of
-    from recycle_planner.executor.data.shapes import largest
-    from recycle_planner.executor.data.state import StageState
-
-    dev = usable_device(device)
-
-    def to_dev(v):
-        return v.to(dev) if isinstance(v, torch.Tensor) else v
-
-    x, target = job.data(*largest(job.dynamic))
-    value = pytree.tree_map(to_dev, x)
-    target = pytree.tree_map(to_dev, target)
-    S = len(job.stages)
-    out = []
-    for s in range(S):
-        module = job.build_stage(s).to(dev)
-        params = [p for p in module.parameters() if p.requires_grad]
-        first, last = s == 0, s == S - 1
-        leaves, tree = pytree.tree_flatten(value)
-        if not first:  # a received value: fresh leaves, the float ones differentiable
-            leaves = [t.detach().requires_grad_(t.dtype.is_floating_point) for t in leaves]
-        inp = pytree.tree_unflatten(leaves, tree)
-        inputs = [] if first else [t for t in leaves if t.requires_grad]
-
-        def forward():
-            y = call(module, inp)
-            return job.loss_fn(y, target) if last else y
-
-        def differentiated(y) -> list:
-            return [y] if last else [t for t in flat(y) if t.dtype.is_floating_point]
-
-        times: dict[str, list[float]] = {"F": [], "I": [], "W": []}
-        for r in range(warmup + repeats):
-            keep = r >= warmup
-            t0 = _now(dev)
-            y = forward()
-            t1 = _now(dev)
-            outs = differentiated(y)
-            grads = None if last else [torch.ones_like(t) for t in outs]
-            if first:
-                t2 = _now(dev)
-                stage_backward(outs[0] if last else outs, grads, inputs)
-                t3 = _now(dev)
-            else:
-                _, groups = stage_backward_input(outs, grads, inputs, module.parameters())
-                t2 = _now(dev)
-                stage_backward_weight(module.parameters(), groups)
-                t3 = _now(dev)
-            if keep:
-                times["F"].append(t1 - t0)
-                times["I"].append(t2 - t1)
-                times["W"].append(t3 - t2)
-            for p in params:
-                p.grad = None
-            for t in inputs:
-                t.grad = None
-        activation = _activation_bytes(forward, inputs, params)
-        with torch.no_grad():
-            y = call(module, inp)
-        output_bytes = 0 if last else layout_of(y).nbytes
-        param_bytes = sum(p.numel() * p.element_size() for p in params)
-        state = StageState(copy.deepcopy(module), None)
-        state.optimizer = job.optimizer(state.module.parameters())
-        step_times = []
-        for r in range(warmup + repeats):
-            for p in state.params:
-                p.grad = torch.full_like(p, 1e-3)
-            t0 = _now(dev)
-            state.step()
-            if r >= warmup:
-                step_times.append(_now(dev) - t0)
-        opt_bytes = sum(v.numel() * v.element_size()
-                        for st in state.optimizer.state.values() for v in st.values()
-                        if isinstance(v, torch.Tensor))
-        out.append(StageProfile(
-            forward=_ms(times["F"]), backward_input=_ms(times["I"]),
-            backward_weight=_ms(times["W"]), optimizer=_ms(step_times),
-            activation=activation,
-            static=3 * param_bytes + opt_bytes,  # params, grads, buckets; the state
-            output_bytes=output_bytes, grad_bytes=param_bytes, undo_bytes=param_bytes + opt_bytes,
-            spread={"F": spread(times["F"]), "I": spread(times["I"]),
-                    "W": spread(times["W"]), "optimizer": spread(step_times)}))
-        value = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
-        log.info("stage %d: F %.4f ms, I %.4f ms, W %.4f ms, activation %d B", s,
-                 out[-1].forward, out[-1].backward_input, out[-1].backward_weight, activation)
-    return out
-
-
-def _now(dev) -> float:
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    return time.perf_counter()
-
-
-def _ms(samples: list[float]) -> float:
-    return max(MIN_MS, statistics.median(samples) * 1e3)
 
 
 SPREAD_WARNING = 0.5
@@ -228,70 +89,6 @@ def spread_note(stages: list[StageProfile]) -> str:
     return "\n".join(lines)
 
 
-def _activation_bytes(forward: Callable, inputs: list, params: list) -> int:
-    """Bytes of distinct storages autograd saves in one forward (parameters excluded: they are
-    static memory), plus the output's leaves and (after stage 0) the received input's, which
-    the executor keeps until the weight gradient."""
-    import torch
-
-    from recycle_planner.executor.data.boundary import flat
-
-    seen: dict[Any, int] = {}
-    static = {(p.untyped_storage().data_ptr(), p.device) for p in params}
-
-    def pack(t):
-        try:
-            key = (t.untyped_storage().data_ptr(), t.device)
-            if key not in static:
-                seen[key] = t.untyped_storage().nbytes()
-        except (RuntimeError, NotImplementedError):  # tensors without storage
-            seen[id(t)] = t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = forward()
-    for t in flat(y) + list(inputs):
-        seen.setdefault((t.untyped_storage().data_ptr(), t.device), t.untyped_storage().nbytes())
-    return int(sum(seen.values()))
-
-
-# -- communication -----------------------------------------------------------------------------
-
-def measure_comm(p2p_bytes: list[int], allreduce_bytes: list[int], ranks: int,
-                 repeats: int = 20, timeout: float = 120.0,
-                 wrap: Callable[[list[str]], list[str]] | None = None,
-                 ) -> tuple[list["Measured"], list["Measured"]]:
-    """One-way time (ms) of a message of each size in `p2p_bytes`, and time of an all-reduce
-    of each size in `allreduce_bytes` among `ranks` processes, each with its spread, on local
-    gloo processes (as the executor's workers on this machine talk). `wrap` rewrites each
-    process's command (to start it under the same CPU quota as the workers, for example)."""
-    import torch.distributed as dist
-
-    ranks = max(2, ranks)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
-    job = json.dumps({"p2p": p2p_bytes, "allreduce": allreduce_bytes, "repeats": repeats,
-                      "ranks": ranks, "port": store.port})
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    wrap = wrap or list
-    procs = [subprocess.Popen(wrap([sys.executable, "-c", _COMM_CHILD, str(r), job]), env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-             for r in range(ranks)]
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=timeout)
-            if p.returncode != 0:
-                raise RecycleError(f"measuring communication failed: "
-                                   f"{err.decode(errors='replace').strip()[-300:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    result = json.loads(store.get("result"))
-    return ([Measured.of(x) for x in result["p2p"]],
-            [Measured.of(x) for x in result["allreduce"]])
-
-
 @dataclass(frozen=True)
 class Measured:
     """A communication figure: the median (ms) of its repeats and their spread."""
@@ -304,135 +101,86 @@ class Measured:
         return cls(statistics.median(samples) * 1e3, spread(samples))
 
 
-_COMM_CHILD = r"""
-import json, statistics, sys, time
-from datetime import timedelta
-import torch, torch.distributed as dist
-rank, job = int(sys.argv[1]), json.loads(sys.argv[2])
-torch.set_num_threads(1)
-store = dist.TCPStore("127.0.0.1", job["port"], is_master=False, timeout=timedelta(seconds=60))
-pg = dist.ProcessGroupGloo(dist.PrefixStore("comm", store), rank, job["ranks"],
-                           timedelta(seconds=60))
-n = job["repeats"]
-p2p, ar = [], []
-for size in job["p2p"]:
-    t = torch.zeros(max(1, size // 4))
-    samples, sends = [], []
-    for i in range(n + 3):
-        pg.barrier().wait()
-        if rank == 0:
-            r = pg.recv([t], 1, 1)
-            t0 = time.perf_counter()
-            sends.append(pg.send([t], 1, 0))
-            r.wait()
-            samples.append((time.perf_counter() - t0) / 2)
-        elif rank == 1:
-            r = pg.recv([t], 0, 0)
-            r.wait()
-            sends.append(pg.send([t], 0, 1))
-    for w in sends:
-        w.wait()
-    p2p.append(samples[3:] if rank == 0 else [0.0])
-for size in job["allreduce"]:
-    t = torch.zeros(max(1, size // 4))
-    samples = []
-    for i in range(n + 3):
-        pg.barrier().wait()
-        t0 = time.perf_counter()
-        pg.allreduce([t]).wait()
-        samples.append(time.perf_counter() - t0)
-    ar.append(samples[3:])
-if rank == 0:
-    store.set("result", json.dumps({"p2p": p2p, "allreduce": ar}))
-pg.barrier().wait()
-import os
-os._exit(0)  # skip the group's teardown, which races with the peers' exits
-"""
+# -- NCCL's own memory -------------------------------------------------------------------------
+
+NCCL_BUFFSIZE = 4 * 2**20
+"""NCCL's default buffer per connection and channel (`NCCL_BUFFSIZE`, 4 MiB: the Simple
+protocol's; the LL and LL128 protocols' buffers come on top and are not counted)."""
+NCCL_P2P_CHANNELS = 2
+"""Channels per peer of a point-to-point communicator (NCCL's log: "2 p2p channels per
+peer"; `NCCL_NCHANNELS_PER_NET_PEER` defaults to 2)."""
+NCCL_COLL_CHANNELS = 2
+"""Channels of a collective ring: NCCL's fewest (one ring each way per NIC); NVLink machines
+use more (up to 32 on H100), so this is a floor."""
+
+
+@dataclass(frozen=True)
+class NcclEstimate:
+    """NCCL's device buffers on one worker of stage `stage`, from NCCL's documented defaults.
+
+    torch's `ProcessGroupNCCL` runs each single send or receive on a two-rank communicator of
+    the pair (its `getKeySendRecv`), so a worker holds one per peer it exchanges messages
+    with: a plan for some failure situation may re-route to any worker of the neighbouring
+    stages, so every one of them counts (`pipelines` upstream, `pipelines` downstream). Each
+    carries both directions, `NCCL_P2P_CHANNELS` channels each. Besides, the executor's
+    collective communicators (`Comm`): the generation's group of all members, the stage's
+    group (with peers) and the scalar group (with a step hook), each a ring: a connection in
+    and one out per channel. Every connection and channel holds `NCCL_BUFFSIZE`. A floor:
+    LL/LL128 buffers, more channels on NVLink and NCCL's own bookkeeping add to it (NCCL
+    issues #864, #964 report 0.5-1.6 GiB per communicator on 4-8 GPU NVLink machines)."""
+
+    pair_communicators: int
+    collective_communicators: int
+
+    @property
+    def total(self) -> int:
+        return (self.pair_communicators * 2 * NCCL_P2P_CHANNELS
+                + self.collective_communicators * 2 * NCCL_COLL_CHANNELS) * NCCL_BUFFSIZE
+
+
+def nccl_estimate(stage: int, stages: int, pipelines: int, scalars: bool) -> NcclEstimate:
+    """`NcclEstimate` of a worker of `stage` (`scalars`: the job has a step hook)."""
+    peers = pipelines * ((stage > 0) + (stage < stages - 1))
+    return NcclEstimate(peers, 1 + (pipelines > 1) + bool(scalars))
 
 
 # -- the spec ----------------------------------------------------------------------------------
 
-def profile_job(job, pipelines: int, microbatches: int, name: str | None = None,
-                device: str = "cpu", repeats: int = 10, warmup: int = 2,
-                memory_budget: float | None = None, p2p: float | None = None,
-                allreduce: float | None = None, measure_communication: bool = True,
-                wrap: Callable[[list[str]], list[str]] | None = None,
-                undo_copy: str = "host",
-                ) -> tuple[JobSpec, list[StageProfile]]:
-    """The job spec of `job` on this machine with D = `pipelines` and M = `microbatches`.
-
-    Communication is measured on CPU unless `p2p` / `allreduce` (ms) are given or
-    `measure_communication` is off (then it counts as 0). The memory budget is `memory_budget`
-    bytes, else the GPU's memory, else this machine's memory shared by its D*S workers.
-    `wrap` rewrites the command of each communication-measuring process (`measure_comm`).
-    `undo_copy` is where the run keeps the step-undo copy (`executor/config.py`'s
-    UNDO_PLACES): on the device, it is one more copy of the parameters and optimizer state in
-    the static memory."""
-    if pipelines < 1 or microbatches < 1:
-        raise RecycleError("pipelines and microbatches must be at least 1")
-    from recycle_planner.executor.data.boundary import flat
-
-    stages = profile_stages(job, device, repeats, warmup)
+def job_spec(stages: list[StageProfile], pipelines: int, microbatches: int,
+             p2p: list[float], allreduce: list[float], p2p_measured: list[Measured],
+             allreduce_measured: list[Measured], budget: float, microbatch_size: int,
+             name: str | None = None, undo_on_device: bool = False,
+             nccl: list[int] | None = None) -> tuple[JobSpec, list[StageProfile]]:
+    """The spec of a profile (the module's docstring says what each figure counts), and the
+    stages with the communication spreads added. `p2p` / `allreduce` (ms per stage) are used
+    where nothing was measured; `nccl`: NCCL's bytes per stage (none on gloo)."""
     S = len(stages)
-    p2p_ms = [float(p2p)] * S if p2p is not None else [0.0] * S
-    ar_ms = [float(allreduce)] * S if allreduce is not None else [0.0] * S
-    if measure_communication and (p2p is None or allreduce is None) and \
-            not device.startswith("cuda"):
-        # A stage sends its output downstream and its input gradient upstream.
-        sizes = [max(st.output_bytes, stages[s - 1].output_bytes if s else 0)
-                 for s, st in enumerate(stages)]
-        got_p2p, got_ar = measure_comm(sizes if p2p is None and S > 1 else [],
-                                       [st.grad_bytes for st in stages]
-                                       if allreduce is None and pipelines > 1 else [],
-                                       ranks=min(pipelines, 8), repeats=max(repeats, 10),
-                                       wrap=wrap)
-        if got_p2p:
-            p2p_ms = [m.ms for m in got_p2p]
-            stages = [replace(st, spread={**st.spread, "p2p": m.spread})
-                      for st, m in zip(stages, got_p2p)]
-        if got_ar:
-            ar_ms = [m.ms for m in got_ar]
-            stages = [replace(st, spread={**st.spread, "allreduce": m.spread})
-                      for st, m in zip(stages, got_ar)]
-    # Send buffers: the runtime keeps one per sending op for the whole generation (an
-    # activation down and a gradient up per micro-batch), which the plan's memory cap must
-    # hold beside the parameters, gradients, buckets and state. Receive buffers are pooled by
-    # what is in flight (`executor/data/pool.py`): a received activation is the stage's input,
-    # already in `activation`.
-    inputs = [0] + [st.output_bytes for st in stages[:-1]]
-    undo = 1 if undo_copy == "device" else 0
-    stages = [replace(st, static=st.static + microbatches * (inputs[s] + st.output_bytes)
-                      + undo * st.undo_bytes)
+    if p2p_measured:
+        p2p = [m.ms for m in p2p_measured]
+        stages = [replace(st, spread={**st.spread, "p2p": m.spread})
+                  for st, m in zip(stages, p2p_measured)]
+    if allreduce_measured:
+        allreduce = [m.ms for m in allreduce_measured]
+        stages = [replace(st, spread={**st.spread, "allreduce": m.spread})
+                  for st, m in zip(stages, allreduce_measured)]
+    nccl = nccl or [0] * S
+    activation = [st.activation + st.output_bytes + st.input_bytes for st in stages]
+    static = [st.static + undo_on_device * st.undo_bytes + nccl[s]
               for s, st in enumerate(stages)]
-    budget = memory_budget if memory_budget is not None else _device_memory(device,
-                                                                            pipelines * S)
-    x = flat(job.data(0, 0, 0)[0])[0]
     data = {
         "stages": S, "pipelines": pipelines, "microbatches": microbatches,
-        "microbatch_size": int(x.shape[0]) if x.ndim else 1,
+        "microbatch_size": microbatch_size,
         "time": {"forward": [st.forward for st in stages],
                  "backward_input": [st.backward_input for st in stages],
                  "backward_weight": [st.backward_weight for st in stages],
-                 "p2p": p2p_ms, "allreduce": ar_ms,
+                 "p2p": list(p2p), "allreduce": list(allreduce),
                  "optimizer": [st.optimizer for st in stages]},
-        "memory": {"activation": [float(max(1, st.activation)) for st in stages],
-                   "static": [float(st.static) for st in stages], "budget": float(budget)},
+        "memory": {"activation": [float(max(1, a)) for a in activation],
+                   "static": [float(x) for x in static], "budget": float(budget)},
     }
     if name:
         data["name"] = name
     return JobSpec.from_dict(data, "profile"), stages
-
-
-def _device_memory(device: str, workers: int) -> float:
-    if device.startswith("cuda"):
-        import torch
-
-        return float(torch.cuda.get_device_properties(torch.device(device)).total_memory)
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        total = 16 * 2**30
-    return float(total // max(1, workers))
 
 
 def spec_to_toml(spec: JobSpec, header: str = "") -> str:

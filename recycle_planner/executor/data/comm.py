@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -150,6 +151,11 @@ class Backend:
     """Block the host until the device has run everything queued (the step gate)."""
     environment: Mapping[str, str] = field(default_factory=dict)
     """Variables the worker sets before its first group (overriding other values)."""
+    reap_sends: bool = False
+    """The backend's sends report completion only once some thread waited for them (gloo,
+    and so `nccl-sim`): `Comm` waits for them on threads of its own (`SendReaper`), so that
+    `is_completed()` tells the training thread without blocking it. NCCL's need not: a
+    send's work is complete once its kernel ran, i.e. the receiver took it."""
 
 
 NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
@@ -161,10 +167,11 @@ watchdog writes no debug dump and no `exception_dump` key into the store, where 
 worker would read a stale one."""
 
 BACKENDS = {
-    "gloo": Backend("gloo", _gloo_group, _gloo_abort, _nothing, _cpu),
+    "gloo": Backend("gloo", _gloo_group, _gloo_abort, _nothing, _cpu, reap_sends=True),
     "nccl": Backend("nccl", _nccl_group, _nccl_abort, _nccl_shutdown, _local_cuda,
                     _cuda_sync, NCCL_ENVIRONMENT),
-    "nccl-sim": Backend("nccl-sim", _sim_group, _sim_abort, _sim_shutdown, _cpu),
+    "nccl-sim": Backend("nccl-sim", _sim_group, _sim_abort, _sim_shutdown, _cpu,
+                        reap_sends=True),
 }
 """`nccl-sim` is gloo with NCCL's host semantics (`nccl_sim.py`), for tests on CPU."""
 
@@ -221,6 +228,8 @@ class Comm:
         self.device = device
         self.aborted = aborted if aborted is not None else threading.Event()
         self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.reapers: dict[int, SendReaper] = {}
+        """Per destination, the thread that waits for the sends to it (`Backend.reap_sends`)."""
         self.error: BaseException | None = None
         """The first failure seen among the awaited works (`failed`)."""
         self.received: list[Any] = []
@@ -256,9 +265,26 @@ class Comm:
         except RuntimeError as exc:
             raise PeerFailure(f"send to {dst} failed: {short_error(exc)}") from None
         self.sends.append((work, tensor))
+        if self.backend.reap_sends:
+            reaper = self.reapers.get(dst)
+            if reaper is None:
+                reaper = self.reapers[dst] = SendReaper(dst)
+            reaper.add(work)
         if len(self.sends) > 64:
             self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
         return work
+
+    def sent(self, work) -> bool:
+        """Whether a send is known complete, without waiting (its buffer may then be
+        refilled): the work's own `is_completed()` (on NCCL: its kernel ran, the receiver has
+        the bytes; on gloo once its `SendReaper` saw it end). Raises `PeerFailure` if it
+        failed."""
+        if not work.is_completed():
+            return False
+        error = _error_of(work)
+        if error is not None:
+            raise PeerFailure(f"send failed: {short_error(error)}")
+        return True
 
     def irecv(self, buf: torch.Tensor, src: int, tag: int):
         try:
@@ -280,6 +306,22 @@ class Comm:
             raise PeerFailure(f"{what} failed: {short_error(exc)}") from None
         finally:
             self.waited = time.monotonic()
+        self._release()
+
+    def _release(self) -> None:
+        """Forget the works known complete (their first error kept for the gate): a work
+        holds its tensors, and a receive buffer is reused only once nothing references it
+        (`pool.py`), so works kept until the step gate held every receive buffer of the
+        iteration (the pool grew with M). On NCCL a work usually completes after its wait
+        returns: it stays until a later wait or the gate finds it complete."""
+        received = []
+        for work in self.received:
+            if not work.is_completed():
+                received.append(work)
+            elif self.error is None:
+                self.error = _error_of(work)
+        self.received = received
+        self.waiting_on_peer()
 
     def _await(self, work) -> None:
         with self._awaiting:
@@ -333,16 +375,9 @@ class Comm:
     def confirm_received(self, what: str) -> None:
         """The step gate over everything waited for since the previous gate."""
         works, self.received = self.received, []
+        if self.error is not None:
+            raise PeerFailure(f"{what} failed: {short_error(self.error)}")
         self.confirm(works, what)
-
-    def settle(self, work) -> None:
-        """Wait for one send (before its tensor is reused) and forget it: a gloo send waited
-        twice blocks until the timeout (each wait consumes one completion)."""
-        for i, (w, _) in enumerate(self.sends):
-            if w is work:
-                del self.sends[i]
-                self.wait(work, "send", gated=False)
-                return
 
     def drain(self, limit: float) -> None:
         """A clean end: wait at most `limit` seconds until every send has been received
@@ -350,9 +385,7 @@ class Comm:
         one was not (the caller then aborts instead of shutting down, which on NCCL would
         wait for it with no limit)."""
         works = [w for w, _ in self.sends]
-        self.sends.clear()
-        for work in works:  # gloo marks a send complete only once waited for
-            self.wait(work, "send", gated=False)
+        self.sends.clear()  # their reapers (gloo) wait for them: a second wait would block
         self.confirm_all(works, "send", time.monotonic() + limit)
 
     def confirm_all(self, works, what: str, deadline: float) -> None:
@@ -481,10 +514,41 @@ class Comm:
                         log.debug("shutdown: %s", short_error(exc))
         groups = [self.group, self.stage_group, self.scalar_group]
         self.sends.clear()
+        for reaper in self.reapers.values():  # each ends once its last send has (aborted
+            reaper.stop()                     # groups fail every pending one at once)
+        self.reapers = {}
         self.awaited = []
         self.group = self.stage_group = self.scalar_group = None
         threading.Thread(target=_drop, args=(groups,), name="recycle-close",
                          daemon=True).start()
+
+
+class SendReaper:
+    """A thread that waits, in order, for the sends to one peer, so that their works report
+    completion to `Comm.sent` without the training thread ever waiting on a send. A gloo send
+    is marked complete only by a wait, and that wait lasts until the receiver has posted the
+    matching receive (measured: a 4 KB send to a receiver that posts 1 s later waits 1 s), so
+    the training thread cannot wait itself; NCCL's progress engine does this on the device.
+    One thread per destination: a receiver takes one sender's messages in program order,
+    so a send waits only behind sends the same receiver takes first. A failed wait leaves its
+    error in the work (`_error_of`); an aborted group fails every pending send at once."""
+
+    def __init__(self, peer: int):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=f"recycle-sends-{peer}", daemon=True).start()
+
+    def add(self, work) -> None:
+        self.queue.put(work)
+
+    def stop(self) -> None:
+        self.queue.put(None)
+
+    def _run(self) -> None:
+        while (work := self.queue.get()) is not None:
+            try:
+                work.wait()
+            except RuntimeError as exc:  # kept by the work: seen by `sent` and `drain`
+                log.debug("send: %s", short_error(exc))
 
 
 def _error_of(work) -> BaseException | None:

@@ -1,4 +1,4 @@
-"""Receive buffers pooled by what is in flight, not one per op.
+"""Message buffers pooled by what is in flight, not one per op.
 
 A received activation is unpacked as views of its buffer, and those views are the stage's
 input, which autograd keeps until the micro-batch's W: a buffer is busy from its receive's post
@@ -9,14 +9,18 @@ grew with M (a 64 MiB boundary with 32 micro-batches: about 4 GiB of receive buf
 worker). Nothing is ever reused while referenced: a pending receive's work holds its tensor,
 and so does any view a model keeps.
 
-Send buffers stay one per sending op (`StageRuntime._send`): a send's buffer is free only once
-the send completed, which gloo reports only to a wait, and waiting for a recent send could
-block on a receiver that is not there yet.
+A send buffer is busy until its send completed (`SendPool`), which is asked without waiting
+(`Comm.sent`: the work's `is_completed()`; on gloo, which marks a send complete only once some
+thread waited for it, a `comm.SendReaper` thread per destination does that wait), never by a
+wait on a recent send, which could block on a receiver not there yet. So the send pool, too,
+grows to the most sends ever in flight at once, where one buffer per sending op grew with M.
 """
 
 from __future__ import annotations
 
 import torch
+
+from typing import Any, Callable
 
 from recycle_planner.executor.data.boundary import fit
 
@@ -63,3 +67,46 @@ class BufferPool:
 
     def clear(self) -> None:
         self.bufs = []
+
+
+class SendPool:
+    """Send buffers on `device`, each with its latest send: reused once that send is known
+    complete (`done(work)`, which must not block), else a new one; `peak` is how many were
+    ever held."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.bufs: list[torch.Tensor] = []
+        self.works: list[Any] = []
+
+    def take(self, nbytes: int, done: Callable[[Any], bool]) -> int:
+        """The index of a buffer of at least `nbytes` whose send is over (a free one too
+        small is replaced), else of a new one; `bufs[i]` is it, `busy(i, work)` marks it."""
+        small = None
+        for i, (buf, work) in enumerate(zip(self.bufs, self.works)):
+            if work is None or done(work):
+                self.works[i] = None
+                if buf.numel() >= nbytes:
+                    return i
+                small = i if small is None else small
+        new = fit(None, nbytes, self.device)
+        if small is not None:
+            self.bufs[small] = new
+            return small
+        self.bufs.append(new)
+        self.works.append(None)
+        return len(self.bufs) - 1
+
+    def busy(self, i: int, work: Any) -> None:
+        self.works[i] = work
+
+    @property
+    def peak(self) -> int:
+        return len(self.bufs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.bufs)
+
+    def clear(self) -> None:
+        self.bufs, self.works = [], []

@@ -33,12 +33,12 @@ from torch.distributed.pipelining._backward import (stage_backward, stage_backwa
 from recycle_planner.errors import RecycleError
 from recycle_planner import programs
 from recycle_planner.executor.config import BUCKET_MB
-from recycle_planner.executor.data.boundary import (Layout, agreed_at_start, call, fit, flat, pack,
+from recycle_planner.executor.data.boundary import (Layout, agreed_at_start, call, flat, pack,
                                                     prefix, unpack)
 from recycle_planner.executor.data.buckets import GradBuckets
 from recycle_planner.executor.data.comm import Comm, PeerFailure
 from recycle_planner.executor.data.hooks import validates
-from recycle_planner.executor.data.pool import BufferPool
+from recycle_planner.executor.data.pool import BufferPool, SendPool
 from recycle_planner.executor.data.shapes import DynamicDims
 from recycle_planner.executor.data.state import StageState
 from recycle_planner.executor.data.validation import PostValidation, Settled
@@ -148,13 +148,13 @@ class StageRuntime:
     """One worker's stage: its module and state, the per-iteration caches, the op handlers.
 
     `in_layout` / `out_layout` describe what the stage receives and sends (None at the ends);
-    receive buffers come from a pool reused once nothing references them (`pool.py`: as many
-    as are in flight), each send has one buffer, allocated at its first use and reused every
-    iteration. With `dims` (`shapes.DynamicDims`) the layouts are symbolic: each message's is
-    resolved with the sizes of its micro-batch, on both ends alike, and its buffer grows to the
-    largest message seen (fixed-shape jobs take none of this path). `hook` (a `StepHook`) runs
-    between the gradient all-reduce and the optimizer step with the sum of every stage's
-    `stats` (`all_stages_sum`), or, for a `hooks.Validated` one, is checked after a step taken
+    receive buffers come from a pool reused once nothing references them, send buffers from
+    one reused once their send completed (`pool.py`: as many as are in flight). With `dims`
+    (`shapes.DynamicDims`) the layouts are symbolic: each message's is resolved with the sizes
+    of its micro-batch, on both ends alike, and a buffer grows to the largest message seen
+    (fixed-shape jobs take none of this path). `hook` (a `StepHook`) runs between the
+    gradient all-reduce and the optimizer step with the sum of every stage's `stats`
+    (`all_stages_sum`), or, for a `hooks.Validated` one, is checked after a step taken
     without waiting (`validation`); `autocast` is the dtype of mixed-precision forwards;
     `bucket_mb` the size of the gradient all-reduce's buckets (`buckets.GradBuckets`)."""
 
@@ -185,8 +185,8 @@ class StageRuntime:
         self.out_grads = out_layout.grads() if out_layout is not None else None
         self.recv_pool = BufferPool(device)
         """Receive buffers, reused once nothing references them (`pool.py`)."""
-        self.send_bufs: dict[int, tuple[torch.Tensor, Any]] = {}
-        """Per sending instruction: its buffer and the latest send from it."""
+        self.send_pool = SendPool(device)
+        """Send buffers, reused once their send is known complete (`Comm.sent`)."""
         self.comm: Comm | None = None
         self.op_started: float | None = None
         """time.monotonic() when the running op began (None between iterations): with
@@ -221,8 +221,8 @@ class StageRuntime:
         self.saved: dict[tuple[int, int], Any] = {}
         self.posted: dict[int, tuple[Any, torch.Tensor, Layout]] = {}
         self.outgoing: dict[int, list[torch.Tensor | None]] = {}
-        self.send_bufs = {}  # a new generation: a new program, and a broken group's pending
-        self.recv_pool.clear()  # operations must not write into the next one's buffers
+        self.send_pool.clear()  # a new generation: a broken group's pending operations
+        self.recv_pool.clear()  # must not touch the next one's buffers
         self.losses = {}
         self.all_losses = None
         self.loss_work = None
@@ -306,15 +306,11 @@ class StageRuntime:
               iteration: int) -> None:
         layout, expected = self._layout("out_layout" if ins.kind == "F" else "in_grads", ins,
                                         iteration)
-        slot = self.send_bufs.get(k)
-        buf = None
-        if slot is not None:
-            buf, work = slot
-            self.comm.settle(work)  # last iteration's, long received: free to refill
-        buf = fit(buf, layout.nbytes, self.device)
+        i = self.send_pool.take(layout.nbytes, self.comm.sent)  # never waits on a send
+        buf = self.send_pool.bufs[i]
         pack(leaves, layout, buf, expected)
-        self.send_bufs[k] = (buf, self.comm.isend(prefix(buf, layout.nbytes), ins.dst,
-                                                  ins.send_tags[iteration % 2]))
+        self.send_pool.busy(i, self.comm.isend(prefix(buf, layout.nbytes), ins.dst,
+                                               ins.send_tags[iteration % 2]))
 
     def _forward_context(self):
         if self.autocast is None:
