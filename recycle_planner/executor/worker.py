@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_map
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control import protocol as P
-from recycle_planner.executor.control.link import LOST, ControlLost, Link, StoreLink
+from recycle_planner.executor.control.link import LOST, ControlLost, Link, link_from_env
 from recycle_planner.executor.control.runfolder import append_losses
 from recycle_planner.executor.config import (CONFIG_ERROR, COORDINATOR_LOST, EXECUTOR_ERROR,
                                              FENCED, STALLED, WorkerConfig)
@@ -102,7 +102,7 @@ class Worker:
         self.d, self.s = P.worker_of(self.rank, self.S)
         self.device = prepare(config.backend, os.environ)
         self.timeout = timedelta(seconds=config.pg_timeout)
-        self.link = _Tracked(link or StoreLink.from_env(config))
+        self.link = _Tracked(link or link_from_env(config))
         self._link_asked = time.monotonic()   # when the link's watch thread last asked
         self._lost_once = threading.Lock()    # one thread stops the worker on a lost control
         self._recent_losses: dict[int, dict] = {}
