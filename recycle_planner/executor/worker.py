@@ -307,8 +307,10 @@ class Worker:
 
     def _record_losses(self, gen: int, iteration: int, losses: dict) -> None:
         if losses:
-            self._recent_losses[iteration] = losses  # kept for a lost control plane
-            self._recent_losses.pop(iteration - 3, None)
+            # kept for a lost control plane: the iterations trained since it was last heard
+            # of, within the lease it takes to notice (a few at most; 16 bounds it)
+            self._recent_losses[iteration] = losses
+            self._recent_losses.pop(iteration - 16, None)
             self.link.send(msg.Losses(iteration, self.rank, gen, tuple(
                 (p, m, v) for (p, m), v in sorted(losses.items()))))
 

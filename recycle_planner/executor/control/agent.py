@@ -465,20 +465,9 @@ class Agent:
         try:
             self._start()
             while self.outcome is None:
-                now = time.time()
-                self.mail.refresh()
-                self._reap()
-                self._heartbeats(now)
-                self._restart_due(now)
-                self._hellos()
-                self._checkpoints()
-                self._save_losses()
-                self._refinements_done(now)
-                self._preemption(now)
+                self._pass(time.time())
                 if self.outcome is not None:
                     break
-                PHASES[self.phase](self, now)
-                self.mail.flush()
                 select.select([wake_r], [], [], self.config.idle_poll if self.phase is
                               Phase.RUNNING and previous is not None else self.config.poll)
                 try:
@@ -496,6 +485,22 @@ class Agent:
             wake_w.close()
             self._stop_refinements()
             self.pool.close(self.procs, self.outcome)
+
+    def _pass(self, now: float) -> None:
+        """One pass of the loop: take in what the workers reported, act on it, post what
+        the workers are told (`benchmarks/bench_relay.py` times it)."""
+        self.mail.refresh()
+        self._reap()
+        self._heartbeats(now)
+        self._restart_due(now)
+        self._hellos()
+        self._checkpoints()
+        self._save_losses()
+        self._refinements_done(now)
+        self._preemption(now)
+        if self.outcome is None:
+            PHASES[self.phase](self, now)
+        self.mail.flush()
 
     def _on_sigterm(self, signum, frame) -> None:
         if self.preempted is None:

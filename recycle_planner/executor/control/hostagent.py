@@ -149,6 +149,7 @@ class HostAgent:
     def run(self) -> int:
         """Run this host's workers until the job ends; returns the exit status."""
         c = self.config
+        code = 1
         try:
             if self.node_rank is None:
                 self.node_rank = self.store.add(f"rdzv/{c.rdzv_id}/nodes", 1) - 1
@@ -172,15 +173,20 @@ class HostAgent:
                                          tuple(ranks)))
             self.on_event(f"host {self.node_rank}: workers {ranks} started (logs in "
                           f"{self.log_dir})")
-            return self._watch()
+            code = self._watch()
         except (RuntimeError, dist.DistError) as exc:
-            return self._coordinator_lost(str(exc).splitlines()[0] if str(exc) else "")
+            code = self._coordinator_lost(str(exc).splitlines()[0] if str(exc) else "")
         finally:
             for w in self.workers.values():
                 if w.popen.poll() is None:
                     os.kill(w.popen.pid, signal.SIGKILL)
-            if self.relay is not None:
-                self.relay.close()
+            if self.relay is not None and not self.relay.close():
+                # its notice thread is inside a store call on a cut link: leave without
+                # waiting for it (c10d aborts a process whose thread returns while it exits)
+                self.on_event(f"host {self.node_rank}: leaving (exit status {code})")
+                logging.shutdown()
+                os._exit(code)
+        return code
 
     def _next_incarnation(self, rank: int) -> int:
         """Incarnations count in the coordinator's store, not in this process: an agent
@@ -279,6 +285,7 @@ class HostAgent:
             if outcome is not None:
                 self.loop_at = float("inf")  # the job is over: no more store calls to watch
                 self._wait_for_workers(30.0)
+                relay.close()  # its notice thread leaves at the coordinator's next beat
                 relay.report(msg.Bye(self.node_rank))
                 relay.flush()
                 self.on_event(f"host {self.node_rank}: job {outcome.status}")
@@ -319,7 +326,7 @@ class HostAgent:
 
     def _kill_declared_dead(self) -> None:
         """Kill the workers the coordinator declared dead (their lease had expired: the host
-        was cut off or stopped) once half a lease has passed since this agent read the notice:
+        was cut off or stopped) once a lease has passed since this agent read the notice:
         a worker blocked on its link reads the decision that excludes it first and leaves by
         itself (fenced); one blocked on a peer is killed."""
         now = time.monotonic()
@@ -328,7 +335,7 @@ class HostAgent:
                     msg.Kill, rank=rank, incarnation=w.incarnation) is None:
                 continue
             seen = self.kills_seen.setdefault((rank, w.incarnation), now)
-            if now - seen >= self.lease / 2:
+            if now - seen >= self.lease:
                 self.why.setdefault(rank, "killed: the coordinator declared it dead")
                 os.kill(w.popen.pid, signal.SIGKILL)
 

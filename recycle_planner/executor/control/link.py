@@ -316,7 +316,7 @@ class HostLink:
     # the Link
     def send(self, message: msg.Message) -> Any:
         frame = self._relay.record_frame(message)
-        if message.RULE == msg.SET:
+        if message.RULE == msg.SET and not isinstance(message, self._relay.URGENT):
             return self._put({"op": "send", **frame})
         text = self._ask({"op": "send", **frame})
         if message.RULE == msg.FIRST and text is not None:

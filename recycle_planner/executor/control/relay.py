@@ -72,6 +72,9 @@ DOWN = (msg.Welcome, msg.Abort, msg.JoinRequest, msg.Finish, msg.Kill, msg.Outco
 """Records the coordinator posts for workers and host agents: in the bulletins."""
 PER_HOST = (msg.Welcome, msg.Kill)
 """Down records addressed to one rank: in its host's bulletin."""
+URGENT = (msg.FaultFired,)
+"""Records the sender waits to see on their way (an injected fault acts right after it, and
+may stop this host agent): reported at once, then acknowledged."""
 
 
 # -- frames --------------------------------------------------------------------------------------
@@ -204,22 +207,37 @@ class Relay:
         self._wake_w.setblocking(False)
         self._closed = False
         self._stepped_at = time.monotonic()
-        threading.Thread(target=self._watch_notices, name="relay-notices", daemon=True).start()
+        self._thread = threading.Thread(target=self._watch_notices, name="relay-notices",
+                                        daemon=True)
+        self._thread.start()
 
     # the notice thread: the only place that blocks on the coordinator
     def _watch_notices(self) -> None:
+        """Read the bulletins, then block until the coordinator creates the next notice key;
+        it does at least every lease / 4 (its beat), so bulletins whose version did not move
+        for a lease mean the coordinator is gone (or this host is cut off from it). A cut
+        link makes the read itself fail after the lease (the store client's timeout)."""
+        import torch.distributed as dist
+
         keys = [GLOBAL_BULLETIN, host_bulletin(self.node)]
+        version, moved = -1, time.monotonic()
         while not self._closed:
             try:
                 everyone, mine = (Bulletin.from_json(v) for v in self.notices.multi_get(keys))
-                self.noticed_at = time.monotonic()
+                now = self.noticed_at = time.monotonic()
+                if everyone.version != version:
+                    version, moved = everyone.version, now
+                elif now - moved > self.lease:
+                    raise TimeoutError(f"the bulletins stayed at version {version} for "
+                                       f"{now - moved:.1f} s")
                 with self._lock:
                     self._fresh = (everyone, mine)
                 self._wake()
-                # the coordinator creates the next version at least every lease / 4: a wait
-                # that times out means it is gone (or this host is cut off)
-                self.notices.wait([notice_key(everyone.version + 1)],
-                                  timedelta(seconds=self.lease))
+                try:
+                    self.notices.wait([notice_key(version + 1)], timedelta(seconds=self.lease))
+                except dist.DistStoreError as exc:
+                    if "timeout" not in str(exc).lower():
+                        raise
             except (RuntimeError, OSError) as exc:  # DistError is a RuntimeError
                 if not self._closed:
                     text = str(exc).strip().splitlines()
@@ -243,7 +261,11 @@ class Relay:
             for c in self.conns.values():  # silent, it could not hear them
                 if c.beat is not None:
                     c.beat = now
+            self.noticed_at = max(self.noticed_at, now)
         self._stepped_at = now
+        if self.lost is None and now - self.noticed_at > self.lease:
+            # a store call on a cut link can outlast its own timeout: judge by the clock
+            self.lost = f"no notice from the coordinator for {now - self.noticed_at:.1f} s"
         self._drain_wake()
         self._accept()
         readable = select.select([c.sock for c in self.conns.values()], [], [], 0)[0]
@@ -309,6 +331,8 @@ class Relay:
                 result = result.to_json() if isinstance(result, msg.Message) else result
             else:
                 self.report(message)
+                if isinstance(message, URGENT):
+                    self.flush()
             if "id" in frame:
                 self._send(conn, {"id": frame["id"], "rec": result})
         elif op in ("get", "decision"):
@@ -413,17 +437,23 @@ class Relay:
         for conn in list(self.conns.values()):
             self._send(conn, {"push": "lost", "reason": self.lost})
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Stop; waits for the notice thread to leave its store call (the coordinator's next
+        beat, or its store's end: at most the lease), since a process that exits while a
+        thread returns from c10d is aborted. False if it is still inside one (a cut link):
+        the process must then leave with `os._exit`."""
         self._closed = True
+        if self._thread is not threading.current_thread():
+            self._thread.join(self.lease + 1.0)
         for conn in list(self.conns.values()):
             self._drop(conn)
-        self.listener.close()
-        self._wake_r.close()
-        self._wake_w.close()
+        for sock in (self.listener, self._wake_r, self._wake_w):
+            sock.close()
         try:
             os.unlink(self.path)
         except OSError:
             pass
+        return not self._thread.is_alive()
 
 
 def relay_path(folder: str, node: int, pid: int | None = None) -> str:
