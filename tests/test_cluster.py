@@ -179,11 +179,12 @@ def _worker_log(run: Path, rank: int, incarnation: int = 0) -> Path:
 
 def test_a_returning_hosts_stale_workers_are_fenced(tmp_path, three_pipelines):
     """Every process of host 2 is stopped mid-forward (SIGSTOP: nothing is closed); its lease
-    expires and the job goes on without pipeline 2. Then its workers are continued while its
-    host agent stays stopped (so that it cannot kill them): worker 2:1, blocked on its peers
-    when it was stopped, reads the next decision, which excludes it, and leaves without
-    acting on it (fenced). Today they ran it ("4 is not in list" in comm.py, taken for a bug in user code)
-    and the healthy job stopped. A slow data loader (0.2 s a micro-batch) keeps training
+    expires and the job goes on without pipeline 2. Then the host comes back (every process
+    continued): worker 2:1, blocked on its peers when it was stopped, reads the next decision
+    through its host agent, which excludes it, and leaves without acting on it (fenced)
+    before its host agent carries out the coordinator's kill notice (a lease later). Before
+    the fence, such a worker ran it ("4 is not in list" in comm.py, taken for a bug in user
+    code) and the healthy job stopped. A slow data loader (0.2 s a micro-batch) keeps training
     going meanwhile; it ends with the fault-free parameters and losses. (A short group
     timeout, only as a backstop.)"""
     import signal
@@ -197,11 +198,11 @@ def test_a_returning_hosts_stale_workers_are_fenced(tmp_path, three_pipelines):
         _until(lambda: "generation 1:" in out.read_text(errors="replace"), 180, out, [coord])
         for pid in _children(agents[2].pid):
             os.kill(pid, signal.SIGCONT)
+        os.kill(agents[2].pid, signal.SIGCONT)
         # rank 4 fired the fault (its thread never trains again: it leaves as stalled);
         # rank 5 was blocked on its peers
         _until(lambda: "excludes this worker" in _worker_log(run, 5).read_text(), 120, out,
                [coord])
-        os.kill(agents[2].pid, signal.SIGCONT)
         code = _wait(coord, 240, "the coordinator", out)
     text = out.read_text(errors="replace")
     assert code == 0 and "user code" not in text, text[-4000:]

@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_map
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control import protocol as P
-from recycle_planner.executor.control.link import LOST, ControlLost, Link, StoreLink
+from recycle_planner.executor.control.link import LOST, ControlLost, Link, link_from_env
 from recycle_planner.executor.control.runfolder import append_losses
 from recycle_planner.executor.config import (CONFIG_ERROR, COORDINATOR_LOST, EXECUTOR_ERROR,
                                              FENCED, STALLED, WorkerConfig)
@@ -103,7 +103,7 @@ class Worker:
         self.d, self.s = P.worker_of(self.rank, self.S)
         self.device = prepare(config.backend, os.environ)
         self.timeout = timedelta(seconds=config.pg_timeout)
-        self.link = _Tracked(link or StoreLink.from_env(config))
+        self.link = _Tracked(link or link_from_env(config))
         self._link_asked = time.monotonic()   # when the link's watch thread last asked
         self._lost_once = threading.Lock()    # one thread stops the worker on a lost control
         self._recent_losses: dict[int, dict] = {}
@@ -341,8 +341,10 @@ class Worker:
 
     def _record_losses(self, gen: int, iteration: int, losses: dict) -> None:
         if losses:
-            self._recent_losses[iteration] = losses  # kept for a lost control plane
-            self._recent_losses.pop(iteration - 3, None)
+            # kept for a lost control plane: the iterations trained since it was last heard
+            # of, within the lease it takes to notice (a few at most; 16 bounds it)
+            self._recent_losses[iteration] = losses
+            self._recent_losses.pop(iteration - 16, None)
             self.link.send(msg.Losses(iteration, self.rank, gen, tuple(
                 (p, m, v) for (p, m), v in sorted(losses.items()))))
 

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control import protocol as P
+from recycle_planner.executor.control.mail import Mail
 from recycle_planner.executor.control.pool import LocalPool, Proc, WorkerPool, last_line
 from recycle_planner.executor.control.runfolder import RunFolder, claim
 from recycle_planner.executor.faults import Fault
@@ -422,6 +423,7 @@ class Agent:
                                 config.startup_timeout, pool.PORT_OPTION)
         self.port = self.store.port
         self.pool: WorkerPool = pool(self, *pool_args)
+        self.mail: Mail = self.pool.mail(self.store)  # what workers report, what they are told
         self.t0 = time.time()
         self.procs: dict[int, Proc] = {}          # live processes by rank
         self.restarts: dict[int, int] = {}
@@ -465,18 +467,9 @@ class Agent:
         try:
             self._start()
             while self.outcome is None:
-                now = time.time()
-                self._reap()
-                self._heartbeats(now)
-                self._restart_due(now)
-                self._hellos()
-                self._checkpoints()
-                self._save_losses()
-                self._refinements_done(now)
-                self._preemption(now)
+                self._pass(time.time())
                 if self.outcome is not None:
                     break
-                PHASES[self.phase](self, now)
                 select.select([wake_r], [], [], self.config.idle_poll if self.phase is
                               Phase.RUNNING and previous is not None else self.config.poll)
                 try:
@@ -494,6 +487,22 @@ class Agent:
             wake_w.close()
             self._stop_refinements()
             self.pool.close(self.procs, self.outcome)
+
+    def _pass(self, now: float) -> None:
+        """One pass of the loop: take in what the workers reported, act on it, post what
+        the workers are told (`benchmarks/bench_relay.py` times it)."""
+        self.mail.refresh()
+        self._reap()
+        self._heartbeats(now)
+        self._restart_due(now)
+        self._hellos()
+        self._checkpoints()
+        self._save_losses()
+        self._refinements_done(now)
+        self._preemption(now)
+        if self.outcome is None:
+            PHASES[self.phase](self, now)
+        self.mail.flush()
 
     def _on_sigterm(self, signum, frame) -> None:
         if self.preempted is None:
@@ -554,7 +563,7 @@ class Agent:
         for rank, proc in list(self.procs.items()):
             if proc.hello is None or proc.killed:
                 continue
-            beat = msg.get(self.store, msg.Heartbeat, rank=rank, incarnation=proc.incarnation)
+            beat = self.mail.beat(rank, proc.incarnation)
             if beat is not None and beat != proc.beat:
                 proc.beat, proc.last_beat = beat, now
             if now - proc.last_beat > self.config.lease:
@@ -583,7 +592,7 @@ class Agent:
             self.first_death_log = proc.log_path
         info: dict[str, Any] = {"rank": rank, "worker": self._name(rank), "how": how,
                                 "t": time.time() - self.t0, "gen": self.gen}
-        fault = msg.get(self.store, msg.FaultFired, rank=rank, incarnation=proc.incarnation)
+        fault = self.mail.get(msg.FaultFired, rank=rank, incarnation=proc.incarnation)
         if fault is not None:
             info.update(t=fault.t - self.t0, fault=fault.fault)
         self.deaths.append(info)
@@ -611,7 +620,7 @@ class Agent:
     def _hellos(self) -> None:
         for rank, proc in self.procs.items():
             if proc.hello is None:
-                proc.hello = msg.get(self.store, msg.Hello, rank=rank,
+                proc.hello = self.mail.get(msg.Hello, rank=rank,
                                      incarnation=proc.incarnation)
                 if proc.hello is not None:
                     proc.last_beat = time.time()
@@ -643,11 +652,11 @@ class Agent:
 
     def _phase_running(self, now: float) -> None:
         gen = self.gen
-        if msg.count(self.store, msg.CommError, gen=gen) > 0:
+        if self.mail.count(msg.CommError, gen=gen) > 0:
             self._abort("a worker reported a communication error")
             return
         if (self._joiners() or self.plan_switch) and not self.round.join_posted:
-            msg.put(self.store, msg.JoinRequest(gen))
+            self.mail.put(msg.JoinRequest(gen))
             self.round.join_posted = True
             self.phase = Phase.GATHERING
             if self._joiners():
@@ -663,7 +672,7 @@ class Agent:
     def _phase_gathering(self, now: float) -> None:
         gen = self.gen
         if self.round.aborted_at is None:
-            if msg.count(self.store, msg.CommError, gen=gen) > 0:
+            if self.mail.count(msg.CommError, gen=gen) > 0:
                 self._abort("a worker reported a communication error")
                 return
             if self._check_done():
@@ -671,7 +680,7 @@ class Agent:
         members = self._live_members()
         for rank in members:
             if rank not in self.round.ready:
-                ready = msg.get(self.store, msg.Ready, gen=gen, rank=rank)
+                ready = self.mail.get(msg.Ready, gen=gen, rank=rank)
                 if ready is not None:
                     self.round.ready[rank] = ready.steps
                     if ready.pending is not None:
@@ -713,7 +722,7 @@ class Agent:
     def _phase_stopping(self, now: float) -> None:
         members = self._live_members()
         waiting = [r for r in members
-                   if msg.get(self.store, msg.Stopped, gen=self.gen, rank=r) is None]
+                   if self.mail.get(msg.Stopped, gen=self.gen, rank=r) is None]
         if waiting and now - self.exit_started < 60:
             return
         restart = self.decision.restart
@@ -738,7 +747,7 @@ class Agent:
     def _bug(self) -> str | None:
         """The first exception in user code a member reported in this generation, as the
         stop reason (its traceback is shown once, in the launcher's output)."""
-        bug = msg.get(self.store, msg.Bug, gen=self.gen)
+        bug = self.mail.get(msg.Bug, gen=self.gen)
         if bug is None:
             return None
         self.bug = bug
@@ -776,7 +785,7 @@ class Agent:
             decision = P.decide(gen, lib.spec.pipelines, lib.spec.stages, steps, lookup,
                                 initial, bug, incs, pending, known)
             assert decision.action != "plan"
-        self.store.set(P.decision_key(gen), decision.to_json())
+        self.mail.post_decision(decision)
         if self.decision is None:  # this attempt's first iteration
             self.next_loss = decision.restart
         self.gen, self.decision = gen, decision
@@ -786,10 +795,10 @@ class Agent:
         self.round = _Round()
         for rank in steps:
             proc = self.procs.get(rank)
-            if proc is not None and msg.get(self.store, msg.Welcome, rank=rank,
+            if proc is not None and self.mail.get(msg.Welcome, rank=rank,
                                             incarnation=proc.incarnation) is None:
                 welcome = gen if decision.action == "run" or steps[rank] is not None else -1
-                msg.put(self.store, msg.Welcome(rank, proc.incarnation, welcome))
+                self.mail.put(msg.Welcome(rank, proc.incarnation, welcome))
         if decision.action == "stop":
             self._event("stop", f"generation {gen}: {decision.reason.splitlines()[0]}", gen=gen,
                         restart=decision.restart)
@@ -897,7 +906,7 @@ class Agent:
     def _abort(self, reason: str) -> None:
         if self.phase is Phase.GATHERING and self.round.aborted_at is not None:
             return
-        msg.put(self.store, msg.Abort(self.gen, reason))
+        self.mail.put(msg.Abort(self.gen, reason))
         self.round.aborted_at = time.time()
         self.phase = Phase.GATHERING
         self._event("abort", f"generation {self.gen} abandoned: {reason}", gen=self.gen)
@@ -919,13 +928,13 @@ class Agent:
 
     def _check_done(self) -> bool:
         members = self._live_members()  # Store.check is true when every key is there
-        if not members or not msg.present(self.store, msg.Done,
+        if not members or not self.mail.present(msg.Done,
                                           [{"gen": self.gen, "rank": r} for r in members]):
             return False
-        done = msg.get(self.store, msg.Done, gen=self.gen, rank=members[0])
+        done = self.mail.get(msg.Done, gen=self.gen, rank=members[0])
         self.final_iterations = done.steps
         write_manifest(self.run_dir, self.final_iterations, self.stages)
-        msg.put(self.store, msg.Finish(self.gen))
+        self.mail.put(msg.Finish(self.gen))
         self.phase, self.exit_started = Phase.EXITING, time.time()
         self._dismiss_newcomers()
         return True
@@ -945,7 +954,7 @@ class Agent:
         if not every or self.stages == 0:
             return
         k = self.next_checkpoint
-        if msg.present(self.store, msg.CheckpointWritten,
+        if self.mail.present(msg.CheckpointWritten,
                        [{"iteration": k, "stage": s} for s in range(self.stages)]):
             if write_manifest(self.run_dir, k, self.stages) is not None:
                 self._event("checkpoint", f"checkpoint of iteration {k} complete", iteration=k)
@@ -958,6 +967,7 @@ class Agent:
 
     def _result(self) -> LaunchResult:
         status, message = self.outcome
+        self.mail.refresh()  # the reports of the last pass
         n = self.final_iterations
         world = self.config.nproc
         losses: list[float | None] = []
@@ -970,7 +980,7 @@ class Agent:
             end = None
             gen = -1
             for rank in range(world):
-                done = msg.get(self.store, msg.IterationDone, iteration=i, rank=rank)
+                done = self.mail.get(msg.IterationDone, iteration=i, rank=rank)
                 if done is not None:
                     end = max(end or 0.0, done.t - self.t0)
                     gen = max(gen, done.gen)
@@ -992,13 +1002,13 @@ class Agent:
                 recoveries.append(Recovery(death["worker"], death["t"], i, e - death["t"],
                                            formed[0] - death["t"] if formed else None).to_json())
         for fault in self.config.faults:
-            if fault.point != "hold" and msg.get(self.store, msg.FaultFired, rank=fault.rank,
+            if fault.point != "hold" and self.mail.get(msg.FaultFired, rank=fault.rank,
                                                  incarnation=0) is None:
                 self._event("warning", f"fault {fault} never fired (no such point in the "
                                        f"plan, or training ended first)")
         op_times = {}
         for rank in range(world):
-            times = msg.get(self.store, msg.OpTimes, rank=rank)
+            times = self.mail.get(msg.OpTimes, rank=rank)
             if times is not None:
                 op_times[self._name(rank)] = times.times
         self._event("end", message, status=status)
@@ -1052,7 +1062,7 @@ class Agent:
         for rank in ranks:
             if enough is not None and len(values) >= enough:
                 break
-            rec = msg.get(self.store, msg.Losses, iteration=i, rank=rank)
+            rec = self.mail.get(msg.Losses, iteration=i, rank=rank)
             if rec is not None:
                 for p, m, v in rec.losses:
                     if (p, m) not in values or values[(p, m)][0] <= rec.gen:

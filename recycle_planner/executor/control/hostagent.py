@@ -1,5 +1,14 @@
-"""One agent per training host, shaped like torchrun: start this host's workers, report their
-exits to the coordinator, kill the ones it declared dead, restart them if asked.
+"""One agent per training host, shaped like torchrun: start this host's workers, relay their
+control traffic, report their exits to the coordinator, kill the ones it declared dead, restart
+them if asked.
+
+The workers talk to this agent only (`link.HostLink` over the Unix domain socket of its
+`relay.Relay`): the agent holds one lease for the host, batches its workers' reports into one
+per-host record, watches the coordinator's notices once for the host and pushes aborts and
+decisions to its workers. What it watches itself: its workers' processes (it spawns them: an
+exit is known within milliseconds) and their heartbeats over the socket (a worker silent for
+the lease is killed, which makes it dead); the coordinator's notices (none for a lease: the
+coordinator is lost, and its workers stop with a checkpoint).
 
 Placement: host `node_rank` runs global ranks `node_rank * nproc_per_node + local_rank`
 (consecutive ranks per host, as torchrun places them), and rank r plays worker
@@ -10,7 +19,8 @@ physical dead set, whichever host it was.
 
 Workers get torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 GROUP_RANK (the node rank), ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (the
-coordinator's store), TORCHELASTIC_RESTART_COUNT; the settings come from the coordinator.
+coordinator's store, where process groups form), TORCHELASTIC_RESTART_COUNT, and RECYCLE_RELAY
+(the relay's socket); the settings come from the coordinator.
 The agent passes its own environment on, so GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME set for
 the agent reach the workers.
 """
@@ -37,6 +47,7 @@ from recycle_planner.executor.control.pool import exit_how, last_line
 from recycle_planner.executor.config import (CONFIG_ENV, CONFIG_ERROR, CONFIG_KEY,
                                              COORDINATOR_LOST, RDZV_TIMEOUT, WorkerConfig)
 from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.relay import RELAY_ENV, Relay, relay_path
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +108,9 @@ class HostAgent:
         self.workers: dict[int, _Local] = {}
         self.restarts: dict[int, int] = {}
         self.preempted: float | None = None
+        self.relay: Relay | None = None
+        self.why: dict[int, str] = {}          # rank -> why this agent killed it
+        self.kills_seen: dict[tuple[int, int], float] = {}  # kill notices, when first seen
 
     def _connect(self) -> dist.TCPStore:
         """The coordinator's store, waiting for it up to `rdzv_timeout` (a host agent may
@@ -121,9 +135,13 @@ class HostAgent:
                 self.on_event(f"waiting for the coordinator at {c.endpoint} (giving up in "
                               f"{deadline - said:.0f} s)")
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        return self._client(c.startup_timeout)
+
+    def _client(self, timeout: float) -> dist.TCPStore:
+        c = self.config
+        host, port = c.address
         try:
-            return dist.TCPStore(host, port, is_master=False,
-                                 timeout=timedelta(seconds=c.startup_timeout))
+            return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
         except (RuntimeError, dist.DistError) as exc:
             raise RecycleError(f"cannot reach the coordinator at {c.endpoint}: "
                                f"{str(exc).splitlines()[0]}") from None
@@ -131,6 +149,7 @@ class HostAgent:
     def run(self) -> int:
         """Run this host's workers until the job ends; returns the exit status."""
         c = self.config
+        code = 1
         try:
             if self.node_rank is None:
                 self.node_rank = self.store.add(f"rdzv/{c.rdzv_id}/nodes", 1) - 1
@@ -144,20 +163,30 @@ class HostAgent:
             self.grace = worker_config.grace
             self.log_dir = Path(worker_config.log_dir or Path(worker_config.run_dir) / "logs")
             self.log_dir.mkdir(parents=True, exist_ok=True)
+            self.relay = Relay(self.store, self._client(self.lease), self.node_rank,
+                               relay_path(str(self.log_dir), self.node_rank), self.lease,
+                               worker_config.heartbeat)
             ranks = [self.node_rank * c.nproc_per_node + i for i in range(c.nproc_per_node)]
             for i, rank in enumerate(ranks):
                 self._spawn(rank, i, self._next_incarnation(rank))
-            msg.put(self.store, msg.HostUp(self.node_rank, socket.gethostname(), os.getpid(),
-                                           tuple(ranks)))
+            self.relay.report(msg.HostUp(self.node_rank, socket.gethostname(), os.getpid(),
+                                         tuple(ranks)))
             self.on_event(f"host {self.node_rank}: workers {ranks} started (logs in "
                           f"{self.log_dir})")
-            return self._watch()
+            code = self._watch()
         except (RuntimeError, dist.DistError) as exc:
-            return self._coordinator_lost(str(exc).splitlines()[0] if str(exc) else "")
+            code = self._coordinator_lost(str(exc).splitlines()[0] if str(exc) else "")
         finally:
             for w in self.workers.values():
                 if w.popen.poll() is None:
                     os.kill(w.popen.pid, signal.SIGKILL)
+            if self.relay is not None and not self.relay.close():
+                # its notice thread is inside a store call on a cut link: leave without
+                # waiting for it (c10d aborts a process whose thread returns while it exits)
+                self.on_event(f"host {self.node_rank}: leaving (exit status {code})")
+                logging.shutdown()
+                os._exit(code)
+        return code
 
     def _next_incarnation(self, rank: int) -> int:
         """Incarnations count in the coordinator's store, not in this process: an agent
@@ -176,6 +205,7 @@ class HostAgent:
             "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.world), "MASTER_ADDR": host,
             "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(incarnation),
             "TORCHELASTIC_RUN_ID": c.rdzv_id, CONFIG_ENV: self.worker_env,
+            RELAY_ENV: self.relay.path,
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
         })
         path = self.log_dir / f"rank{rank}.{incarnation}.log"
@@ -184,7 +214,7 @@ class HostAgent:
                                      start_new_session=True)
         self.workers[rank] = _Local(rank, local_rank, incarnation, popen, path)
         if incarnation > 0:  # the coordinator learns of it (a restart, or a rebooted host)
-            msg.put(self.store, msg.Spawned(rank, incarnation))
+            self.relay.report(msg.Spawned(rank, incarnation))
 
     def _watch(self) -> int:
         """Poll the store every `poll` seconds; a worker's exit wakes the loop at once (through
@@ -237,6 +267,7 @@ class HostAgent:
 
     def _loop(self, wake) -> int:
         c = self.config
+        relay = self.relay
         pending: dict[int, float] = {}      # rank -> when to restart it
         self.loop_at = time.monotonic()
         threading.Thread(target=self._watch_loop, name="recycle-agent-watch",
@@ -247,25 +278,36 @@ class HostAgent:
                 self.on_event(f"host {self.node_rank}: no stop within the grace period: "
                               f"killing the workers")
                 return 128 + signal.SIGTERM
-            outcome = msg.get(self.store, msg.Outcome)
+            relay.step()
+            if relay.lost is not None:
+                return self._coordinator_lost(relay.lost)
+            outcome = relay.notice(msg.Outcome)
             if outcome is not None:
                 self.loop_at = float("inf")  # the job is over: no more store calls to watch
                 self._wait_for_workers(30.0)
-                msg.put(self.store, msg.Bye(self.node_rank))
+                relay.close()  # its notice thread leaves at the coordinator's next beat
+                relay.report(msg.Bye(self.node_rank))
+                relay.flush()
                 self.on_event(f"host {self.node_rank}: job {outcome.status}")
                 return EXIT_STATUS.get(outcome.status, 1)
             now = time.time()
-            for rank, w in list(self.workers.items()):
-                if w.popen.poll() is None and msg.get(self.store, msg.Kill, rank=rank,
-                                                      incarnation=w.incarnation) is not None:
+            self._kill_declared_dead()
+            for rank, inc, silent in relay.silent():
+                w = self.workers.get(rank)
+                if w is not None and w.incarnation == inc and w.popen.poll() is None:
+                    self.why[rank] = (f"lost its lease: no heartbeat for {silent:.1f} s (stopped, "
+                                      f"or its control thread stalled)")
                     os.kill(w.popen.pid, signal.SIGKILL)
+            for rank, w in list(self.workers.items()):
                 code = w.popen.poll()
                 if code is None:
                     continue
                 del self.workers[rank]
-                how = "left (exit status 0)" if code == 0 else exit_how(code, self.lease)
-                msg.put(self.store, msg.WorkerExit(rank, w.incarnation, code, how,
-                                                   last_line(w.log_path)))
+                why = self.why.pop(rank, None)
+                how = why if why is not None and code == -signal.SIGKILL else (
+                    "left (exit status 0)" if code == 0 else exit_how(code, self.lease))
+                relay.report(msg.WorkerExit(rank, w.incarnation, code, how,
+                                            last_line(w.log_path)))
                 if code != CONFIG_ERROR and self.restarts.get(rank, 0) < c.max_restarts:
                     pending[rank] = now + c.restart_delay
                 self.on_event(f"host {self.node_rank}: worker rank {rank} {how}")
@@ -274,12 +316,28 @@ class HostAgent:
                     del pending[rank]
                     self.restarts[rank] = self.restarts.get(rank, 0) + 1
                     self._spawn(rank, self._local_rank[rank], self._next_incarnation(rank))
-            select.select([wake], [], [], c.poll)
+            relay.step()  # the exits go in this pass's report
+            select.select([wake, *relay.fds()], [], [], min(c.poll, relay.timeout()))
             try:
                 while wake.recv(512):
                     pass
             except BlockingIOError:
                 pass
+
+    def _kill_declared_dead(self) -> None:
+        """Kill the workers the coordinator declared dead (their lease had expired: the host
+        was cut off or stopped) once a lease has passed since this agent read the notice:
+        a worker blocked on its link reads the decision that excludes it first and leaves by
+        itself (fenced); one blocked on a peer is killed."""
+        now = time.monotonic()
+        for rank, w in self.workers.items():
+            if w.popen.poll() is not None or self.relay.notice(
+                    msg.Kill, rank=rank, incarnation=w.incarnation) is None:
+                continue
+            seen = self.kills_seen.setdefault((rank, w.incarnation), now)
+            if now - seen >= self.lease:
+                self.why.setdefault(rank, "killed: the coordinator declared it dead")
+                os.kill(w.popen.pid, signal.SIGKILL)
 
     @property
     def _local_rank(self) -> dict[int, int]:
@@ -299,6 +357,8 @@ class HostAgent:
         self.loop_at = float("inf")  # said once, by whichever thread noticed first
         self.on_event(f"host {self.node_rank}: lost the coordinator ({reason}); waiting for "
                       f"the workers to write their checkpoint")
+        if self.relay is not None:
+            self.relay.lose(reason)
         self._wait_for_workers(120.0)
         codes = {r: w.popen.poll() for r, w in self.workers.items()}
         self.on_event(f"host {self.node_rank}: workers stopped (exit status {codes}); start "

@@ -15,14 +15,24 @@ the control plane cannot be reached within the lease, every call raises `Control
 `on_abort` is called, so that a training thread blocked on a peer is released and the worker
 can stop with a checkpoint.
 
-`StoreLink` is the link over the launcher's c10d `TCPStore` (one machine, or the coordinator's
-store of a cluster job).
+Two implementations:
+
+- `StoreLink`, over the launcher's c10d `TCPStore` (one machine): every worker writes its
+  records under their keys and polls for aborts and decisions;
+- `HostLink`, over a Unix domain socket to the worker's host agent (cluster jobs,
+  `relay.py`): the host agent holds one lease for the whole host, relays the worker's records
+  in per-host batches and pushes aborts and answers to it; the coordinator's store is used
+  only to form each generation's process groups.
+
+`link_from_env` picks the one the worker's environment names.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -184,3 +194,193 @@ class StoreLink:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+class HostLink:
+    """The link to the worker's host agent over the Unix domain socket at `path`
+    (`relay.Relay`): length-prefixed JSON frames of the records. One thread reads the socket
+    (answers to the calls blocked in `wait`/`decision`, aborts pushed by the host agent,
+    and its word that the coordinator is lost); one sends a heartbeat every `heartbeat`
+    seconds, which the host agent judges against the lease. The process groups are formed in
+    the coordinator's store (`group_store`, from torchrun's MASTER_ADDR and MASTER_PORT)."""
+
+    def __init__(self, path: str, rank: int, incarnation: int, master: tuple[str, int],
+                 timeout: float, heartbeat: float):
+        from recycle_planner.executor.control import relay
+
+        self._relay = relay
+        self.where = path
+        self.heartbeat = heartbeat
+        self.timeout = timeout
+        self.master = master
+        self.lost: str | None = None
+        self._closed = False
+        self._ids = itertools.count()
+        self._answers: dict[int, list] = {}      # id -> [event, record JSON]
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._on_abort: Callable[[int, str], None] | None = None
+        self._watched: Callable[[], int] = lambda: -1
+        self._aborts: list[tuple[int, str]] = []  # pushed before `watch` was called
+        self._store = None
+        try:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(path)
+        except OSError as exc:
+            raise ControlLost(f"cannot reach the host agent at {path}: {exc}") from None
+        self._put({"op": "hi", "rank": rank, "incarnation": incarnation})
+        threading.Thread(target=self._read, name="recycle-relay", daemon=True).start()
+
+    @classmethod
+    def from_env(cls, config) -> "HostLink":
+        from recycle_planner.executor.control.relay import RELAY_ENV
+
+        return cls(os.environ[RELAY_ENV], int(os.environ["RANK"]),
+                   int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                   (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
+                   config.pg_timeout, config.heartbeat)
+
+    # the socket
+    def _put(self, frame: dict) -> None:
+        if self.lost is not None:
+            raise ControlLost(self.lost)
+        try:
+            with self._send_lock:
+                self.sock.sendall(self._relay.encode(frame))
+        except OSError as exc:
+            self._lose(f"host agent at {self.where}: {exc}")
+            raise ControlLost(self.lost) from None
+
+    def _read(self) -> None:
+        frames = self._relay.Frames()
+        while not self._closed:
+            try:
+                data = self.sock.recv(1 << 16)
+            except OSError as exc:
+                data, why = b"", str(exc)
+            else:
+                why = "it closed the connection"
+            if not data:
+                return self._lose(f"host agent at {self.where}: {why}")
+            for frame in frames.feed(data):
+                self._dispatch(frame)
+
+    def _dispatch(self, frame: dict) -> None:
+        push = frame.get("push")
+        if push == "abort":
+            with self._lock:
+                on_abort = self._on_abort
+                if on_abort is None:
+                    self._aborts.append((frame["gen"], frame["reason"]))
+            if on_abort is not None:
+                on_abort(frame["gen"], frame["reason"])
+        elif push == "lost":
+            self._lose(frame["reason"])
+        else:
+            with self._lock:
+                slot = self._answers.get(frame["id"])
+            if slot is not None:
+                slot[1] = frame["rec"]
+                slot[0].set()
+
+    def _lose(self, reason: str) -> None:
+        if self._closed or self.lost is not None:
+            return
+        self.lost = reason
+        with self._lock:
+            slots = list(self._answers.values())
+            on_abort = self._on_abort
+        for slot in slots:
+            slot[0].set()
+        if on_abort is not None:
+            on_abort(self._watched(), LOST)
+
+    def _ask(self, frame: dict, abort: threading.Event | None = None) -> Any:
+        """Send a call and block until its answer (None if `abort` is set first)."""
+        n = next(self._ids)
+        slot = [threading.Event(), None]
+        with self._lock:
+            self._answers[n] = slot
+        try:
+            self._put({**frame, "id": n})
+            while not slot[0].wait(0.05 if abort is not None else None):
+                if abort.is_set():
+                    return None
+            if self.lost is not None and slot[1] is None:
+                raise ControlLost(self.lost)
+            return slot[1]
+        finally:
+            with self._lock:
+                self._answers.pop(n, None)
+
+    # the Link
+    def send(self, message: msg.Message) -> Any:
+        frame = self._relay.record_frame(message)
+        if message.RULE == msg.SET and not isinstance(message, self._relay.URGENT):
+            return self._put({"op": "send", **frame})
+        text = self._ask({"op": "send", **frame})
+        if message.RULE == msg.FIRST and text is not None:
+            return type(message).from_json(text)
+        return text
+
+    def wait(self, kind: type[M], abort: threading.Event | None = None, **ids: Any) -> M | None:
+        text = self._ask({"op": "get", "kind": kind.__name__, "ids": ids}, abort)
+        return kind.from_json(text) if text is not None else None
+
+    def peek(self, kind: type[M], **ids: Any) -> M | None:
+        text = self._ask({"op": "get", "kind": kind.__name__, "ids": ids, "block": False})
+        return kind.from_json(text) if text is not None else None
+
+    def decision(self, gen: int) -> Decision:
+        return Decision.from_json(self._ask({"op": "decision", "gen": gen}))
+
+    def group_store(self, decision: Decision) -> Any:
+        """The coordinator's store, where the members form their groups under the
+        generation's prefix (the coordinator deletes an old generation's keys)."""
+        if self._store is None:
+            import torch.distributed as dist
+
+            host, port = self.master
+            try:
+                self._store = dist.TCPStore(host, port, is_master=False,
+                                            timeout=timedelta(seconds=self.timeout))
+            except (dist.DistError, RuntimeError) as exc:
+                raise ControlLost(f"cannot reach the store at {host}:{port}: "
+                                  f"{_first_line(exc)}") from None
+        return self._store
+
+    def watch(self, beat: Callable[[], msg.Heartbeat], watched: Callable[[], int],
+              on_abort: Callable[[int, str], None]) -> None:
+        with self._lock:
+            self._on_abort, self._watched = on_abort, watched
+            early, self._aborts = self._aborts, []
+        for gen, reason in early:
+            on_abort(gen, reason)
+        if self.lost is not None:
+            on_abort(watched(), LOST)
+        threading.Thread(target=self._beats, args=(watched,), name="recycle-heartbeat",
+                         daemon=True).start()
+
+    def _beats(self, watched: Callable[[], int]) -> None:
+        while not self._closed and self.lost is None:
+            watched()  # the worker's control watch: this thread is alive
+            try:
+                self._put({"op": "beat"})
+            except ControlLost:
+                return
+            time.sleep(self.heartbeat)
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def link_from_env(config) -> Link:
+    """The link the worker's environment names: its host agent's relay (cluster jobs), else
+    the launcher's store."""
+    from recycle_planner.executor.control.relay import RELAY_ENV
+
+    return HostLink.from_env(config) if os.environ.get(RELAY_ENV) else StoreLink.from_env(config)

@@ -9,10 +9,12 @@ only how a process is started, seen to exit, killed and told the job is over dif
   exit within milliseconds (it is the parent), kills it with SIGKILL and restarts it after
   `--restart-delay`;
 - `HostPool`: the coordinator of a cluster job starts nothing; each host agent
-  (`hostagent.py`) reports its host, the incarnations it started and every exit in the store;
-  a worker whose lease expired is declared dead at once (its host may be gone) and a kill
-  notice is posted for its host agent, should the host come back; the job's outcome is
-  posted for the agents at the end.
+  (`hostagent.py`) reports its host, the incarnations it started and every exit in its
+  per-host reports (`mail.RelayMail`); a worker whose lease expired (its host's) is declared
+  dead at once (its host may be gone) and a kill notice is posted for its host agent, should
+  the host come back; the job's outcome is posted for the agents at the end.
+
+Each pool names the `mail.Mail` its workers' records travel by (`mail`).
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from recycle_planner.executor.config import CONFIG_ENV, CONFIG_KEY, STALLED
 from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.mail import Mail, RelayMail, StoreMail
 
 if TYPE_CHECKING:
     from recycle_planner.executor.control.agent import Agent
@@ -43,7 +46,7 @@ class Proc:
     started: float
     hello: msg.Hello | None = None
     last_beat: float = 0.0               # when `beat` last changed (this process's clock)
-    beat: msg.Heartbeat | None = None
+    beat: Any = None                     # the lease's latest value (`Mail.beat`)
     killed: bool = False                 # killed for a lost lease, exit not yet reaped
 
 
@@ -60,6 +63,9 @@ class Exit:
 class WorkerPool(Protocol):
     PORT_OPTION: str                     # the CLI option naming the store's port
     restarts: bool                       # whether the launcher restarts dead workers itself
+
+    def mail(self, store: Any) -> Mail:
+        """How the workers' records travel, over the launcher's `store`."""
 
     def start(self) -> list[Proc]:
         """Start (or await) every worker; the processes the launcher knows of now."""
@@ -93,6 +99,9 @@ class LocalPool:
     def __init__(self, agent: "Agent", command: list[str]):
         self.agent = agent
         self.command = command
+
+    def mail(self, store: Any) -> Mail:
+        return StoreMail(store)
 
     def start(self) -> list[Proc]:
         return [self._spawn(rank, 0) for rank in range(self.agent.config.nproc)]
@@ -164,6 +173,10 @@ class HostPool:
         self.hosts: dict[int, msg.HostUp] = {}
         self.incarnation: dict[int, int] = {}
 
+    def mail(self, store: Any) -> Mail:
+        c = self.agent.config
+        return RelayMail(store, self.nnodes, c.nproc // self.nnodes, c.lease / 4)
+
     def start(self) -> list[Proc]:
         a = self.agent
         a.store.set(CONFIG_KEY, a.config.worker_config(a.log_dir).to_json())
@@ -173,7 +186,7 @@ class HostPool:
     def started(self) -> list[Proc]:
         a = self.agent
         for node in range(self.nnodes):
-            host = None if node in self.hosts else msg.get(a.store, msg.HostUp, node=node)
+            host = None if node in self.hosts else a.mail.get(msg.HostUp, node=node)
             if host is not None:
                 self.hosts[node] = host
                 a._event("host", f"host {node} ({host.hostname}) runs ranks "
@@ -181,8 +194,8 @@ class HostPool:
         new = []
         for rank in range(a.config.nproc):
             inc = self.incarnation.get(rank, 0) + 1
-            if rank not in a.procs and msg.get(a.store, msg.Spawned, rank=rank,
-                                               incarnation=inc) is not None:
+            if rank not in a.procs and a.mail.get(msg.Spawned, rank=rank,
+                                                  incarnation=inc) is not None:
                 self.incarnation[rank] = inc
                 new.append(Proc(rank, inc, None, a.log_dir, time.time()))
                 a._event("restart", f"worker {a._name(rank)} started again by its host agent "
@@ -192,8 +205,8 @@ class HostPool:
     def exits(self, procs: dict[int, Proc]) -> list[Exit]:
         ended = []
         for rank, proc in procs.items():
-            report = msg.get(self.agent.store, msg.WorkerExit, rank=rank,
-                             incarnation=proc.incarnation)
+            report = self.agent.mail.get(msg.WorkerExit, rank=rank,
+                                         incarnation=proc.incarnation)
             if report is not None:
                 ended.append(Exit(proc, report.code, report.how, report.last_line))
         return ended
@@ -201,7 +214,7 @@ class HostPool:
     def kill(self, proc: Proc) -> bool:
         """The coordinator cannot wait for a process it does not own: the worker is dead now,
         and its host agent kills it should the host come back."""
-        msg.put(self.agent.store, msg.Kill(proc.rank, proc.incarnation))
+        self.agent.mail.put(msg.Kill(proc.rank, proc.incarnation))
         return True
 
     def restart(self, rank: int, incarnation: int) -> Proc:
@@ -209,17 +222,21 @@ class HostPool:
 
     def close(self, procs: dict[int, Proc], outcome) -> None:
         """Tell the host agents the job is over and give them a moment to read it."""
-        store = self.agent.store
+        mail = self.agent.mail
         status, message = outcome if outcome is not None else ("failed",
                                                                "the coordinator failed")
+        deadline = time.time() + 10
         try:
-            msg.put(store, msg.Outcome(str(status), message))
+            mail.put(msg.Outcome(str(status), message))
+            while True:
+                mail.flush()
+                mail.refresh()
+                if time.time() >= deadline or all(
+                        mail.get(msg.Bye, node=n) is not None for n in self.hosts):
+                    return
+                time.sleep(0.05)
         except (RuntimeError, OSError):
             return
-        deadline = time.time() + 10
-        while time.time() < deadline and not all(
-                msg.get(store, msg.Bye, node=n) is not None for n in self.hosts):
-            time.sleep(0.05)
 
     def describe(self) -> str:
         c = self.agent.config

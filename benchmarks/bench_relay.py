@@ -1,0 +1,251 @@
+"""Control traffic on the coordinator's c10d store in steady state: workers on the store
+(`StoreLink`, every rank polls) against workers behind their host agents' relays (`HostLink`,
+`relay.Relay`: one report per host, notices read once per host).
+
+Everything runs in this process, on loopback: the coordinator's store (a c10d `TCPStore`), the
+real coordinator (`agent.Agent` over `pool.HostPool`: its pass, `Agent._pass`, run at its own
+cadence, the 20 ms idle poll while a generation runs), and stand-in workers that only report:
+real links (`StoreLink` with its heartbeat and abort-watch threads, or `HostLink` with its
+heartbeat and reader threads) whose training is replaced by a driver that, once per
+`--iteration` seconds, makes every rank report its iteration's end (and the last stage its
+losses), as a worker does. In relay mode the stand-in host agents are real `relay.Relay`s, one
+per 8 ranks, stepped every 20 ms (the host agent's poll). The coordinator is in generation 1
+of a fault-free job whose members are every rank (its decision and library stand in: only
+their sizes are read).
+
+Counted: every call on a store client (the workers', the host agents' and the coordinator's),
+by a counting wrapper, over `--seconds` after a warm-up; and the coordinator's pass time.
+
+    python bench_relay.py                          # 1,024 ranks, both modes
+    python bench_relay.py --ranks 256 1024 --mode relay
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import machine  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+
+from recycle_planner.executor.control import messages as msg  # noqa: E402
+from recycle_planner.executor.control.agent import Agent, LaunchConfig, Phase  # noqa: E402
+from recycle_planner.executor.control.link import HostLink, StoreLink  # noqa: E402
+from recycle_planner.executor.control.mail import StoreMail  # noqa: E402
+from recycle_planner.executor.control.pool import HostPool  # noqa: E402
+from recycle_planner.executor.control.protocol import Decision  # noqa: E402
+from recycle_planner.executor.control.relay import Relay  # noqa: E402
+from recycle_planner.executor.control.runfolder import claim  # noqa: E402
+
+PER_HOST = 8
+STAGES = 8
+MICROBATCHES = 16
+RESULTS = Path(__file__).resolve().parent / "results" / "relay.json"
+
+
+class Counting:
+    """A store client that counts its calls (thread-safe: `itertools.count`)."""
+
+    def __init__(self, store, counter):
+        self.store, self.counter = store, counter
+
+    def __getattr__(self, name):
+        attr = getattr(self.store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            next(self.counter)
+            return attr(*args, **kwargs)
+        return call
+
+
+class Counter:
+    """Store calls by side; `read` itself counts one on each (subtracted by the caller)."""
+
+    def __init__(self) -> None:
+        self.counts = {side: itertools.count() for side in ("coordinator", "hosts", "workers")}
+
+    def read(self) -> dict[str, int]:
+        return {side: next(c) for side, c in self.counts.items()}
+
+
+@dataclass
+class _Spec:
+    """The library's size, as the coordinator reads it."""
+
+    pipelines: int
+    stages: int
+    microbatches: int
+
+
+class _Lib:
+    def __init__(self, spec: _Spec):
+        self.spec = spec
+
+
+class _StorePool(HostPool):
+    """Issue 22's coordinator: the same pool, every record read under its own key."""
+
+    def mail(self, store):
+        return StoreMail(store)
+
+
+def _coordinator(ranks: int, mode: str, run_dir: str, counter: Counter) -> Agent:
+    config = LaunchConfig(nproc=ranks, run_dir=run_dir, checkpoint_every=0)
+    folder = claim(run_dir, False, False)
+    pool = _StorePool if mode == "store" else HostPool
+    agent = Agent(config, None, folder, pool, ranks // PER_HOST)
+    agent.store = Counting(agent.store, counter.counts["coordinator"])
+    agent.mail.store = agent.store
+    agent._start()
+    pipelines = ranks // STAGES
+    agent.lib, agent.stages = _Lib(_Spec(pipelines, STAGES, MICROBATCHES)), STAGES
+    agent.gen, agent.phase = 1, Phase.RUNNING
+    agent.decision = Decision(gen=1, action="run", members=tuple(range(ranks)), dead=(),
+                              restart=0, incarnations={r: 0 for r in range(ranks)})
+    return agent
+
+
+def _client(port: int, timeout: float, counter):
+    """A counted client; connecting may take a retry here (about one connection in 30 waited
+    5 s on this machine), so it connects with a long timeout, then uses `timeout`."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    store.set_timeout(timedelta(seconds=timeout))
+    return Counting(store, counter)
+
+
+def _store_links(port: int, ranks: int, counter: Counter) -> list:
+    class CountedStoreLink(StoreLink):
+        def _connect(self, host, p, timeout):
+            return _client(p, timeout, counter.counts["workers"])
+
+    with ThreadPoolExecutor(64) as pool:
+        return list(pool.map(lambda _: CountedStoreLink("127.0.0.1", port, 60.0, 4.0, 0.2,
+                                                        0.002), range(ranks)))
+
+
+def _relays(port: int, ranks: int, counter: Counter, folder: str) -> list[Relay]:
+    def relay(node: int) -> Relay:
+        return Relay(_client(port, 60.0, counter.counts["hosts"]),
+                     _client(port, 4.0, counter.counts["hosts"]), node,
+                     f"{folder}/r{node}.sock", 4.0, 0.2)
+
+    with ThreadPoolExecutor(64) as pool:
+        return list(pool.map(relay, range(ranks // PER_HOST)))
+
+
+def _host_up(relays) -> None:
+    for relay in relays:
+        node = relay.node
+        relay.report(msg.HostUp(node, f"host{node}", 0, tuple(
+            range(node * PER_HOST, (node + 1) * PER_HOST))))
+
+
+def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: float) -> dict:
+    counter = Counter()
+    folder = tempfile.mkdtemp(prefix="bench-relay-")
+    agent = _coordinator(ranks, mode, f"{folder}/run", counter)
+    port = agent.port
+    stop = threading.Event()
+    threads = []
+    relays = []
+    if mode == "store":
+        links = _store_links(port, ranks, counter)
+    else:
+        relays = _relays(port, ranks, counter, folder)
+        _host_up(relays)
+        links = []
+
+        def step_relays():
+            while not stop.is_set():
+                for relay in relays:
+                    relay.step()
+                time.sleep(0.02)
+
+        threads.append(threading.Thread(target=step_relays, daemon=True))
+        threads[-1].start()
+        links = [HostLink(relays[rank // PER_HOST].path, rank, 0, ("127.0.0.1", port), 60.0,
+                          0.2) for rank in range(ranks)]
+    for rank, link in enumerate(links):
+        link.watch(lambda r=rank: msg.Heartbeat(r, 0, time.time()), lambda: 1,
+                   lambda gen, reason: None)
+        link.send(msg.Hello(rank, 0, 0, "stand-in", "lib", 0))
+
+    def train():
+        i = 0
+        while not stop.is_set():
+            for rank, link in enumerate(links):
+                link.send(msg.IterationDone(i, rank, 1, time.time()))
+                if rank % STAGES == STAGES - 1:  # its own pipeline's (a worker sends all D*M)
+                    link.send(msg.Losses(i, rank, 1, tuple(
+                        (rank // STAGES, m, 0.5) for m in range(MICROBATCHES))))
+            i += 1
+            stop.wait(iteration)
+
+    threads.append(threading.Thread(target=train, daemon=True))
+    threads[-1].start()
+    passes: list[float] = []
+    t_end = time.time() + warmup + seconds
+    start = None
+    while time.time() < t_end:
+        now = time.time()
+        if start is None and now >= t_end - seconds:
+            start, counts0, passes = now, counter.read(), []
+        t0 = time.perf_counter()
+        agent._pass(now)
+        passes.append(time.perf_counter() - t0)
+        time.sleep(agent.config.idle_poll)
+    counts1 = counter.read()
+    elapsed = time.time() - start
+    stop.set()
+    hellos = sum(1 for p in agent.procs.values() if p.hello is not None)
+    for link in links:
+        link.close()
+    for relay in relays:
+        relay.close()
+    rates = {side: (counts1[side] - counts0[side] - 1) / elapsed for side in counts1}
+    return {"mode": mode, "ranks": ranks, "hosts": ranks // PER_HOST, "seconds": elapsed,
+            "ops_per_s": rates, "total_ops_per_s": sum(rates.values()),
+            "coordinator_pass_ms": {"median": 1e3 * statistics.median(passes),
+                                    "max": 1e3 * max(passes)},
+            "passes_per_s": len(passes) / elapsed, "hellos_seen": hellos,
+            "deaths": len(agent.deaths)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1024])
+    parser.add_argument("--mode", choices=["store", "relay", "both"], default="both")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured window")
+    parser.add_argument("--warmup", type=float, default=5.0)
+    parser.add_argument("--iteration", type=float, default=1.0,
+                        help="seconds between two iterations of the stand-ins")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    rows = []
+    for ranks in args.ranks:
+        for mode in (["store", "relay"] if args.mode == "both" else [args.mode]):
+            row = measure(ranks, mode, args.seconds, args.iteration, args.warmup)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""How the launcher (or coordinator) reads what workers report and posts what it tells them:
+one interface, two implementations.
+
+- `StoreMail` (the single-machine launcher, its workers on `link.StoreLink`): every record
+  under its own key in the launcher's c10d store, read key by key (its workers are its own
+  children on the same machine; see docs/runtime-engines.md for why it keeps that);
+- `RelayMail` (the coordinator of a cluster job, its workers on `link.HostLink` through their
+  host agents, `relay.py`): once per pass it drains the queue of per-host reports into memory,
+  and every read is then a dictionary lookup; what it tells workers goes into the bulletins
+  (one for every host, one per host), published once per pass with a new notice key that
+  wakes every host. A worker's lease is its host's: the host agent judges its own workers.
+  The store keeps only the decisions and what the members form their process groups with,
+  and a generation's keys are deleted once two newer generations were decided.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Protocol, TypeVar
+
+from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.protocol import Decision, decision_key
+from recycle_planner.executor.control.relay import (DOWN, GLOBAL_BULLETIN, PER_HOST, UP_QUEUE,
+                                                    Bulletin, HostReport, host_bulletin,
+                                                    notice_key)
+
+M = TypeVar("M", bound=msg.Message)
+
+
+class Mail(Protocol):
+    def refresh(self) -> None:
+        """Take in what arrived (once per pass of the agent's loop)."""
+
+    def get(self, kind: type[M], **ids: Any) -> M | None:
+        """The record of `kind` named by `ids`, or None."""
+
+    def present(self, kind: type[msg.Message], ids: list[Mapping[str, Any]]) -> bool:
+        """Whether a record of `kind` is there for every set of `ids`."""
+
+    def count(self, kind: type[msg.Message], **ids: Any) -> int:
+        """How many `count` records of `kind` arrived under `ids`."""
+
+    def beat(self, rank: int, incarnation: int) -> Any:
+        """A value that changes while the worker's lease is renewed (None: none yet)."""
+
+    def put(self, message: msg.Message) -> None:
+        """Tell workers (or host agents) `message`."""
+
+    def post_decision(self, decision: Decision) -> None:
+        """Post generation `decision.gen`'s decision."""
+
+    def flush(self) -> None:
+        """Publish what was put in this pass."""
+
+
+class StoreMail:
+    """Every record under its key in the launcher's store."""
+
+    def __init__(self, store: Any):
+        self.store = store
+
+    def refresh(self) -> None:
+        pass
+
+    def get(self, kind: type[M], **ids: Any) -> M | None:
+        return msg.get(self.store, kind, **ids)
+
+    def present(self, kind: type[msg.Message], ids: list[Mapping[str, Any]]) -> bool:
+        return msg.present(self.store, kind, ids)
+
+    def count(self, kind: type[msg.Message], **ids: Any) -> int:
+        return msg.count(self.store, kind, **ids)
+
+    def beat(self, rank: int, incarnation: int) -> Any:
+        return msg.get(self.store, msg.Heartbeat, rank=rank, incarnation=incarnation)
+
+    def put(self, message: msg.Message) -> None:
+        msg.put(self.store, message)
+
+    def post_decision(self, decision: Decision) -> None:
+        self.store.set(decision_key(decision.gen), decision.to_json())
+
+    def flush(self) -> None:
+        pass
+
+
+class RelayMail:
+    """The coordinator's side of the host agents' relays (see the module). `nnodes` hosts of
+    `per_host` consecutive ranks; `beat_every`: the longest time between two notice keys
+    (the coordinator's own beat, by which hosts know it is alive: a quarter of the lease)."""
+
+    def __init__(self, store: Any, nnodes: int, per_host: int, beat_every: float):
+        self.store = store
+        self.nnodes, self.per_host = nnodes, per_host
+        self.beat_every = beat_every
+        self.records: dict[str, str] = {}        # key -> JSON, reported and posted
+        self.counts: dict[str, int] = {}
+        self.host_seq: dict[int, int] = {}       # node -> its latest report's number
+        self.version = 0
+        self.published_at = 0.0
+        self.everyone: dict[str, tuple[int, str]] = {}   # key -> (gen, JSON)
+        self.by_host: dict[int, dict[str, str]] = {n: {} for n in range(nnodes)}
+        self.dirty: set[int | None] = set()               # None: the global bulletin
+        self.decided: list[int] = []
+        store.multi_set([GLOBAL_BULLETIN, *(host_bulletin(n) for n in range(nnodes))],
+                        [Bulletin().to_json()] * (nnodes + 1))
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.per_host
+
+    # reading
+    def refresh(self) -> None:
+        for _ in range(self.store.queue_len(UP_QUEUE)):
+            report = HostReport.from_json(self.store.queue_pop(UP_QUEUE, False))
+            self.host_seq[report.node] = report.seq
+            for message in report.messages():
+                self._take(message)
+
+    def _take(self, message: msg.Message) -> None:
+        key = message.key()
+        if message.RULE == msg.COUNT:
+            self.counts[key] = self.counts.get(key, 0) + 1
+        elif message.RULE != msg.FIRST or key not in self.records:
+            self.records[key] = message.to_json()
+
+    def get(self, kind: type[M], **ids: Any) -> M | None:
+        text = self.records.get(kind.key_for(**ids))
+        return kind.from_json(text) if text is not None else None
+
+    def present(self, kind: type[msg.Message], ids: list[Mapping[str, Any]]) -> bool:
+        return all(kind.key_for(**i) in self.records for i in ids)
+
+    def count(self, kind: type[msg.Message], **ids: Any) -> int:
+        return self.counts.get(kind.key_for(**ids), 0)
+
+    def beat(self, rank: int, incarnation: int) -> Any:
+        return self.host_seq.get(self.node_of(rank))
+
+    # posting
+    def put(self, message: msg.Message) -> None:
+        assert isinstance(message, DOWN), f"{type(message).__name__} is not for the hosts"
+        key, text = message.key(), message.to_json()
+        self.records[key] = text
+        if isinstance(message, PER_HOST):
+            node = self.node_of(message.rank)
+            if isinstance(message, msg.Welcome):  # one welcome per rank: its latest process
+                prefix = msg.Welcome.key_for(rank=message.rank, incarnation="")
+                self.by_host[node] = {k: v for k, v in self.by_host[node].items()
+                                      if not k.startswith(prefix)}
+            self.by_host[node][key] = text
+            self.dirty.add(node)
+        else:
+            self.everyone[key] = (getattr(message, "gen", -1), text)
+            self.dirty.add(None)
+
+    def post_decision(self, decision: Decision) -> None:
+        """The decision under its key, its mark in the global bulletin; the records of
+        generations older than the one before it leave the bulletin, and their keys (the
+        decisions, the process groups' rendezvous) the store."""
+        gen = decision.gen
+        self.store.set(decision_key(gen), decision.to_json())
+        self.everyone[decision_key(gen)] = (gen, "")
+        self.everyone = {k: (g, v) for k, (g, v) in self.everyone.items()
+                         if g < 0 or g >= gen - 1}
+        self.dirty.add(None)
+        self.decided.append(gen)
+        old = [g for g in self.decided if g < gen - 1]
+        if old:
+            prefixes = tuple(f"gen{g}/" for g in old)
+            for key in self.store.list_keys():
+                if key.startswith(prefixes):
+                    self.store.delete_key(key)
+            self.decided = [g for g in self.decided if g >= gen - 1]
+
+    def flush(self) -> None:
+        """Publish the bulletins that changed, then the next notice key (also every
+        `beat_every` seconds when nothing changed: the coordinator's beat)."""
+        now = time.monotonic()
+        if not self.dirty and now - self.published_at < self.beat_every:
+            return
+        self.version += 1
+        keys, values = [], []
+        for node in sorted(self.dirty, key=lambda n: -1 if n is None else n):
+            if node is not None:
+                keys.append(host_bulletin(node))
+                values.append(Bulletin(self.version, self.by_host[node]).to_json())
+        keys.append(GLOBAL_BULLETIN)
+        values.append(Bulletin(self.version, {k: v for k, (_, v) in self.everyone.items()})
+                      .to_json())
+        self.store.multi_set(keys, values)
+        self.store.set(notice_key(self.version), "")
+        if self.version > 2:
+            self.store.delete_key(notice_key(self.version - 2))
+        self.dirty.clear()
+        self.published_at = now

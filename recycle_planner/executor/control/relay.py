@@ -1,0 +1,467 @@
+"""A host's relay: its workers talk to their host agent, the host agent to the coordinator.
+
+Control traffic then grows with hosts, not ranks. A worker's `link.HostLink` speaks over a Unix
+domain socket in the run folder (`RELAY_ENV` names it) with length-prefixed JSON frames that
+carry the typed records of `messages.py`. The host agent's `Relay`:
+
+- holds one lease for the whole host: it pushes a `HostReport` into the coordinator's queue
+  (`UP_QUEUE`) at least every heartbeat, and batches into it whatever its workers reported
+  since the last one (hello, ready, done, iteration ends, losses, checkpoints, exits): one
+  record per host, however many workers it runs;
+- watches the coordinator's notices once per host, not once per rank: the coordinator writes
+  what it tells workers and host agents (aborts, decisions, join requests, welcomes, kills, the
+  outcome) into a bulletin (`Bulletin`: one for everyone, one per host), then creates the
+  notice key of the bulletin's next version, which wakes every host blocked in the store's
+  `wait` on it; the relay reads its two bulletins in one round trip and pushes aborts to its
+  workers and answers the calls they are blocked in (nothing is polled);
+- notices a local worker's silence: no heartbeat over the socket for a lease (the host agent
+  kills it; its exit is reported like any other, its death by process exit is the host
+  agent's own, since it spawns the workers).
+
+The coordinator's side is `mail.RelayMail`. Records between workers of different hosts (a
+stage's output shape, the agreed switch iteration, the step reports an injected fault waits
+for) and the process groups stay on the coordinator's c10d store (`DIRECT`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any, Mapping
+
+from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.protocol import decision_key
+
+log = logging.getLogger(__name__)
+
+RELAY_ENV = "RECYCLE_RELAY"
+"""The environment variable that names a worker's relay socket (a path): set, the worker talks
+to its host agent (`HostLink`); unset, to the launcher's store (`StoreLink`)."""
+
+UP_QUEUE = "relay/up"
+"""The coordinator's queue of `HostReport`s."""
+GLOBAL_BULLETIN = "relay/all"
+"""The bulletin for every host: aborts, decisions, join requests, finish, the outcome."""
+
+
+def host_bulletin(node: int) -> str:
+    """The bulletin for host `node` only: its workers' welcomes and kill notices."""
+    return f"relay/host/{node}"
+
+
+def notice_key(version: int) -> str:
+    """Created when the bulletins reach `version`: the key every host waits on."""
+    return f"relay/v/{version}"
+
+
+KINDS: dict[str, type[msg.Message]] = {
+    cls.__name__: cls for cls in msg.Message.__subclasses__()}
+"""Every record type by name, as frames carry them."""
+
+DIRECT = (msg.Shape, msg.SwitchAt, msg.Stepped)
+"""Records between workers, on the coordinator's store, not relayed through the bulletins."""
+DOWN = (msg.Welcome, msg.Abort, msg.JoinRequest, msg.Finish, msg.Kill, msg.Outcome)
+"""Records the coordinator posts for workers and host agents: in the bulletins."""
+PER_HOST = (msg.Welcome, msg.Kill)
+"""Down records addressed to one rank: in its host's bulletin."""
+URGENT = (msg.FaultFired,)
+"""Records the sender waits to see on their way (an injected fault acts right after it, and
+may stop this host agent): reported at once, then acknowledged."""
+
+
+# -- frames --------------------------------------------------------------------------------------
+
+HEADER = struct.Struct(">I")
+
+
+def encode(frame: Mapping[str, Any]) -> bytes:
+    data = json.dumps(frame, separators=(",", ":")).encode()
+    return HEADER.pack(len(data)) + data
+
+
+class Frames:
+    """Bytes from a stream in, whole frames out."""
+
+    def __init__(self) -> None:
+        self.buffer = b""
+
+    def feed(self, data: bytes) -> list[dict]:
+        self.buffer += data
+        out = []
+        while len(self.buffer) >= HEADER.size:
+            (n,) = HEADER.unpack_from(self.buffer)
+            if len(self.buffer) < HEADER.size + n:
+                break
+            out.append(json.loads(self.buffer[HEADER.size:HEADER.size + n]))
+            self.buffer = self.buffer[HEADER.size + n:]
+        return out
+
+
+def record_frame(message: msg.Message) -> dict:
+    return {"kind": type(message).__name__, "rec": message.to_json()}
+
+
+def frame_record(frame: Mapping[str, Any]) -> msg.Message:
+    return KINDS[frame["kind"]].from_json(frame["rec"])
+
+
+# -- what crosses the coordinator's store --------------------------------------------------------
+
+@dataclass(frozen=True)
+class HostReport:
+    """Host `node`'s batch `seq` (0, 1, ...): its lease renewal, and the records its workers
+    and its agent sent since the previous one, as (kind, JSON) pairs."""
+
+    node: int
+    seq: int
+    records: tuple[tuple[str, str], ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "HostReport":
+        d = json.loads(text)
+        return cls(int(d["node"]), int(d["seq"]), tuple(tuple(r) for r in d["records"]))
+
+    def messages(self) -> list[msg.Message]:
+        return [KINDS[kind].from_json(text) for kind, text in self.records]
+
+
+@dataclass(frozen=True)
+class Bulletin:
+    """What the coordinator currently tells hosts: record key -> record JSON (a decision's
+    key maps to "": the decision itself is read from its own key, once per host). `version`
+    counts the global bulletin's changes (and the coordinator's beats)."""
+
+    version: int = 0
+    records: Mapping[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"version": self.version, "records": dict(self.records)},
+                          separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Bulletin":
+        d = json.loads(text)
+        return cls(int(d["version"]), d["records"])
+
+
+# -- the host agent's side ------------------------------------------------------------------------
+
+@dataclass
+class _Conn:
+    """One local worker's connection."""
+
+    sock: socket.socket
+    frames: Frames = field(default_factory=Frames)
+    rank: int | None = None
+    incarnation: int | None = None
+    beat: float | None = None            # when its last heartbeat came (monotonic)
+    aborted: set[int] = field(default_factory=set)   # generations whose abort it was told
+    waits: list[dict] = field(default_factory=list)  # calls it is blocked in
+
+
+class Relay:
+    """The host agent's relay (see the module). The host agent calls `step` on every pass of
+    its loop (and whenever one of `fds()` is readable); `report` batches its own records;
+    `notice(kind, **ids)` reads a down record for the agent itself (kills, the outcome);
+    `silent()` names the local workers whose lease ran out; `lose(reason)` tells every
+    worker the coordinator is gone."""
+
+    def __init__(self, store: Any, notices: Any, node: int, path: str, lease: float,
+                 heartbeat: float, flush: float = 0.005):
+        self.store = store              # the agent's connection to the coordinator's store
+        self.notices = notices          # a second one, for the blocking waits
+        self.node, self.path = node, path
+        self.lease, self.heartbeat, self.flush_after = lease, heartbeat, flush
+        if os.path.exists(path):
+            os.unlink(path)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(256)
+        self.listener.setblocking(False)
+        self.conns: dict[int, _Conn] = {}          # by file descriptor
+        self.pending: list[tuple[str, str]] = []   # records of the next report
+        self.pending_since: float | None = None
+        self.seq = 0
+        self.sent_at = 0.0                         # when the last report went (monotonic)
+        self.bulletin = Bulletin()
+        self.mine = Bulletin()
+        self.decisions: dict[int, str] = {}        # gen -> decision JSON, fetched once
+        self.lost: str | None = None
+        self.noticed_at = time.monotonic()         # the notice thread's last answer
+        self._fresh: tuple[Bulletin, Bulletin] | None = None
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._closed = False
+        self._stepped_at = time.monotonic()
+        self._thread = threading.Thread(target=self._watch_notices, name="relay-notices",
+                                        daemon=True)
+        self._thread.start()
+
+    # the notice thread: the only place that blocks on the coordinator
+    def _watch_notices(self) -> None:
+        """Read the bulletins, then block until the coordinator creates the next notice key;
+        it does at least every lease / 4 (its beat), so bulletins whose version did not move
+        for a lease mean the coordinator is gone (or this host is cut off from it). A cut
+        link makes the read itself fail after the lease (the store client's timeout)."""
+        import torch.distributed as dist
+
+        keys = [GLOBAL_BULLETIN, host_bulletin(self.node)]
+        version, moved = -1, time.monotonic()
+        while not self._closed:
+            try:
+                everyone, mine = (Bulletin.from_json(v) for v in self.notices.multi_get(keys))
+                now = self.noticed_at = time.monotonic()
+                if everyone.version != version:
+                    version, moved = everyone.version, now
+                elif now - moved > self.lease:
+                    raise TimeoutError(f"the bulletins stayed at version {version} for "
+                                       f"{now - moved:.1f} s")
+                with self._lock:
+                    self._fresh = (everyone, mine)
+                self._wake()
+                try:
+                    self.notices.wait([notice_key(version + 1)], timedelta(seconds=self.lease))
+                except dist.DistStoreError as exc:
+                    if "timeout" not in str(exc).lower():
+                        raise
+            except (RuntimeError, OSError) as exc:  # DistError is a RuntimeError
+                if not self._closed:
+                    text = str(exc).strip().splitlines()
+                    self.lost = f"no notice from the coordinator: {text[0] if text else exc}"
+                    self._wake()
+                return
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def fds(self) -> list:
+        return [self.listener, self._wake_r, *(c.sock for c in self.conns.values())]
+
+    # one pass
+    def step(self) -> None:
+        now = time.monotonic()
+        if now - self._stepped_at > 1.0:  # this process was stopped: its workers were not
+            for c in self.conns.values():  # silent, it could not hear them
+                if c.beat is not None:
+                    c.beat = now
+            self.noticed_at = max(self.noticed_at, now)
+        self._stepped_at = now
+        if self.lost is None and now - self.noticed_at > self.lease:
+            # a store call on a cut link can outlast its own timeout: judge by the clock
+            self.lost = f"no notice from the coordinator for {now - self.noticed_at:.1f} s"
+        self._drain_wake()
+        self._accept()
+        readable = select.select([c.sock for c in self.conns.values()], [], [], 0)[0]
+        for sock in readable:
+            conn = self.conns.get(sock.fileno())
+            if conn is not None:
+                self._read(conn)
+        with self._lock:
+            fresh, self._fresh = self._fresh, None
+        if fresh is not None:
+            self.bulletin, self.mine = fresh
+            for conn in list(self.conns.values()):
+                self._push_aborts(conn)
+        for conn in list(self.conns.values()):
+            self._answer(conn)
+        self._flush(now)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            sock.setblocking(True)
+            sock.settimeout(1.0)
+            self.conns[sock.fileno()] = _Conn(sock)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            return self._drop(conn)
+        for frame in conn.frames.feed(data):
+            self._handle(conn, frame)
+
+    def _drop(self, conn: _Conn) -> None:
+        self.conns.pop(conn.sock.fileno(), None)
+        conn.sock.close()
+
+    def _handle(self, conn: _Conn, frame: dict) -> None:
+        op = frame["op"]
+        if op == "hi":
+            conn.rank, conn.incarnation = frame["rank"], frame["incarnation"]
+            if self.lost is not None:
+                self._send(conn, {"push": "lost", "reason": self.lost})
+            self._push_aborts(conn)
+        elif op == "beat":
+            conn.beat = time.monotonic()
+        elif op == "send":
+            message = frame_record(frame)
+            result = None
+            if isinstance(message, DIRECT):
+                result = msg.put(self.store, message)
+                result = result.to_json() if isinstance(result, msg.Message) else result
+            else:
+                self.report(message)
+                if isinstance(message, URGENT):
+                    self.flush()
+            if "id" in frame:
+                self._send(conn, {"id": frame["id"], "rec": result})
+        elif op in ("get", "decision"):
+            conn.waits.append(frame)
+
+    def _answer(self, conn: _Conn) -> None:
+        """Answer the calls `conn` is blocked in whose record is there now; a peek is answered
+        at once, with None if absent."""
+        left = []
+        for frame in conn.waits:
+            if frame["op"] == "decision":
+                text = self._decision(frame["gen"])
+            else:
+                text = self._record(KINDS[frame["kind"]], frame["ids"])
+            if text is None and frame.get("block", True):
+                left.append(frame)
+            else:
+                self._send(conn, {"id": frame["id"], "rec": text})
+        conn.waits = left
+
+    def _record(self, kind: type[msg.Message], ids: Mapping[str, Any]) -> str | None:
+        key = kind.key_for(**ids)
+        if issubclass(kind, DOWN):
+            return (self.mine if issubclass(kind, PER_HOST) else self.bulletin).records.get(key)
+        if self.store.check([key]):
+            return self.store.get(key).decode()
+        return None
+
+    def _decision(self, gen: int) -> str | None:
+        if gen not in self.decisions:
+            if decision_key(gen) not in self.bulletin.records:
+                return None
+            self.decisions[gen] = self.store.get(decision_key(gen)).decode()
+            for old in [g for g in self.decisions if g < gen - 1]:
+                del self.decisions[old]
+        return self.decisions[gen]
+
+    def _push_aborts(self, conn: _Conn) -> None:
+        """Tell the worker of every abandoned generation it was not told of (a worker not yet
+        in that generation keeps it: it is abandoned before it forms)."""
+        if conn.rank is None:
+            return
+        for key, text in self.bulletin.records.items():
+            if key.endswith("/abort"):
+                notice = msg.Abort.from_json(text)
+                if notice.gen not in conn.aborted:
+                    conn.aborted.add(notice.gen)
+                    self._send(conn, {"push": "abort", "gen": notice.gen,
+                                      "reason": notice.reason})
+
+    def _send(self, conn: _Conn, frame: dict) -> None:
+        try:
+            with self._send_lock:
+                conn.sock.sendall(encode(frame))
+        except OSError:  # the worker is gone (or stopped with a full buffer): its exit tells
+            self._drop(conn)
+
+    # the report
+    def report(self, message: msg.Message) -> None:
+        """Batch `message` into the host's next report."""
+        if self.pending_since is None:
+            self.pending_since = time.monotonic()
+        self.pending.append((type(message).__name__, message.to_json()))
+
+    def _flush(self, now: float, force: bool = False) -> None:
+        due = self.pending_since is not None and now - self.pending_since >= self.flush_after
+        if not (force or due or now - self.sent_at >= self.heartbeat):
+            return
+        report = HostReport(self.node, self.seq, tuple(self.pending))
+        self.store.queue_push(UP_QUEUE, report.to_json())
+        self.seq += 1
+        self.sent_at = now
+        self.pending, self.pending_since = [], None
+
+    def flush(self) -> None:
+        """Send what is batched now (the host agent's goodbye)."""
+        self._flush(time.monotonic(), force=True)
+
+    def timeout(self) -> float:
+        """How long the host agent's loop may sleep before the next `step` is due."""
+        now = time.monotonic()
+        due = self.sent_at + self.heartbeat
+        if self.pending_since is not None:
+            due = min(due, self.pending_since + self.flush_after)
+        return max(0.0, due - now)
+
+    # what the host agent asks
+    def notice(self, kind: type[msg.Message], **ids: Any) -> msg.Message | None:
+        text = self._record(kind, ids)
+        return kind.from_json(text) if text is not None else None
+
+    def silent(self) -> list[tuple[int, int, float]]:
+        """(rank, incarnation, seconds) of the local workers that sent no heartbeat for longer
+        than the lease (counted from their first one)."""
+        now = time.monotonic()
+        return [(c.rank, c.incarnation, now - c.beat) for c in self.conns.values()
+                if c.beat is not None and now - c.beat > self.lease]
+
+    def lose(self, reason: str) -> None:
+        """The coordinator is gone: every worker stops with a checkpoint."""
+        self.lost = self.lost or reason
+        for conn in list(self.conns.values()):
+            self._send(conn, {"push": "lost", "reason": self.lost})
+
+    def close(self) -> bool:
+        """Stop; waits for the notice thread to leave its store call (the coordinator's next
+        beat, or its store's end: at most the lease), since a process that exits while a
+        thread returns from c10d is aborted. False if it is still inside one (a cut link):
+        the process must then leave with `os._exit`."""
+        self._closed = True
+        if self._thread is not threading.current_thread():
+            self._thread.join(self.lease + 1.0)
+        for conn in list(self.conns.values()):
+            self._drop(conn)
+        for sock in (self.listener, self._wake_r, self._wake_w):
+            sock.close()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        return not self._thread.is_alive()
+
+
+def relay_path(folder: str, node: int, pid: int | None = None) -> str:
+    """Where host `node`'s relay listens: a short path (Unix socket paths hold 107 bytes), in
+    the run's log folder when that is short enough, else in the temporary folder."""
+    name = f"relay-{node}-{pid or os.getpid()}.sock"
+    path = os.path.join(folder, name)
+    if len(path.encode()) < 100:
+        return path
+    return os.path.join(os.environ.get("TMPDIR", "/tmp"), name)
+

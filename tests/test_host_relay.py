@@ -1,0 +1,239 @@
+"""The host relay of a cluster job (`relay.py`, `link.HostLink`, `mail.RelayMail`): workers talk
+to their host agent over a Unix socket; the host agent batches their reports into one record
+per host on the coordinator's queue, reads the coordinator's notices once for the host and
+pushes them to its workers, and notices a local worker's death or silence.
+
+On loopback, against a real c10d TCPStore; the host agent's test runs the real `recycle-planner
+launch --nnodes` with stand-in workers that only report. (The drills of tests/test_cluster.py
+run real training through the same relay and compare parameters and losses with the
+fault-free run.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.torch
+dist = pytest.importorskip("torch.distributed")
+
+from recycle_planner.executor.config import CONFIG_KEY, WorkerConfig  # noqa: E402
+from recycle_planner.executor.control import messages as msg  # noqa: E402
+from recycle_planner.executor.control.link import HostLink  # noqa: E402
+from recycle_planner.executor.control.mail import RelayMail  # noqa: E402
+from recycle_planner.executor.control.protocol import Decision, decision_key  # noqa: E402
+from recycle_planner.executor.control.relay import (UP_QUEUE, HostReport,  # noqa: E402
+                                                    Relay)
+
+
+def _client(port: int, timeout: float = 10.0):
+    return dist.TCPStore("127.0.0.1", port, is_master=False,
+                         timeout=timedelta(seconds=timeout))
+
+
+class _Counting:
+    """A store client that counts its calls by (method, first key)."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, Counter()
+
+    def __getattr__(self, name):
+        attr = getattr(self.store, name)
+
+        def call(*args, **kwargs):
+            key = args[0] if args and isinstance(args[0], str) else None
+            self.calls[(name, key)] += 1
+            return attr(*args, **kwargs)
+        return call
+
+
+@pytest.fixture
+def coordinator():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    yield store, RelayMail(store, nnodes=1, per_host=2, beat_every=0.25)
+
+
+def _until(what, seconds: float = 10.0, every: float = 0.01, then=lambda: None):
+    deadline = time.time() + seconds
+    while not what():
+        assert time.time() < deadline, "timed out"
+        then()
+        time.sleep(every)
+
+
+@pytest.fixture
+def relay(coordinator, tmp_path):
+    store, _ = coordinator
+    up = _Counting(_client(store.port))
+    relay = Relay(up, _client(store.port, 2.0), 0, str(tmp_path / "relay.sock"), lease=0.6,
+                  heartbeat=0.2, flush=0.05)
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            relay.step()
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    yield relay, up
+    stop.set()
+    thread.join()
+    relay.close()
+
+
+def _link(relay, rank: int, port: int, heartbeat: float = 0.05):
+    aborts = []
+    link = HostLink(relay.path, rank, 0, ("127.0.0.1", port), 10.0, heartbeat)
+    link.watch(lambda: msg.Heartbeat(rank, 0, time.time()), lambda: 1,
+               lambda gen, reason: aborts.append((gen, reason)))
+    return link, aborts
+
+
+def test_workers_reports_reach_the_coordinator_in_one_record_per_host(coordinator, relay):
+    """Two workers' iteration ends and losses, sent together, arrive in one host report; the
+    coordinator reads them from memory (no key per rank on its store); the host's lease is its
+    report number, which moves with every report (at least every heartbeat)."""
+    store, mail = coordinator
+    relay, up = relay
+    links = [_link(relay, r, store.port)[0] for r in (0, 1)]
+    for rank, link in enumerate(links):
+        link.send(msg.IterationDone(0, rank, 1, 1.0))
+        link.send(msg.Losses(0, rank, 1, ((rank, 0, 0.5),)))
+    reports = []
+
+    def drain():
+        for _ in range(store.queue_len(UP_QUEUE)):
+            report = HostReport.from_json(store.queue_pop(UP_QUEUE, False))
+            reports.append(report)
+            for message in report.messages():
+                mail._take(message)
+            mail.host_seq[report.node] = report.seq
+
+    _until(lambda: mail.present(msg.Losses, [{"iteration": 0, "rank": r} for r in (0, 1)]),
+           then=drain)
+    full = [r for r in reports if r.records]
+    assert len(full) == 1 and len(full[0].records) == 4
+    assert mail.get(msg.IterationDone, iteration=0, rank=1).gen == 1
+    assert not [k for k in store.list_keys() if k.startswith(("it/", "loss/", "hb/"))]
+    beat = mail.beat(1, 0)
+    _until(lambda: mail.beat(1, 0) != beat, then=drain)
+    assert {name for name, _ in up.calls} == {"queue_push"}  # no per-rank key
+    for link in links:
+        link.close()
+
+
+def test_an_abort_and_a_decision_are_read_once_per_host_and_pushed_to_every_worker(
+        coordinator, relay):
+    """The coordinator posts an abort and the next decision once; the host's relay is woken
+    by the notice key, reads its bulletins in one round trip, pushes the abort to both workers
+    (each hears it once) and answers both workers' wait for the decision with one read of the
+    decision's key."""
+    store, mail = coordinator
+    relay, up = relay
+    (a, aborts_a), (b, aborts_b) = (_link(relay, r, store.port) for r in (0, 1))
+    got = {}
+    waiters = [threading.Thread(target=lambda r=r, link=link: got.__setitem__(
+        r, link.decision(2))) for r, link in ((0, a), (1, b))]
+    for w in waiters:
+        w.start()
+    decision = Decision(gen=2, action="run", members=(0, 1), dead=(), restart=3)
+    mail.put(msg.Abort(1, "worker 1:0 died"))
+    mail.post_decision(decision)
+    mail.flush()
+    for w in waiters:
+        w.join(10)
+    assert got == {0: decision, 1: decision}
+    _until(lambda: aborts_a and aborts_b)
+    mail.flush()  # nothing new: no second push
+    time.sleep(0.1)
+    assert aborts_a == aborts_b == [(1, "worker 1:0 died")]
+    assert up.calls[("get", decision_key(2))] == 1
+    a.close()
+    b.close()
+
+
+def test_a_silent_worker_is_noticed_within_the_lease(coordinator, relay):
+    """A worker whose heartbeats stop (its process stopped, or its link's thread stuck) is
+    named by the relay once the lease (0.6 s) has passed since its last one; one that beats
+    is not."""
+    store, _ = coordinator
+    relay, _ = relay
+    quiet, _ = _link(relay, 0, store.port, heartbeat=30.0)   # one beat, then none
+    loud, _ = _link(relay, 1, store.port)
+    _until(lambda: relay.silent(), seconds=5)
+    t = time.time()
+    (rank, incarnation, silent), = relay.silent()
+    assert (rank, incarnation) == (0, 0) and 0.6 < silent < 2.0
+    assert time.time() - t < 1
+    quiet.close()
+    loud.close()
+
+
+STAND_IN = """
+import os, signal, sys, time
+from recycle_planner.executor.config import WorkerConfig
+from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.link import link_from_env
+rank = int(os.environ["RANK"])
+link = link_from_env(WorkerConfig.from_env())
+link.watch(lambda: msg.Heartbeat(rank, 0, time.time()), lambda: -1, lambda g, r: None)
+link.send(msg.Hello(rank, 0, os.getpid(), "stand-in", "lib", 0))
+time.sleep(0.3)
+if rank == 0:
+    sys.exit(9)                      # a death: the host agent sees its exit
+os.kill(os.getpid(), signal.SIGSTOP)  # silent: the host agent kills it after the lease
+"""
+
+
+def test_the_host_agent_reports_a_local_death_and_a_silent_worker(coordinator, tmp_path):
+    """The real host agent (`recycle-planner launch --nnodes 1`) with two stand-in workers:
+    one exits with status 9, the other stops itself (SIGSTOP). Both deaths reach the
+    coordinator in the host's reports: the exit within milliseconds, the stopped worker
+    killed by its host agent once its heartbeats have been missing for the lease (1 s). The
+    coordinator's outcome then ends the host agent, which says goodbye."""
+    store, mail = coordinator
+    script = tmp_path / "standin.py"
+    script.write_text(STAND_IN)
+    store.set(CONFIG_KEY, WorkerConfig(run_dir=str(tmp_path / "run"), lease=1.0, heartbeat=0.1,
+                                       log_dir=str(tmp_path / "logs")).to_json())
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    agent = subprocess.Popen([sys.executable, "-m", "recycle_planner.cli", "launch", "--nnodes",
+                              "1", "--nproc-per-node", "2", "--rdzv-endpoint",
+                              f"127.0.0.1:{store.port}", str(script)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        def exits():
+            mail.refresh()
+            mail.flush()  # the coordinator's beat keeps the host agent's notices coming
+            return all(mail.get(msg.WorkerExit, rank=r, incarnation=0) for r in (0, 1))
+
+        _until(exits, seconds=60, every=0.05)
+        dead, silent = (mail.get(msg.WorkerExit, rank=r, incarnation=0) for r in (0, 1))
+        assert dead.code == 9 and "exited with status 9" in dead.how
+        assert silent.code == -9 and "lost its lease" in silent.how
+        assert mail.get(msg.HostUp, node=0).ranks == (0, 1)
+        assert mail.get(msg.Hello, rank=1, incarnation=0).host == "stand-in"
+        mail.put(msg.Outcome("completed", "done"))
+
+        def bye():
+            mail.flush()
+            mail.refresh()
+            return mail.get(msg.Bye, node=0) is not None
+
+        _until(bye, seconds=30, every=0.05)
+        assert agent.wait(30) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        out = agent.communicate()[0].decode(errors="replace")
+    assert "worker rank 1 lost its lease" in out, out[-3000:]
