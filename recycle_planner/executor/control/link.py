@@ -101,8 +101,8 @@ class StoreLink:
         self.poll = poll
         self.heartbeat = heartbeat
         self.store = self._connect(host, port, timeout)
-        self._beat_store = self._connect(host, port, lease)
-        self._watch_store = self._connect(host, port, lease)
+        self._beat_store = self._connect(host, port, timeout, then=lease)
+        self._watch_store = self._connect(host, port, timeout, then=lease)
         self.lost: str | None = None
         self._closed = False
 
@@ -112,10 +112,15 @@ class StoreLink:
         return cls(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                    config.pg_timeout, config.lease, config.heartbeat, config.poll)
 
-    def _connect(self, host: str, port: int, timeout: float):
+    def _connect(self, host: str, port: int, timeout: float, then: float | None = None):
+        """A connection made within `timeout` (a loaded host can take seconds to accept),
+        whose calls then time out after `then` seconds (the lease, for the watch threads)."""
         try:
-            return self._dist.TCPStore(host, port, is_master=False,
-                                       timeout=timedelta(seconds=timeout))
+            store = self._dist.TCPStore(host, port, is_master=False,
+                                        timeout=timedelta(seconds=timeout))
+            if then is not None:
+                store.set_timeout(timedelta(seconds=then))
+            return store
         except (self._dist.DistError, RuntimeError) as exc:
             raise ControlLost(f"cannot reach the store at {host}:{port}: "
                               f"{_first_line(exc)}") from None
