@@ -146,8 +146,8 @@ def alone(job_args: list[str], microbatches: int) -> list[dict]:
     from recycle_planner.executor.data.state import StageState
     from recycle_planner.executor.faults import FaultInjector
     from recycle_planner.executor.job import load_job
-    from recycle_planner.executor.profile import (ACT, GRAD, LoopbackComm, _ones,
-                                                  _output_layout, profile_stages)
+    from recycle_planner.executor.profile import (ACT, GRAD, LoopbackComm, gradient_of_ones,
+                                                  sent_layout, profile_stages)
 
     torch.set_num_threads(1)
     job = load_job(JOB, job_args)
@@ -160,11 +160,11 @@ def alone(job_args: list[str], microbatches: int) -> list[dict]:
         optimizer, scheduler = job.build_state(module)
         state = StageState(module, optimizer, scheduler=scheduler)
         comm = LoopbackComm(2 * S, True, dev)
-        out_layout = None if last else _output_layout(job, module, (0, 0, 0), in_layout, sent,
+        out_layout = None if last else sent_layout(job, module, (0, 0, 0), in_layout, sent,
                                                       dev, None)
         comm.inbox[ACT] = sent
         if not last:
-            comm.inbox[GRAD] = _ones(out_layout.grads(), dev)
+            comm.inbox[GRAD] = gradient_of_ones(out_layout.grads(), dev)
         runtime = StageRuntime(state, job.loss_fn, job.data, s, S, 2, microbatches, dev,
                                in_layout, out_layout, None, job.autocast_dtype())
         runtime.comm = comm
