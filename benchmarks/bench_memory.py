@@ -16,6 +16,12 @@ re-routed to worker 0:0 for the rest of the run), and reports per worker:
 - the plan's memory for the worker's stage: static + the plan's most micro-batches in flight
   x activation, from the spec `recycle-planner profile` wrote (both bounds the plans keep to).
 
+`--alone`: instead, each stage alone in this process (the runtime's handlers with the
+profiler's loopback for the groups, one torch thread, M forwards then M input and weight
+gradients, two iterations): resident memory over the process's baseline with all M
+micro-batches in flight, against M x the profiled activation, which tells what the
+profile misses from what several processes add.
+
 Writes OUT/memory-LABEL.json. Compare two versions with the same plans (`--reuse`): the
 plans' in-flight counts follow the profile's times, which vary from run to run.
 """
@@ -123,12 +129,98 @@ def buffers(run_dir: Path) -> dict[int, dict]:
     return out
 
 
+def _rss(field: str = "VmRSS") -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"{field}:\s+(\d+) kB", text).group(1)) * 1024
+
+
+def alone(job_args: list[str], microbatches: int) -> list[dict]:
+    """Per stage, run alone (the module's docstring): resident memory over the baseline once
+    every micro-batch is in flight (after the last forward) and at its high-water mark."""
+    import threading
+
+    import torch
+
+    from recycle_planner.executor.data.runtime import (POST, RUN, SEND, Instr, Issue,
+                                                       Program, StageRuntime)
+    from recycle_planner.executor.data.state import StageState
+    from recycle_planner.executor.faults import FaultInjector
+    from recycle_planner.executor.job import load_job
+    from recycle_planner.executor.profile import (ACT, GRAD, LoopbackComm, gradient_of_ones,
+                                                  sent_layout, profile_stages)
+
+    torch.set_num_threads(1)
+    job = load_job(JOB, job_args)
+    profiles = profile_stages(job, repeats=1, warmup=0, pipelines=2,
+                              microbatches=microbatches)
+    dev, S, out, sent, in_layout = torch.device("cpu"), len(job.stages), [], None, None
+    for s in range(S):
+        first, last = s == 0, s == S - 1
+        module = job.build_stage(s)
+        optimizer, scheduler = job.build_state(module)
+        state = StageState(module, optimizer, scheduler=scheduler)
+        comm = LoopbackComm(2 * S, True, dev)
+        out_layout = None if last else sent_layout(job, module, (0, 0, 0), in_layout, sent,
+                                                      dev, None)
+        comm.inbox[ACT] = sent
+        if not last:
+            comm.inbox[GRAD] = gradient_of_ones(out_layout.grads(), dev)
+        runtime = StageRuntime(state, job.loss_fn, job.data, s, S, 2, microbatches, dev,
+                               in_layout, out_layout, None, job.autocast_dtype())
+        runtime.comm = comm
+        up, down = (None if first else 0), (None if last else 0)
+        instrs = [Instr("F", 0, m, up, (ACT, ACT), down, (ACT, ACT), f"F{m}")
+                  for m in range(microbatches)]
+        for m in range(microbatches):
+            instrs += [Instr("I", 0, m, down, (GRAD, GRAD), up, (GRAD, GRAD), f"I{m}"),
+                       Instr("W", 0, m, None, (0, 0), None, (0, 0), f"W{m}")]
+        instrs += [Instr(k, 0, None, None, (0, 0), None, (0, 0), k.lower())
+                   for k in ("ALLREDUCE", "OPTIMIZER")]
+        issues = []
+        for k, ins in enumerate(instrs):
+            issues += [Issue(POST, k)] * (ins.src is not None) + [Issue(RUN, k)] + \
+                [Issue(SEND, k)] * (ins.dst is not None)
+        program = Program(tuple(instrs), tuple(issues), 0, True, 3 * microbatches - 1)
+        base, after_forwards = _fresh(), []
+        forward = runtime.handlers["F"]
+
+        def counted(k, ins, it, forward=forward):
+            forward(k, ins, it)
+            if k == microbatches - 1:
+                after_forwards.append(_rss() - base)
+        runtime.handlers["F"] = counted
+        for it in range(2):
+            runtime.run_iteration(program, it, threading.Event(),
+                                  FaultInjector([], 0, 0, print))
+        out.append({"stage": s, "profiled_activation_bytes": profiles[s].activation,
+                    "all_in_flight_bytes": max(after_forwards),
+                    "high_water_bytes": _rss("VmHWM") - base,
+                    "planned_bytes": microbatches * profiles[s].activation})
+        sent, in_layout = comm.outbox.get(ACT), out_layout
+        del runtime, state, module, optimizer, scheduler, counted, forward
+    return out
+
+
+def _fresh() -> int:
+    """The resident memory once freed memory went back to the system (glibc keeps it: the
+    previous stage's would be reused unseen) and the high-water mark reset to it."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    return _rss()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out/bench-memory")
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--label", default="after")
+    parser.add_argument("--alone", action="store_true", help="each stage alone in this "
+                        "process (the module's docstring)")
     parser.add_argument("--reuse", metavar="LABEL", help="train with the spec and plans an "
                         "earlier run with this label wrote in OUT (the same plans for both "
                         "versions: a new profile can plan other in-flight counts)")
@@ -136,6 +228,19 @@ def main() -> None:
     job_args = job_args or DEFAULT_JOB_ARGS
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.alone:
+        stages = alone(job_args, args.microbatches)
+        path = out / f"alone-{args.label}.json"
+        path.write_text(json.dumps({"machine": machine(), "job_args": job_args,
+                                    "microbatches": args.microbatches, "stages": stages},
+                                   indent=2) + "\n")
+        for st in stages:
+            print(f"stage {st['stage']}: {args.microbatches} in flight "
+                  f"{st['all_in_flight_bytes'] / 2**20:.0f} MiB over the baseline (high water "
+                  f"{st['high_water_bytes'] / 2**20:.0f} MiB), planned "
+                  f"{st['planned_bytes'] / 2**20:.0f} MiB")
+        print(f"written {path}")
+        return
     rp = str(Path(sys.executable).with_name("recycle-planner"))
     spec = out / f"gpt-{args.reuse or args.label}.toml"
     plans = out / f"plans-{args.reuse or args.label}"

@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.config import BUCKET_MB, UNDO_COPY
-from recycle_planner.executor.data.boundary import Layout, call, flat, layout_of, pack
+from recycle_planner.executor.data.boundary import Layout, call, flat, layout_of, pack, unpack
 from recycle_planner.executor.data.runtime import POST, RUN, SEND, Instr, Issue, Program, \
     StageRuntime
 from recycle_planner.executor.data.shapes import largest
@@ -168,12 +168,12 @@ def profile_stages(job, device: str = "cpu", repeats: int = 10, warmup: int = 2,
         optimizer, scheduler = job.build_state(module)
         state = StageState(module, optimizer, scheduler=scheduler, undo_copy=undo_copy)
         comm = LoopbackComm(pipelines * S, pipelines > 1, dev)
-        out_layout = None if last else _output_layout(job, module, key, in_layout, sent, dev,
+        out_layout = None if last else sent_layout(job, module, key, in_layout, sent, dev,
                                                       autocast)
         if not first:
             comm.inbox[ACT] = sent
         if not last:
-            comm.inbox[GRAD] = _ones(out_layout.grads(), dev)
+            comm.inbox[GRAD] = gradient_of_ones(out_layout.grads(), dev)
         runtime = StageRuntime(state, job.loss_fn, job.data, s, S, pipelines, microbatches,
                                dev, in_layout, out_layout, job.step_hook, autocast,
                                bucket_mb=bucket_mb)
@@ -210,13 +210,11 @@ def profile_stages(job, device: str = "cpu", repeats: int = 10, warmup: int = 2,
     return out
 
 
-def _output_layout(job, module: torch.nn.Module, key: tuple[int, int, int],
+def sent_layout(job, module: torch.nn.Module, key: tuple[int, int, int],
                    in_layout: Layout | None, received: torch.Tensor | None, dev: torch.device,
                    autocast: torch.dtype | None) -> Layout:
     """What the stage sends for the profiled micro-batch (one forward without gradients, in
     the run's precision)."""
-    from recycle_planner.executor.data.boundary import unpack
-
     if in_layout is None:
         value = pytree.tree_map(lambda v: v.to(dev) if isinstance(v, torch.Tensor) else v,
                                 job.data(*key)[0])
@@ -228,7 +226,7 @@ def _output_layout(job, module: torch.nn.Module, key: tuple[int, int, int],
         return layout_of(call(module, value))
 
 
-def _ones(layout: Layout, dev: torch.device) -> torch.Tensor:
+def gradient_of_ones(layout: Layout, dev: torch.device) -> torch.Tensor:
     """A message of `layout` whose every leaf is ones (the gradient from downstream)."""
     buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8, device=dev)
     return pack([torch.ones(x.shape, dtype=x.dtype, device=dev) for x in layout.leaves],
