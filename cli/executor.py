@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import click
 from recycle_planner.cli.options import number
 from recycle_planner.cli.progress import Ticker
 from recycle_planner.executor.config import (BACKEND, BACKENDS, BUCKET_MB, CHECKPOINT_EVERY,
-                                             GRACE, HEARTBEAT, JOB_NAME, LEASE, MAX_RESTARTS,
+                                             GRACE, HEARTBEAT, LEASE, MAX_RESTARTS,
                                              PG_TIMEOUT, RDZV_TIMEOUT, RUN_DIR, UNDO_COPY,
                                              UNDO_PLACES)
 from recycle_planner.library.ondemand import (ON_DEMAND_BUDGET, REFINE_BUDGET, REFINE_MARGIN,
@@ -225,20 +224,9 @@ def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
               help="Workers per host (hosts x workers = pipelines x stages of the library).")
 @click.option("--port", type=number("port"), default=29400, show_default=True,
               help="Port of the store (listens on every interface of this machine).")
-@click.option("--etcd", metavar="HOST:PORT[,HOST:PORT...]",
-              help="Fail over: run this coordinator only while it leads the job's election on "
-                   "these etcd endpoints (start the same command on two or three machines; the "
-                   "others stand by, and one that takes over continues with --resume). Host "
-                   "agents follow the leader with 'python -m "
-                   "recycle_planner.executor.control.failover follow'.")
-@click.option("--job", default=JOB_NAME, show_default=True,
-              help="The job's name on etcd (with --etcd).")
-@click.option("--endpoint", metavar="HOST:PORT",
-              help="Where host agents reach this coordinator's store, published on etcd when "
-                   "it leads (with --etcd; default: this host's name and --port).")
 @_settings
-def coordinator(nnodes: int, nproc_per_node: int, port: int, etcd: str | None, job: str,
-                endpoint: str | None, as_json: bool, **settings) -> None:
+def coordinator(nnodes: int, nproc_per_node: int, port: int, as_json: bool,
+                **settings) -> None:
     """Coordinate a cluster job from a machine that does not train.
 
     Hosts the store, declares a worker dead when its lease expires or its host agent
@@ -252,37 +240,9 @@ def coordinator(nnodes: int, nproc_per_node: int, port: int, etcd: str | None, j
     """
     from recycle_planner.executor.control.coordinator import coordinate
 
-    if etcd is not None:
-        sys.exit(_coordinate_on(etcd, job, endpoint or f"{socket.gethostname()}:{port}",
-                                settings["lease"]))
     config = _launch_config(nnodes * nproc_per_node, master_port=port, **settings)
     result = coordinate(config, nnodes, on_event=_show(as_json))
     _finish(result, as_json)
-
-
-ETCD_OPTIONS = ("--etcd", "--job", "--endpoint")
-
-
-def _coordinate_on(etcd: str, job: str, endpoint: str, lease: float) -> int:
-    """This command without its etcd options, run while it leads (`failover.coordinate_on`)."""
-    import os
-
-    from recycle_planner.executor.control.failover import STORE_UNAVAILABLE, coordinate_on
-    from recycle_planner.executor.control.store import StoreUnavailable
-
-    argv, rest = [], iter(sys.argv[1:])
-    for arg in rest:
-        if arg in ETCD_OPTIONS:
-            next(rest, None)
-        elif not arg.startswith(tuple(f"{o}=" for o in ETCD_OPTIONS)):
-            argv.append(arg)
-    command = [sys.executable, "-m", "recycle_planner.cli", *argv]
-    try:
-        return coordinate_on(etcd, job, f"{socket.gethostname()}:{os.getpid()}", lease,
-                             endpoint, command)
-    except StoreUnavailable as exc:
-        click.echo(f"error: the control store is unavailable: {exc}", err=True)
-        return STORE_UNAVAILABLE
 
 
 def result_summary(result) -> str:

@@ -1,6 +1,5 @@
-"""Coordinators that fail over with real training: a 3-member etcd and two coordinators in the
-coordinator's network namespace (one `recycle-planner coordinator --etcd`, one behind the
-`failover coordinate` wrapper: the two ways to run one), one `failover follow` wrapper per
+"""Coordinators that fail over with real training: a 3-member etcd and two `failover
+coordinate` wrappers in the coordinator's network namespace, one `failover follow` wrapper per
 training host (each a namespace joined by a veth pair). The leading wrapper is SIGKILLed after
 the checkpoint of iteration 2: its coordinator dies with it, the workers stop with a
 checkpoint, the standby leads and resumes, the host agents follow it, and training ends with
@@ -48,15 +47,12 @@ def test_the_leading_coordinator_killed_the_standby_resumes_the_run(tmp_path):
         wrappers = {}
         for i in range(2):
             port = str(29400 + i)
-            coordinator = [*CLI, "coordinator", "--nnodes", "2", "--nproc-per-node", "2",
-                           "--port", port, "--run-dir", str(run), "--lease", "2",
-                           "--heartbeat", "0.1", "--checkpoint-every", "2"]
-            on_etcd = ["--etcd", etcd.endpoints, "--job", "train", "--endpoint",
-                       f"{COORD_ADDR}:{port}"]
-            # the two ways to fail over: the coordinator's own --etcd, and the wrapper
-            wrappers[f"c{i}"] = net.popen(net.coord, [*coordinator, *on_etcd] if i == 0 else [
-                *FAILOVER, "coordinate", *on_etcd, "--lease", "2", "--name", f"c{i}", "--",
-                *coordinator], open(logs[f"c{i}"], "wb"), env=_env())
+            wrappers[f"c{i}"] = net.popen(net.coord, [
+                *FAILOVER, "coordinate", "--etcd", etcd.endpoints, "--job", "train",
+                "--lease", "2", "--name", f"c{i}", "--endpoint", f"{COORD_ADDR}:{port}", "--",
+                *CLI, "coordinator", "--nnodes", "2", "--nproc-per-node", "2", "--port", port,
+                "--run-dir", str(run), "--lease", "2", "--heartbeat", "0.1",
+                "--checkpoint-every", "2"], open(logs[f"c{i}"], "wb"), env=_env())
         followers = [net.popen(ns, [
             *FAILOVER, "follow", "--etcd", etcd.endpoints, "--job", "train", "--timeout", "120",
             "--", *CLI, "launch", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank",

@@ -56,9 +56,6 @@ GRACE = 30.0
 SLURM's and Kubernetes' defaults are 30 s or less."""
 RDZV_TIMEOUT = 300.0
 """Seconds a host agent waits for its coordinator's store before it gives up."""
-JOB_NAME = "recycle"
-"""A cluster job's name on etcd (`--job`): coordinators that fail over and the host agents that
-follow them name the same one; its keys live under /recycle/{name}/."""
 COORDINATOR_LOST = 5
 """Exit status of a worker (and host agent) that lost the coordinator and stopped with a
 checkpoint; `--resume` continues from it."""

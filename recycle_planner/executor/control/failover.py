@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor.config import JOB_NAME, WorkerConfig
+from recycle_planner.executor.config import WorkerConfig
 from recycle_planner.executor.control.election import Deposed, Election
 from recycle_planner.executor.control.plane import Keys, Leader, Lookup
 from recycle_planner.executor.control.protocol import Decision
@@ -207,22 +207,6 @@ def library_lookup(folder: Path) -> tuple[Lookup, int, int]:
     return lookup, lib.spec.pipelines, lib.spec.stages
 
 
-def coordinate_on(etcd: str, job: str, name: str, lease: float, endpoint: str,
-                  command: list[str]) -> int:
-    """`recycle-planner coordinator --etcd ...`: run `command` (the same coordinator without
-    its etcd options) while this process leads the election of `job` on `etcd`, as
-    `failover coordinate` does; SIGTERM and SIGINT are passed on. Returns the exit status;
-    raises `StoreUnavailable` when etcd cannot answer (exit with STORE_UNAVAILABLE)."""
-    from recycle_planner.executor.control.store import EtcdStore
-
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    store = EtcdStore(etcd, timeout=max(2.0, lease))
-    code = coordinate(store, Keys(job), name, lease, endpoint, command, stop)
-    return 0 if code is None else code
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m recycle_planner.executor.control.failover",
@@ -237,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "store ({coordinator} in it), again after a failover")
     for p in (decide, lead, host):
         p.add_argument("--etcd", required=True, help="etcd endpoints, HOST:PORT[,HOST:PORT]")
-        p.add_argument("--job", default=JOB_NAME, help="the job's name (its key prefix)")
+        p.add_argument("--job", default="recycle", help="the job's name (its key prefix)")
         p.add_argument("--lease", type=float, default=WorkerConfig.lease,
                        help="seconds without renewal after which a leader (or a host) is "
                             "replaced: the executor's one lease (default %(default)s)")
