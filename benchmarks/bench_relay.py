@@ -209,7 +209,7 @@ def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: flo
     counter = Counter()
     folder = tempfile.mkdtemp(prefix="bench-relay-")
     agent = _coordinator(ranks, mode, f"{folder}/run", counter)
-    context = mp.get_context("fork")
+    context = mp.get_context("spawn")  # a forked child could inherit a lock held by c10d
     hosts = list(range(ranks // PER_HOST))
     children = []
     for k in range(procs):
