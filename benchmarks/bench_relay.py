@@ -106,8 +106,8 @@ class _StorePool(HostPool):
         return StoreMail(store)
 
 
-def _coordinator(ranks: int, mode: str, run_dir: str, counter: Counter) -> Agent:
-    config = LaunchConfig(nproc=ranks, run_dir=run_dir, checkpoint_every=0)
+def _coordinator(ranks: int, mode: str, run_dir: str, counter: Counter, lease: float) -> Agent:
+    config = LaunchConfig(nproc=ranks, run_dir=run_dir, checkpoint_every=0, lease=lease)
     folder = claim(run_dir, False, False)
     pool = _StorePool if mode == "store" else HostPool
     agent = Agent(config, None, folder, pool, ranks // PER_HOST)
@@ -130,21 +130,22 @@ def _client(port: int, timeout: float, counter):
     return Counting(store, counter)
 
 
-def _store_links(port: int, ranks: list[int], counter: Counter) -> list:
+def _store_links(port: int, ranks: list[int], counter: Counter, lease: float) -> list:
     class CountedStoreLink(StoreLink):
         def _connect(self, host, p, timeout):
             return _client(p, timeout, counter.counts["workers"])
 
     with ThreadPoolExecutor(32) as pool:
-        return list(pool.map(lambda _: CountedStoreLink("127.0.0.1", port, 60.0, 4.0, 0.2,
+        return list(pool.map(lambda _: CountedStoreLink("127.0.0.1", port, 60.0, lease, 0.2,
                                                         0.002), ranks))
 
 
-def _relays(port: int, nodes: list[int], counter: Counter, folder: str) -> list[Relay]:
+def _relays(port: int, nodes: list[int], counter: Counter, folder: str,
+            lease: float) -> list[Relay]:
     def relay(node: int) -> Relay:
         relay = Relay(_client(port, 60.0, counter.counts["hosts"]),
-                      _client(port, 4.0, counter.counts["hosts"]), node,
-                      f"{folder}/r{node}.sock", 4.0, 0.2)
+                      _client(port, lease, counter.counts["hosts"]), node,
+                      f"{folder}/r{node}.sock", lease, 0.2)
         relay.report(msg.HostUp(node, f"host{node}", 0, tuple(
             range(node * PER_HOST, (node + 1) * PER_HOST))))
         return relay
@@ -154,7 +155,7 @@ def _relays(port: int, nodes: list[int], counter: Counter, folder: str) -> list[
 
 
 def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: float,
-               conn) -> None:
+               lease: float, conn) -> None:
     """A process of stand-in hosts `nodes` (8 ranks each): their workers' links (and in
     relay mode their host agents' relays); answers "read" with its counts until "stop"."""
     counter = Counter()
@@ -162,9 +163,9 @@ def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: f
     ranks = [n * PER_HOST + i for n in nodes for i in range(PER_HOST)]
     relays = []
     if mode == "store":
-        links = _store_links(port, ranks, counter)
+        links = _store_links(port, ranks, counter, lease)
     else:
-        relays = _relays(port, nodes, counter, folder)
+        relays = _relays(port, nodes, counter, folder, lease)
         by_node = {r.node: r for r in relays}
 
         def step_relays():
@@ -205,17 +206,17 @@ def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: f
 
 
 def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: float,
-            procs: int) -> dict:
+            procs: int, lease: float) -> dict:
     counter = Counter()
     folder = tempfile.mkdtemp(prefix="bench-relay-")
-    agent = _coordinator(ranks, mode, f"{folder}/run", counter)
+    agent = _coordinator(ranks, mode, f"{folder}/run", counter, lease)
     context = mp.get_context("spawn")  # a forked child could inherit a lock held by c10d
     hosts = list(range(ranks // PER_HOST))
     children = []
     for k in range(procs):
         ours, theirs = context.Pipe()
         proc = context.Process(target=_stand_ins, args=(mode, agent.port, hosts[k::procs],
-                                                        folder, iteration, theirs),
+                                                        folder, iteration, lease, theirs),
                                daemon=True)
         proc.start()
         children.append((proc, ours))
@@ -253,6 +254,7 @@ def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: flo
     # each read counts one on every counter of the coordinator and of each process
     rates = {side: (counts1[side] - counts0[side] - 1 - procs) / elapsed for side in counts1}
     return {"mode": mode, "ranks": ranks, "hosts": ranks // PER_HOST, "processes": procs,
+            "lease": lease,
             "seconds": elapsed, "ops_per_s": rates, "total_ops_per_s": sum(rates.values()),
             "coordinator_pass_ms": {"median": 1e3 * statistics.median(passes),
                                     "max": 1e3 * max(passes)},
@@ -268,6 +270,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--iteration", type=float, default=1.0,
                         help="seconds between two iterations of the stand-ins")
+    parser.add_argument("--lease", type=float, default=10.0,
+                        help="the lease (s); heartbeats stay every 0.2 s, the coordinator "
+                             "beats every quarter of the lease (4 s stood its start-up here "
+                             "badly: 1,024 stand-ins on 2 shared cores)")
     parser.add_argument("--procs", type=int, default=4,
                         help="processes the stand-ins run in (the coordinator has its own)")
     args = parser.parse_args()
@@ -275,7 +281,8 @@ def main() -> None:
     rows = []
     for ranks in args.ranks:
         for mode in (["store", "relay"] if args.mode == "both" else [args.mode]):
-            row = measure(ranks, mode, args.seconds, args.iteration, args.warmup, args.procs)
+            row = measure(ranks, mode, args.seconds, args.iteration, args.warmup, args.procs,
+                          args.lease)
             rows.append(row)
             print(json.dumps(row), flush=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
