@@ -26,6 +26,7 @@ import argparse
 import itertools
 import json
 import logging
+import multiprocessing as mp
 import statistics
 import sys
 import tempfile
@@ -105,8 +106,8 @@ class _StorePool(HostPool):
         return StoreMail(store)
 
 
-def _coordinator(ranks: int, mode: str, run_dir: str, counter: Counter) -> Agent:
-    config = LaunchConfig(nproc=ranks, run_dir=run_dir, checkpoint_every=0)
+def _coordinator(ranks: int, mode: str, run_dir: str, counter: Counter, lease: float) -> Agent:
+    config = LaunchConfig(nproc=ranks, run_dir=run_dir, checkpoint_every=0, lease=lease)
     folder = claim(run_dir, False, False)
     pool = _StorePool if mode == "store" else HostPool
     agent = Agent(config, None, folder, pool, ranks // PER_HOST)
@@ -129,59 +130,54 @@ def _client(port: int, timeout: float, counter):
     return Counting(store, counter)
 
 
-def _store_links(port: int, ranks: int, counter: Counter) -> list:
+def _store_links(port: int, ranks: list[int], counter: Counter, lease: float) -> list:
     class CountedStoreLink(StoreLink):
         def _connect(self, host, p, timeout):
             return _client(p, timeout, counter.counts["workers"])
 
-    with ThreadPoolExecutor(64) as pool:
-        return list(pool.map(lambda _: CountedStoreLink("127.0.0.1", port, 60.0, 4.0, 0.2,
-                                                        0.002), range(ranks)))
+    with ThreadPoolExecutor(32) as pool:
+        return list(pool.map(lambda _: CountedStoreLink("127.0.0.1", port, 60.0, lease, 0.2,
+                                                        0.002), ranks))
 
 
-def _relays(port: int, ranks: int, counter: Counter, folder: str) -> list[Relay]:
+def _relays(port: int, nodes: list[int], counter: Counter, folder: str,
+            lease: float) -> list[Relay]:
     def relay(node: int) -> Relay:
-        return Relay(_client(port, 60.0, counter.counts["hosts"]),
-                     _client(port, 4.0, counter.counts["hosts"]), node,
-                     f"{folder}/r{node}.sock", 4.0, 0.2)
-
-    with ThreadPoolExecutor(64) as pool:
-        return list(pool.map(relay, range(ranks // PER_HOST)))
-
-
-def _host_up(relays) -> None:
-    for relay in relays:
-        node = relay.node
+        relay = Relay(_client(port, 60.0, counter.counts["hosts"]),
+                      _client(port, lease, counter.counts["hosts"]), node,
+                      f"{folder}/r{node}.sock", lease, 0.2)
         relay.report(msg.HostUp(node, f"host{node}", 0, tuple(
             range(node * PER_HOST, (node + 1) * PER_HOST))))
+        return relay
+
+    with ThreadPoolExecutor(32) as pool:
+        return list(pool.map(relay, nodes))
 
 
-def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: float) -> dict:
+def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: float,
+               lease: float, conn) -> None:
+    """A process of stand-in hosts `nodes` (8 ranks each): their workers' links (and in
+    relay mode their host agents' relays); answers "read" with its counts until "stop"."""
     counter = Counter()
-    folder = tempfile.mkdtemp(prefix="bench-relay-")
-    agent = _coordinator(ranks, mode, f"{folder}/run", counter)
-    port = agent.port
     stop = threading.Event()
-    threads = []
+    ranks = [n * PER_HOST + i for n in nodes for i in range(PER_HOST)]
     relays = []
     if mode == "store":
-        links = _store_links(port, ranks, counter)
+        links = _store_links(port, ranks, counter, lease)
     else:
-        relays = _relays(port, ranks, counter, folder)
-        _host_up(relays)
-        links = []
+        relays = _relays(port, nodes, counter, folder, lease)
+        by_node = {r.node: r for r in relays}
 
         def step_relays():
             while not stop.is_set():
                 for relay in relays:
                     relay.step()
-                time.sleep(0.02)
+                time.sleep(0.02)  # the host agent's poll
 
-        threads.append(threading.Thread(target=step_relays, daemon=True))
-        threads[-1].start()
-        links = [HostLink(relays[rank // PER_HOST].path, rank, 0, ("127.0.0.1", port), 60.0,
-                          0.2) for rank in range(ranks)]
-    for rank, link in enumerate(links):
+        threading.Thread(target=step_relays, daemon=True).start()
+        links = [HostLink(by_node[rank // PER_HOST].path, rank, 0, ("127.0.0.1", port), 60.0,
+                          0.2) for rank in ranks]
+    for rank, link in zip(ranks, links):
         link.watch(lambda r=rank: msg.Heartbeat(r, 0, time.time()), lambda: 1,
                    lambda gen, reason: None)
         link.send(msg.Hello(rank, 0, 0, "stand-in", "lib", 0))
@@ -189,7 +185,7 @@ def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: flo
     def train():
         i = 0
         while not stop.is_set():
-            for rank, link in enumerate(links):
+            for rank, link in zip(ranks, links):
                 link.send(msg.IterationDone(i, rank, 1, time.time()))
                 if rank % STAGES == STAGES - 1:  # its own pipeline's (a worker sends all D*M)
                     link.send(msg.Losses(i, rank, 1, tuple(
@@ -197,30 +193,69 @@ def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: flo
             i += 1
             stop.wait(iteration)
 
-    threads.append(threading.Thread(target=train, daemon=True))
-    threads[-1].start()
+    threading.Thread(target=train, daemon=True).start()
+    conn.send("ready")
+    while conn.recv() == "read":
+        conn.send(counter.read())
+    stop.set()
+    for link in links:
+        link.close()
+    for relay in relays:
+        relay.close()
+    conn.send("stopped")
+
+
+def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: float,
+            procs: int, lease: float) -> dict:
+    counter = Counter()
+    folder = tempfile.mkdtemp(prefix="bench-relay-")
+    agent = _coordinator(ranks, mode, f"{folder}/run", counter, lease)
+    context = mp.get_context("spawn")  # a forked child could inherit a lock held by c10d
+    hosts = list(range(ranks // PER_HOST))
+    children = []
+    for k in range(procs):
+        ours, theirs = context.Pipe()
+        proc = context.Process(target=_stand_ins, args=(mode, agent.port, hosts[k::procs],
+                                                        folder, iteration, lease, theirs),
+                               daemon=True)
+        proc.start()
+        children.append((proc, ours))
+    for _, conn in children:  # the coordinator's passes go on meanwhile (hellos, reports)
+        while not conn.poll(0.02):
+            agent._pass(time.time())
+        conn.recv()
+
+    def read() -> dict[str, int]:
+        total = counter.read()
+        for _, conn in children:
+            conn.send("read")
+            for side, n in conn.recv().items():
+                total[side] += n
+        return total
+
     passes: list[float] = []
     t_end = time.time() + warmup + seconds
     start = None
     while time.time() < t_end:
         now = time.time()
         if start is None and now >= t_end - seconds:
-            start, counts0, passes = now, counter.read(), []
+            start, counts0, passes = now, read(), []
         t0 = time.perf_counter()
         agent._pass(now)
         passes.append(time.perf_counter() - t0)
         time.sleep(agent.config.idle_poll)
-    counts1 = counter.read()
+    counts1 = read()
     elapsed = time.time() - start
-    stop.set()
+    for proc, conn in children:
+        conn.send("stop")
+        conn.recv()
+        proc.join(30)
     hellos = sum(1 for p in agent.procs.values() if p.hello is not None)
-    for link in links:
-        link.close()
-    for relay in relays:
-        relay.close()
-    rates = {side: (counts1[side] - counts0[side] - 1) / elapsed for side in counts1}
-    return {"mode": mode, "ranks": ranks, "hosts": ranks // PER_HOST, "seconds": elapsed,
-            "ops_per_s": rates, "total_ops_per_s": sum(rates.values()),
+    # each read counts one on every counter of the coordinator and of each process
+    rates = {side: (counts1[side] - counts0[side] - 1 - procs) / elapsed for side in counts1}
+    return {"mode": mode, "ranks": ranks, "hosts": ranks // PER_HOST, "processes": procs,
+            "lease": lease,
+            "seconds": elapsed, "ops_per_s": rates, "total_ops_per_s": sum(rates.values()),
             "coordinator_pass_ms": {"median": 1e3 * statistics.median(passes),
                                     "max": 1e3 * max(passes)},
             "passes_per_s": len(passes) / elapsed, "hellos_seen": hellos,
@@ -235,12 +270,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--iteration", type=float, default=1.0,
                         help="seconds between two iterations of the stand-ins")
+    parser.add_argument("--lease", type=float, default=10.0,
+                        help="the lease (s); heartbeats stay every 0.2 s, the coordinator "
+                             "beats every quarter of the lease (4 s stood its start-up here "
+                             "badly: 1,024 stand-ins on 2 shared cores)")
+    parser.add_argument("--procs", type=int, default=4,
+                        help="processes the stand-ins run in (the coordinator has its own)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rows = []
     for ranks in args.ranks:
         for mode in (["store", "relay"] if args.mode == "both" else [args.mode]):
-            row = measure(ranks, mode, args.seconds, args.iteration, args.warmup)
+            row = measure(ranks, mode, args.seconds, args.iteration, args.warmup, args.procs,
+                          args.lease)
             rows.append(row)
             print(json.dumps(row), flush=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -89,10 +89,12 @@ def published_coordinator(store: ControlStore, keys: Keys, timeout: float,
     """HOST:PORT of the leading coordinator's store and the revision it was published at,
     waiting up to `timeout` seconds for one published after revision `after` (a host agent's
     first question, and its question after losing a coordinator)."""
-    entry = store.get(keys.coordinator)
+    # one read: a publication between two reads (a get, then the revision to watch from)
+    # was in neither, and a host agent waited for it in vain
+    entries, read_at = store.get_prefix(keys.coordinator)
+    entry = next((e for e in entries if e.key == keys.coordinator), None)
     if entry is not None and entry.mod_revision > after:
         return entry.value, entry.mod_revision
-    _, read_at = store.get_prefix(keys.coordinator)
     watch = store.watch(keys.coordinator, read_at + 1)
     deadline = time.monotonic() + timeout
     try:
