@@ -33,59 +33,19 @@ def _free(buf: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= _FREE
 
 
-class BufferPool:
-    """Byte buffers on `device` reused once free; `peak` is how many were ever held."""
+class _Buffers:
+    """Byte buffers on `device`; `peak` is how many were ever held at once."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.bufs: list[torch.Tensor] = []
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """`nbytes` of a free buffer (a free one too small is replaced), else of a new one.
-        Always a view of its own, whose holders (the receive's work, the unpacked leaves) are
-        what keeps the buffer busy: the pool's tensor itself is shared by nobody."""
+    def _index(self, nbytes: int, free: Callable[[int], bool]) -> int:
+        """The index of a free buffer of at least `nbytes` (a free one too small is replaced),
+        else of a new one."""
         small = None
         for i, buf in enumerate(self.bufs):
-            if _free(buf):
-                if buf.numel() >= nbytes:
-                    return buf[:max(nbytes, 1)]
-                small = i if small is None else small
-        new = fit(None, nbytes, self.device)
-        if small is not None:
-            self.bufs[small] = new
-        else:
-            self.bufs.append(new)
-        return new[:max(nbytes, 1)]
-
-    @property
-    def peak(self) -> int:
-        return len(self.bufs)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.bufs)
-
-    def clear(self) -> None:
-        self.bufs = []
-
-
-class SendPool:
-    """Send buffers on `device`, each with its latest send: reused once that send is known
-    complete (`done(work)`, which must not block), else a new one; `peak` is how many were
-    ever held."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.bufs: list[torch.Tensor] = []
-        self.works: list[Any] = []
-
-    def take(self, nbytes: int, done: Callable[[Any], bool]) -> int:
-        """The index of a buffer of at least `nbytes` whose send is over (a free one too
-        small is replaced), else of a new one; `bufs[i]` is it, `busy(i, work)` marks it."""
-        small = None
-        for i, (buf, work) in enumerate(zip(self.bufs, self.works)):
-            if work is None or done(work):
-                self.works[i] = None
+            if free(i):
                 if buf.numel() >= nbytes:
                     return i
                 small = i if small is None else small
@@ -94,11 +54,7 @@ class SendPool:
             self.bufs[small] = new
             return small
         self.bufs.append(new)
-        self.works.append(None)
         return len(self.bufs) - 1
-
-    def busy(self, i: int, work: Any) -> None:
-        self.works[i] = work
 
     @property
     def peak(self) -> int:
@@ -107,6 +63,38 @@ class SendPool:
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.bufs)
+
+
+class BufferPool(_Buffers):
+    """Receive buffers, reused once nothing references them."""
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of a free buffer, else of a new one. Always a view of its own, whose
+        holders (the receive's work, the unpacked leaves) are what keeps the buffer busy: the
+        pool's tensor itself is shared by nobody."""
+        return self.bufs[self._index(nbytes, lambda i: _free(self.bufs[i]))][:max(nbytes, 1)]
+
+    def clear(self) -> None:
+        self.bufs = []
+
+
+class SendPool(_Buffers):
+    """Send buffers, each with its latest send: reused once that send is known complete
+    (`done(work)`, which must not block), else a new one."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.works: list[Any] = []
+
+    def take(self, nbytes: int, done: Callable[[Any], bool]) -> int:
+        """The index of a buffer of at least `nbytes` whose send is over, else of a new one;
+        `bufs[i]` is it, `busy(i, work)` marks it."""
+        i = self._index(nbytes, lambda i: self.works[i] is None or done(self.works[i]))
+        self.works[i:i + 1] = [None]
+        return i
+
+    def busy(self, i: int, work: Any) -> None:
+        self.works[i] = work
 
     def clear(self) -> None:
         self.bufs, self.works = [], []
