@@ -47,22 +47,14 @@ MODES = {"barrier": ["--clip-barrier"], "post-validated": []}
 KILLED, RANK = "1:0", 2
 
 
-def settled(res) -> dict[str, float]:
-    """Steps counted, redone and taken late, over every worker and generation, and the time
-    a worker waits per step (ms): in its OPTIMIZER op (the step gate, and with the barrier
-    the norm) and, post-validated, in the validation before its next forward (the norm),
-    each the op's time before its last wait for a peer ended."""
+def settled(res) -> dict[str, int]:
+    """Steps counted, redone and taken late, over every worker and generation."""
     out = {"steps": 0, "REDO": 0, "LATE": 0}
-    waited = 0.0
     for by_gen in res.op_times.values():
         for table in by_gen.values():
             out["steps"] += table["OPTIMIZER"][0]
             for kind in ("REDO", "LATE"):
                 out[kind] += table.get(kind, [0])[0]
-            for kind in ("OPTIMIZER", "VALIDATE"):
-                _, seconds, own = table.get(kind, (0, 0.0, 0.0))
-                waited += seconds - own
-    out["wait_ms"] = 1e3 * waited / max(1, out["steps"])
     return out
 
 
@@ -102,16 +94,14 @@ def run(repeat: int, iterations: int, clip: float, work: Path,
 def markdown(results: dict) -> str:
     runs = results["runs"]
     lines = ["| clipping | fault-free step (ms) | step before the kill (ms) | step on the "
-             "re-routed plan, 1:0 dead (ms) | wait at the step, fault-free (ms per worker and "
-             "step) | steps redone / taken late / all |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "re-routed plan, 1:0 dead (ms) | steps redone / taken late / all |",
+             "| --- | ---: | ---: | ---: | ---: |"]
     for mode in MODES:
         free, kill = runs[f"{mode} fault-free"], runs[f"{mode} kill"]
         counts = [sum(r[k] for r in free + kill) for k in ("REDO", "LATE", "steps")]
         lines.append(f"| {mode} | {statistics.median(r['step_ms'] for r in free):.1f} | "
                      f"{statistics.median(r['step_ms'] for r in kill):.1f} | "
                      f"{statistics.median(r['rerouted_ms'] for r in kill):.1f} | "
-                     f"{statistics.median(r['wait_ms'] for r in free):.1f} | "
                      f"{counts[0]} / {counts[1]} / {counts[2]} |")
     return "\n".join(lines)
 
