@@ -13,7 +13,8 @@ from recycle_planner.cli.options import number
 from recycle_planner.cli.progress import Ticker
 from recycle_planner.executor.config import (BACKEND, BACKENDS, BUCKET_MB, CHECKPOINT_EVERY,
                                              GRACE, HEARTBEAT, LEASE, MAX_RESTARTS,
-                                             PG_TIMEOUT, RDZV_TIMEOUT, RUN_DIR, UNDO_COPY,
+                                             PG_TIMEOUT, RDZV_BACKEND, RDZV_BACKENDS,
+                                             RDZV_ID, RDZV_TIMEOUT, RUN_DIR, UNDO_COPY,
                                              UNDO_PLACES)
 from recycle_planner.library.ondemand import (ON_DEMAND_BUDGET, REFINE_BUDGET, REFINE_MARGIN,
                                               REFINE_WHICH)
@@ -150,10 +151,16 @@ def _show(as_json: bool):
 @click.option("--node-rank", type=number("node_rank"), default=None,
               help="This host's index (ranks NODE_RANK*NPROC ... are placed here); default: "
                    "in order of arrival at the coordinator.")
-@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-              help="The coordinator's store (cluster jobs).")
-@click.option("--rdzv-id", default="recycle", show_default=True,
-              help="Job id at the endpoint (cluster jobs).")
+@click.option("--rdzv-backend", type=click.Choice(RDZV_BACKENDS), default=RDZV_BACKEND,
+              show_default=True,
+              help="Cluster jobs: c10d, --rdzv-endpoint is the coordinator's store; etcd, it "
+                   "is etcd's, where coordinators that fail over (see 'recycle-planner "
+                   "coordinator') publish their store, and this host agent follows the "
+                   "leader, again after each failover.")
+@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+              help="The coordinator's store, or etcd's client endpoints (cluster jobs).")
+@click.option("--rdzv-id", default=RDZV_ID, show_default=True,
+              help="The job's name at the endpoint (cluster jobs).")
 @click.option("--rdzv-timeout", type=number("rdzv_timeout"), default=RDZV_TIMEOUT,
               show_default=True, metavar="SECONDS",
               help="How long a host agent waits for the coordinator at --rdzv-endpoint "
@@ -170,7 +177,7 @@ def _show(as_json: bool):
               help="Restarts per worker (with --restart-delay).")
 @_settings
 def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
-           node_rank: int | None, rdzv_endpoint: str | None, rdzv_id: str,
+           node_rank: int | None, rdzv_backend: str, rdzv_endpoint: str | None, rdzv_id: str,
            rdzv_timeout: float, master_addr: str,
            master_port: int, restart_delay: float | None, max_restarts: int,
            as_json: bool, **settings) -> None:
@@ -193,6 +200,10 @@ def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
     A cluster (one agent per host; the coordinator runs elsewhere):
       recycle-planner launch --nnodes 2 --nproc-per-node 4 --node-rank 0 \\
           --rdzv-endpoint coord:29400 examples/tiny_mlp.py:make_job -- --library plans/
+    A cluster whose coordinators fail over (they campaign on etcd):
+      recycle-planner launch --nnodes 2 --nproc-per-node 4 --node-rank 0 \\
+          --rdzv-backend etcd --rdzv-endpoint etcd1:2379,etcd2:2379,etcd3:2379 \\
+          --rdzv-id job7 examples/tiny_mlp.py:make_job -- --library plans/
     """
     from recycle_planner.executor.control.agent import check_target, launch as run_launch, \
         worker_command
@@ -206,6 +217,13 @@ def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
             raise RecycleError("a cluster job needs both --nnodes and --rdzv-endpoint (the "
                                "coordinator's HOST:PORT)")
         check_target(target)
+        if rdzv_backend == "etcd":
+            from recycle_planner.executor.control import failover
+
+            child = own_command(click.get_current_context(), drop=("rdzv_backend",),
+                                rdzv_endpoint=failover.COORDINATOR)
+            sys.exit(_in_etcd(lambda: failover.follow_leader(rdzv_endpoint, rdzv_id,
+                                                    settings["lease"], child, rdzv_timeout)))
         host = HostAgent(worker_command(target, args), HostConfig(
             nnodes=nnodes, nproc_per_node=nproc, endpoint=rdzv_endpoint, node_rank=node_rank,
             rdzv_id=rdzv_id, max_restarts=max_restarts if restart_delay is not None else 0,
@@ -224,8 +242,22 @@ def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
               help="Workers per host (hosts x workers = pipelines x stages of the library).")
 @click.option("--port", type=number("port"), default=29400, show_default=True,
               help="Port of the store (listens on every interface of this machine).")
+@click.option("--rdzv-backend", type=click.Choice(RDZV_BACKENDS), default=RDZV_BACKEND,
+              show_default=True,
+              help="c10d: this is the job's one coordinator. etcd: run this command on two "
+                   "or more machines; they campaign on the etcd at --rdzv-endpoint, one "
+                   "leads and the others stand by; when the leader is lost (killed, cut "
+                   "off) another leads within --lease and continues the run (--resume).")
+@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+              help="etcd's client endpoints (with --rdzv-backend etcd).")
+@click.option("--rdzv-id", default=RDZV_ID, show_default=True,
+              help="The job's name on etcd (host agents give the same).")
+@click.option("--advertise", default=None, metavar="HOST",
+              help="With etcd: the address host agents dial for this coordinator's store "
+                   "(default: this machine's name).")
 @_settings
-def coordinator(nnodes: int, nproc_per_node: int, port: int, as_json: bool,
+def coordinator(nnodes: int, nproc_per_node: int, port: int, rdzv_backend: str,
+                rdzv_endpoint: str | None, rdzv_id: str, advertise: str | None, as_json: bool,
                 **settings) -> None:
     """Coordinate a cluster job from a machine that does not train.
 
@@ -237,12 +269,79 @@ def coordinator(nnodes: int, nproc_per_node: int, port: int, as_json: bool,
 
     \b
       recycle-planner coordinator --nnodes 2 --nproc-per-node 4 --run-dir /shared/run
+    Coordinators that fail over (the same command on two machines or more):
+      recycle-planner coordinator --nnodes 2 --nproc-per-node 4 --run-dir /shared/run \\
+          --rdzv-backend etcd --rdzv-endpoint etcd1:2379,etcd2:2379,etcd3:2379 --rdzv-id job7
     """
     from recycle_planner.executor.control.coordinator import coordinate
+
+    if rdzv_backend == "etcd":
+        import socket
+
+        from recycle_planner.executor.control import failover
+
+        if rdzv_endpoint is None:
+            raise click.UsageError("--rdzv-backend etcd needs --rdzv-endpoint (etcd's "
+                                   "client endpoints)")
+        child = own_command(click.get_current_context(),
+                            drop=("rdzv_backend", "rdzv_endpoint", "rdzv_id", "advertise"))
+        where = f"{advertise or socket.getfqdn()}:{port}"
+        sys.exit(_in_etcd(lambda: failover.campaign_and_coordinate(
+            rdzv_endpoint, rdzv_id, settings["lease"], where, child)))
 
     config = _launch_config(nnodes * nproc_per_node, master_port=port, **settings)
     result = coordinate(config, nnodes, on_event=_show(as_json))
     _finish(result, as_json)
+
+
+def own_command(ctx: click.Context, drop: tuple[str, ...] = (), **values) -> list[str]:
+    """This command's command line rebuilt from what it was given, less the options `drop`
+    names, with `values` set: what a wrapper that campaigns on etcd or follows its leader
+    runs as its child."""
+    words = [sys.executable, "-m", "recycle_planner.cli", ctx.info_name]
+    arguments: list[str] = []
+    for param in ctx.command.params:
+        if param.name in drop or param.name is None:
+            continue
+        value = values.get(param.name, ctx.params.get(param.name))
+        if isinstance(param, click.Argument):
+            more = [str(v) for v in value] if param.nargs != 1 else [str(value)]
+            if param.nargs == -1 and more:
+                arguments += ["--", *(more[1:] if more[0] == "--" else more)]
+            else:
+                arguments += more
+        elif param.name in values or ctx.get_parameter_source(param.name) in (
+                click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT):
+            words += _option_words(param, value)
+    return words + [str(a) for a in arguments]
+
+
+def _option_words(param: click.Option, value) -> list[str]:
+    if param.is_flag:
+        return [param.opts[0]] if value else param.secondary_opts[:1]
+    if param.multiple:
+        return [w for v in value for w in (param.opts[0], str(v))]
+    return [param.opts[0], str(value)]
+
+
+def _in_etcd(run) -> int:
+    """`run()`'s exit status, its wrapper's log shown; an etcd that cannot answer is one line
+    and exit status 3
+    (no decision can be made: the workers stop with a checkpoint, --resume continues)."""
+    import logging
+
+    from recycle_planner.executor.control.failover import STORE_UNAVAILABLE, log
+    from recycle_planner.executor.control.store import StoreUnavailable
+
+    shown = logging.StreamHandler(sys.stderr)  # who leads, whom a host agent follows
+    shown.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    log.addHandler(shown)
+    log.setLevel(logging.INFO)
+    try:
+        return run()
+    except StoreUnavailable as exc:
+        click.echo(f"error: the control store is unavailable: {exc}", err=True)
+        return STORE_UNAVAILABLE
 
 
 def result_summary(result) -> str:

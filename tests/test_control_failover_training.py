@@ -1,6 +1,7 @@
-"""Coordinators that fail over with real training: a 3-member etcd and two `failover
-coordinate` wrappers in the coordinator's network namespace, one `failover follow` wrapper per
-training host (each a namespace joined by a veth pair). The leading wrapper is SIGKILLed after
+"""Coordinators that fail over with real training: a 3-member etcd and two `recycle-planner
+coordinator --rdzv-backend etcd` in the coordinator's network namespace, one `recycle-planner
+launch --rdzv-backend etcd` per training host (each a namespace joined by a veth pair). The
+leading coordinator (the wrapper that campaigns) is SIGKILLed after
 the checkpoint of iteration 2: its coordinator dies with it, the workers stop with a
 checkpoint, the standby leads and resumes, the host agents follow it, and training ends with
 the parameters of the fault-free run."""
@@ -28,7 +29,6 @@ WHY = unavailable() or etcd_missing()
 pytestmark = [pytestmark, pytest.mark.skipif(WHY is not None, reason=f"{WHY}")]
 
 ITERATIONS = 8
-FAILOVER = [sys.executable, "-m", "recycle_planner.executor.control.failover"]
 CLI = [sys.executable, "-m", "recycle_planner.cli"]
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,15 +48,15 @@ def test_the_leading_coordinator_killed_the_standby_resumes_the_run(tmp_path):
         for i in range(2):
             port = str(29400 + i)
             wrappers[f"c{i}"] = net.popen(net.coord, [
-                *FAILOVER, "coordinate", "--etcd", etcd.endpoints, "--job", "train",
-                "--lease", "2", "--name", f"c{i}", "--endpoint", f"{COORD_ADDR}:{port}", "--",
                 *CLI, "coordinator", "--nnodes", "2", "--nproc-per-node", "2", "--port", port,
-                "--run-dir", str(run), "--lease", "2", "--heartbeat", "0.1",
-                "--checkpoint-every", "2"], open(logs[f"c{i}"], "wb"), env=_env())
+                "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--rdzv-id",
+                "train", "--advertise", COORD_ADDR, "--run-dir", str(run), "--lease", "2",
+                "--heartbeat", "0.1", "--checkpoint-every", "2"], open(logs[f"c{i}"], "wb"),
+                env=_env())
         followers = [net.popen(ns, [
-            *FAILOVER, "follow", "--etcd", etcd.endpoints, "--job", "train", "--timeout", "120",
-            "--", *CLI, "launch", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank",
-            str(i), "--rdzv-endpoint", "{coordinator}", TINY, "--", "--library", str(lib),
+            *CLI, "launch", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(i),
+            "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--rdzv-id", "train",
+            "--rdzv-timeout", "120", TINY, "--", "--library", str(lib),
             "--iterations", str(ITERATIONS)], open(logs[f"h{i}"], "wb"),
             env=_env(GLOO_SOCKET_IFNAME="eth0")) for i, ns in enumerate(net.hosts)]
 

@@ -18,7 +18,9 @@ def _events(result, kind):
 
 
 BACKENDS = ["gloo", "nccl-sim"]
-"""Every case runs on gloo and on gloo with NCCL's host semantics (`data/nccl_sim.py`)."""
+"""The three-member group cases run on gloo (whose abort had the hole) and on gloo with NCCL's
+host semantics (`data/nccl_sim.py`); the cases that only NCCL's semantics can fail (a wait
+that returns on a dead peer, a send that completes only when received) run in nccl-sim."""
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -106,7 +108,7 @@ def test_a_gloo_abort_releases_every_blocked_member_of_a_three_member_group():
     assert released[0] < 1.0 and released[1] < 1.5, released
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["nccl-sim"])
 def test_a_death_in_the_cool_down_never_leaves_a_step_on_partial_gradients(tmp_path, backend):
     """2 stages x 2 pipelines: worker 1:1 dies just before its last weight gradient of
     iteration 2, its stage peer 0:1 waiting in the gradient all-reduce. On NCCL (and here in
@@ -130,7 +132,7 @@ def test_a_death_in_the_cool_down_never_leaves_a_step_on_partial_gradients(tmp_p
     assert_losses_equal(result.losses, ref.losses)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["nccl-sim"])
 def test_a_death_during_a_plan_switch_never_hangs_the_survivors(tmp_path, backend):
     """2 stages x 3 pipelines. Worker 1:0 dies in iteration 1 and is restarted; worker 0:0
     holds at iteration 2 until it asks to join, so the members switch plans at iteration 4.

@@ -36,7 +36,8 @@ def run(*args):
 @pytest.fixture(scope="module")
 def gpt_library(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpt-plans")
-    r = run("plan-all", GPT, "--max-failures", 2, "-o", folder, "--jobs", 1)
+    r = run("plan-all", GPT, "--max-failures", 2, "-o", folder, "--jobs", 1,
+            "--solver", "heuristic")
     assert r.exit_code == 0, r.output
     return folder
 

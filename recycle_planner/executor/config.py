@@ -56,6 +56,14 @@ GRACE = 30.0
 SLURM's and Kubernetes' defaults are 30 s or less."""
 RDZV_TIMEOUT = 300.0
 """Seconds a host agent waits for its coordinator's store before it gives up."""
+RDZV_BACKENDS = ("c10d", "etcd")
+"""Where a cluster job's coordinator is found (torchrun's `--rdzv-backend`): `c10d`, the one
+coordinator's own store at `--rdzv-endpoint`; `etcd`, the leader among coordinators that
+campaign on the etcd at `--rdzv-endpoint` (docs/runtime-engines.md)."""
+RDZV_BACKEND = "c10d"
+RDZV_ID = "recycle"
+"""The job's name: its host agents' key prefix at the coordinator, and its keys' prefix on
+etcd (torchrun's `--rdzv-id`)."""
 COORDINATOR_LOST = 5
 """Exit status of a worker (and host agent) that lost the coordinator and stopped with a
 checkpoint; `--resume` continues from it."""

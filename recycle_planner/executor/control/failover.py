@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor.config import WorkerConfig
+from recycle_planner.executor.config import RDZV_ID, WorkerConfig
 from recycle_planner.executor.control.election import Deposed, Election
 from recycle_planner.executor.control.plane import Keys, Leader, Lookup
 from recycle_planner.executor.control.protocol import Decision
@@ -207,6 +207,39 @@ def library_lookup(folder: Path) -> tuple[Lookup, int, int]:
     return lookup, lib.spec.pipelines, lib.spec.stages
 
 
+def campaign_and_coordinate(endpoints: str, job: str, lease: float, endpoint: str,
+                            command: list[str], name: str | None = None) -> int:
+    """`recycle-planner coordinator --rdzv-backend etcd`: campaign on the etcd at `endpoints`
+    and run `command` (the same coordinator on the job's own c10d store, which listens at
+    `endpoint`) while leading; SIGTERM and SIGINT are passed on. Returns the exit status."""
+    stop = _stop_on_signals()
+    store = _etcd(endpoints, lease)
+    code = coordinate(store, Keys(job), name or f"{socket.gethostname()}:{os.getpid()}",
+                      lease, endpoint, command, stop)
+    return 0 if code is None else code
+
+
+def follow_leader(endpoints: str, job: str, lease: float, command: list[str],
+                  timeout: float) -> int:
+    """`recycle-planner launch --rdzv-backend etcd`: run this host's agent (`command`, with
+    `COORDINATOR` for the coordinator's HOST:PORT) against the leading coordinator, and again
+    after each failover. Returns the host agent's last exit status."""
+    return follow(_etcd(endpoints, lease), Keys(job), command, timeout, _stop_on_signals())
+
+
+def _etcd(endpoints: str, lease: float) -> ControlStore:
+    from recycle_planner.executor.control.store import EtcdStore
+
+    return EtcdStore(endpoints, timeout=max(2.0, lease))
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m recycle_planner.executor.control.failover",
@@ -221,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "store ({coordinator} in it), again after a failover")
     for p in (decide, lead, host):
         p.add_argument("--etcd", required=True, help="etcd endpoints, HOST:PORT[,HOST:PORT]")
-        p.add_argument("--job", default="recycle", help="the job's name (its key prefix)")
+        p.add_argument("--job", default=RDZV_ID, help="the job's name (its key prefix)")
         p.add_argument("--lease", type=float, default=WorkerConfig.lease,
                        help="seconds without renewal after which a leader (or a host) is "
                             "replaced: the executor's one lease (default %(default)s)")
@@ -237,21 +270,17 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from recycle_planner.executor.control.store import EtcdStore
-
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     try:
-        store, keys = EtcdStore(args.etcd, timeout=max(2.0, args.lease)), Keys(args.job)
         if args.mode != "decide":
             command = args.command[1:] if args.command[:1] == ["--"] else args.command
             if not command:
                 raise RecycleError(f"{args.mode}: no command after --")
             if args.mode == "follow":
-                return follow(store, keys, command, args.timeout, stop)
-            code = coordinate(store, keys, args.name, args.lease, args.endpoint, command, stop)
-            return 0 if code is None else code
+                return follow_leader(args.etcd, args.job, args.lease, command, args.timeout)
+            return campaign_and_coordinate(args.etcd, args.job, args.lease, args.endpoint,
+                                           command, args.name)
+        stop = _stop_on_signals()
+        store, keys = _etcd(args.etcd, args.lease), Keys(args.job)
         lookup, pipelines, stages = library_lookup(args.library)
         stand_by_or_lead(store, keys, args.name, args.lease, pipelines, stages, lookup, stop,
                          on_decision=lambda d: print(f"decision {d.gen} {d.action} "
