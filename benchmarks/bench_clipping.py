@@ -1,7 +1,7 @@
 """Step time with global-norm clipping: the barrier against optimizer post-validation.
 
 Usage: python benchmarks/bench_clipping.py [--repeat N] [--iterations N] [--clip NORM]
-                                           [--cpu-quota CPUS] [--json FILE]
+                                           [--kill WORKER] [--cpu-quota CPUS] [--json FILE]
 
 The small GPT of examples/gpt_small.py (float32, no LR schedule, clipped to `--clip`), 2
 stages x 2 pipelines x 8 micro-batches on local CPU processes (gloo), profiled once and
@@ -9,8 +9,10 @@ planned with the default policy (split backward, staggered optimizer). Each repe
 four times, alternating: with `--clip-barrier` (every stage waits for the global norm before
 its step) and without (each stage steps at once with the factor its own norm allows and
 checks it when the global norm arrives, `executor/data/validation.py`), fault-free and with
-worker 1:0 killed mid-forward at the middle iteration (its micro-batches re-routed to 0:0 for
-the rest of the run). Step time: the median time between iteration ends from iteration 5 (or
+a worker killed mid-forward at the middle iteration (`--kill`: 0:1 by default, whose
+micro-batches 1:1 then runs too, so that stage 1 finishes last and stage 0 could start the
+next iteration before it; or 1:0, whose micro-batches go to 0:0, the stage that finishes last
+anyway). Step time: the median time between iteration ends from iteration 5 (or
 from two iterations after the restart, for the re-routed plan); the table shows the median
 over the repeats, and how many steps were redone (the guess was wrong) or taken late (the
 stage's own norm was over the limit, so it waited for the global one) out of all steps.
@@ -34,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_executor import D, GPT, M, QUOTA_SHARES, S, median_step, profile, run_ours
+from bench_executor import D, GPT, KILLS, M, QUOTA_SHARES, S, median_step, profile, run_ours
 from common import machine
 from cpu_quota import CpuQuota, QuotaGroups
 
@@ -44,7 +46,6 @@ from recycle_planner.job.policy import Policy
 from recycle_planner.library import PlanLibrary, Settings, build_library
 
 MODES = {"barrier": ["--clip-barrier"], "post-validated": []}
-KILLED, RANK = "1:0", 2
 
 
 def settled(res) -> dict[str, int]:
@@ -59,8 +60,8 @@ def settled(res) -> dict[str, int]:
 
 
 def one_run(job_args: list[str], lib: PlanLibrary, work: Path, kill_at: int | None,
-            quota: QuotaGroups | None) -> dict:
-    faults = [parse_fault(f"{RANK}:{kill_at}:F1")] if kill_at is not None else []
+            rank: str, quota: QuotaGroups | None) -> dict:
+    faults = [parse_fault(f"{rank}:{kill_at}:F1")] if kill_at is not None else []
     res = run_ours(GPT, job_args, lib, work, quota, faults)
     row = {"step_ms": median_step(res.iteration_end, 5, kill_at), **settled(res)}
     if kill_at is not None:
@@ -70,7 +71,7 @@ def one_run(job_args: list[str], lib: PlanLibrary, work: Path, kill_at: int | No
     return row
 
 
-def run(repeat: int, iterations: int, clip: float, work: Path,
+def run(repeat: int, iterations: int, clip: float, kill: str, work: Path,
         quota: QuotaGroups | None) -> dict:
     job_args = ["--dtype", "float32", "--warmup", "0", "--clip", str(clip), "--iterations",
                 str(iterations)]
@@ -84,17 +85,18 @@ def run(repeat: int, iterations: int, clip: float, work: Path,
         for mode, extra in MODES.items():
             for case, kill_at in (("fault-free", None), ("kill", iterations // 2)):
                 row = one_run(job_args + extra, lib, work / f"{mode}-{case}-{r}", kill_at,
-                              quota)
+                              KILLS[kill], quota)
                 logging.info("%s %s run %d: %s", mode, case, r, json.dumps(row))
                 rows[f"{mode} {case}"].append(row)
     return {"spec": spec.to_dict(), "predicted_ms": lib.fault_free_period,
-            "predicted_rerouted_ms": lib.lookup([(1, 0)]).entry.period, "runs": rows}
+            "predicted_rerouted_ms": lib.lookup([tuple(map(int, kill.split(":")))]).entry.period,
+            "runs": rows}
 
 
 def markdown(results: dict) -> str:
     runs = results["runs"]
     lines = ["| clipping | fault-free step (ms) | step before the kill (ms) | step on the "
-             "re-routed plan, 1:0 dead (ms) | steps redone / taken late / all |",
+             f"re-routed plan, {results['kill']} dead (ms) | steps redone / taken late / all |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for mode in MODES:
         free, kill = runs[f"{mode} fault-free"], runs[f"{mode} kill"]
@@ -111,6 +113,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--clip", type=float, default=1.0, help="the global gradient norm")
+    parser.add_argument("--kill", choices=sorted(KILLS), default="0:1",
+                        help="the worker (pipeline:stage) killed mid-run")
     parser.add_argument("--cpu-quota", type=float, default=None, metavar="CPUS",
                         help="CPUs per worker process, fixed (cgroup v1 CFS quota)")
     parser.add_argument("--cpu-period-us", type=int, default=CpuQuota.period_us,
@@ -125,9 +129,10 @@ def main() -> None:
         quota = QuotaGroups(CpuQuota(args.cpu_quota, args.cpu_period_us, QUOTA_SHARES))
     with tempfile.TemporaryDirectory(prefix="bench-clipping-") as tmp, \
             quota or contextlib.nullcontext():
-        results = run(args.repeat, args.iterations, args.clip, Path(tmp), quota)
+        results = run(args.repeat, args.iterations, args.clip, args.kill, Path(tmp), quota)
     results.update(machine=machine(), grid=f"{S} stages x {D} pipelines x {M} micro-batches",
                    repeat=args.repeat, iterations=args.iterations, clip=args.clip,
+                   kill=args.kill,
                    cpu_quota=quota.quota.to_dict() if quota else None,
                    load_average=[load, os.getloadavg()[0]])
     if args.json:
@@ -137,7 +142,7 @@ def main() -> None:
           f"{quota_text}; "
           f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after; planner's "
           f"period {results['predicted_ms']:.1f} ms fault-free, "
-          f"{results['predicted_rerouted_ms']:.1f} ms with 1:0 dead")
+          f"{results['predicted_rerouted_ms']:.1f} ms with {args.kill} dead")
     print(markdown(results))
 
 
