@@ -1,9 +1,12 @@
 """Step time with global-norm clipping: the barrier against optimizer post-validation.
 
-Usage: python benchmarks/bench_clipping.py [--repeat N] [--iterations N] [--clip NORM]
-                                           [--kill WORKER] [--cpu-quota CPUS] [--json FILE]
+Usage: python benchmarks/bench_clipping.py [--workload gpt|device] [--repeat N]
+                                           [--iterations N] [--clip NORM] [--kill WORKER]
+                                           [--cpu-quota CPUS] [--json FILE]
 
-The small GPT of examples/gpt_small.py (float32, no LR schedule, clipped to `--clip`), 2
+The small GPT of examples/gpt_small.py (float32, no LR schedule, clipped to `--clip`), or
+with `--workload device` the tiny MLP whose passes sleep 2 ms each with the CPU free (as on a
+GPU: step times show the schedule, not the machine's load; bench_executor.py's `device`), 2
 stages x 2 pipelines x 8 micro-batches on local CPU processes (gloo), profiled once and
 planned with the default policy (split backward, staggered optimizer). Each repeat trains it
 four times, alternating: with `--clip-barrier` (every stage waits for the global norm before
@@ -36,7 +39,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_executor import D, GPT, KILLS, M, QUOTA_SHARES, S, median_step, profile, run_ours
+from bench_executor import (D, GPT, KILLS, M, QUOTA_SHARES, S, TINY, WORKLOADS, median_step,
+                            profile, run_ours)
 from common import machine
 from cpu_quota import CpuQuota, QuotaGroups
 
@@ -46,6 +50,9 @@ from recycle_planner.job.policy import Policy
 from recycle_planner.library import PlanLibrary, Settings, build_library
 
 MODES = {"barrier": ["--clip-barrier"], "post-validated": []}
+JOBS = {"gpt": (GPT, ["--dtype", "float32", "--warmup", "0"]),
+        "device": (TINY, WORKLOADS["device"][1])}
+"""Per `--workload`: the job and its arguments (clipping added)."""
 
 
 def settled(res) -> dict[str, int]:
@@ -59,10 +66,10 @@ def settled(res) -> dict[str, int]:
     return out
 
 
-def one_run(job_args: list[str], lib: PlanLibrary, work: Path, kill_at: int | None,
-            rank: str, quota: QuotaGroups | None) -> dict:
+def one_run(target: str, job_args: list[str], lib: PlanLibrary, work: Path,
+            kill_at: int | None, rank: str, quota: QuotaGroups | None) -> dict:
     faults = [parse_fault(f"{rank}:{kill_at}:F1")] if kill_at is not None else []
-    res = run_ours(GPT, job_args, lib, work, quota, faults)
+    res = run_ours(target, job_args, lib, work, quota, faults)
     row = {"step_ms": median_step(res.iteration_end, 5, kill_at), **settled(res)}
     if kill_at is not None:
         gen = [e for e in res.events if e["kind"] == "generation"][-1]
@@ -71,11 +78,11 @@ def one_run(job_args: list[str], lib: PlanLibrary, work: Path, kill_at: int | No
     return row
 
 
-def run(repeat: int, iterations: int, clip: float, kill: str, work: Path,
+def run(workload: str, repeat: int, iterations: int, clip: float, kill: str, work: Path,
         quota: QuotaGroups | None) -> dict:
-    job_args = ["--dtype", "float32", "--warmup", "0", "--clip", str(clip), "--iterations",
-                str(iterations)]
-    spec = profile("gpt-clip", GPT, job_args, work, quota)
+    target, base = JOBS[workload]
+    job_args = [*base, "--clip", str(clip), "--iterations", str(iterations)]
+    spec = profile(f"{workload}-clip", target, job_args, work, quota)
     folder = work / "lib"
     build_library(spec, Policy(), 1, folder, Settings(solver="heuristic"), jobs=1)
     lib = PlanLibrary.open(folder)
@@ -84,8 +91,8 @@ def run(repeat: int, iterations: int, clip: float, kill: str, work: Path,
     for r in range(repeat):
         for mode, extra in MODES.items():
             for case, kill_at in (("fault-free", None), ("kill", iterations // 2)):
-                row = one_run(job_args + extra, lib, work / f"{mode}-{case}-{r}", kill_at,
-                              KILLS[kill], quota)
+                row = one_run(target, job_args + extra, lib, work / f"{mode}-{case}-{r}",
+                              kill_at, KILLS[kill], quota)
                 logging.info("%s %s run %d: %s", mode, case, r, json.dumps(row))
                 rows[f"{mode} {case}"].append(row)
     return {"spec": spec.to_dict(), "predicted_ms": lib.fault_free_period,
@@ -110,6 +117,7 @@ def markdown(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=sorted(JOBS), default="gpt")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--clip", type=float, default=1.0, help="the global gradient norm")
@@ -129,16 +137,18 @@ def main() -> None:
         quota = QuotaGroups(CpuQuota(args.cpu_quota, args.cpu_period_us, QUOTA_SHARES))
     with tempfile.TemporaryDirectory(prefix="bench-clipping-") as tmp, \
             quota or contextlib.nullcontext():
-        results = run(args.repeat, args.iterations, args.clip, args.kill, Path(tmp), quota)
+        results = run(args.workload, args.repeat, args.iterations, args.clip, args.kill,
+                      Path(tmp), quota)
     results.update(machine=machine(), grid=f"{S} stages x {D} pipelines x {M} micro-batches",
                    repeat=args.repeat, iterations=args.iterations, clip=args.clip,
-                   kill=args.kill,
+                   kill=args.kill, workload=args.workload,
                    cpu_quota=quota.quota.to_dict() if quota else None,
                    load_average=[load, os.getloadavg()[0]])
     if args.json:
         write_json(args.json, results)
     quota_text = f"; {args.cpu_quota} CPU per process" if quota else ""
-    print(f"machine: {results['machine']}; {results['grid']}; {args.repeat} runs each"
+    print(f"machine: {results['machine']}; {args.workload}, clip {args.clip}; "
+          f"{results['grid']}; {args.repeat} runs each"
           f"{quota_text}; "
           f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after; planner's "
           f"period {results['predicted_ms']:.1f} ms fault-free, "
