@@ -8,7 +8,7 @@ For tests, the demo and chaos drills, never for production training. A fault is 
   `step`: right after its stage's optimizer step of that iteration, before the iteration has
   ended everywhere; `counted`: right after that step is counted (the same moment, except for
   a step checked after it was taken, `data/validation.py`: once checked, inside the worker's
-  first forward of the next iteration, before that forward computes or sends); `allreduce`:
+  first forward of the next iteration, before it receives, computes or sends); `allreduce`:
   just before its ALLREDUCE op, which waits for the stage's gradient all-reduce (its buckets
   started during the worker's last W or B, so the peers may already hold the sum);
   `optimizer`: just before the step, after the stage's all-reduce (its peers have stepped; a

@@ -6,15 +6,13 @@ gradients) and `apply` (act on the sum over stages); the executor sums with one 
 all-reduce over all workers, the single-process reference by adding.
 
 Waiting for that sum before stepping is a barrier: no stage could step before every stage
-has reduced its gradients, so the cool-down of iteration i and the warm-up of iteration i+1
-would no longer overlap (stage 0 waits for the last stage's last W; +4% step time on the
-small GPT). A hook that also implements `Validated` avoids it (the Zero Bubble paper's
-optimizer post-validation, `executor/data/validation.py`): it names the *outcome* the sum
-decides (for clipping: the factor, or a skipped step), guesses it from the stage's own
-contribution when that guess is likely right, and the executor steps with the guess at once,
-then compares with the outcome of the real sum when it arrives and redoes the step in the
-rare case they differ. Results are exactly those of the barrier. A hook without `Validated`
-keeps the barrier.
+has reduced its gradients. A hook that also implements `Validated` avoids it (the Zero
+Bubble paper's optimizer post-validation, `executor/data/validation.py`): it names the
+*outcome* the sum decides (for clipping: the factor, or a skipped step), guesses it from the
+stage's own contribution when that guess is likely right, and the executor steps with the
+guess at once, then compares with the outcome of the real sum when it arrives and redoes the
+step in the rare case they differ. Results are exactly those of the barrier. A hook without
+`Validated` keeps the barrier.
 """
 
 from __future__ import annotations

@@ -320,6 +320,7 @@ class StageRuntime:
     # -- handlers ----------------------------------------------------------------------------
 
     def forward(self, k: int, ins: Instr, iteration: int) -> None:
+        self.validate()  # before the activation's wait: a redo overlaps it
         key = (ins.pipeline, ins.microbatch)
         sample = None
         if self.first:
@@ -331,7 +332,6 @@ class StageRuntime:
                       for x in self._received(k, "receiving an activation")]
             value = pytree.tree_unflatten(leaves, self.in_layout.spec)
             inputs = [x for x in leaves if x.requires_grad]
-        self.validate()
         with self._forward_context():
             out = call(self.module, value)
         if self.last:

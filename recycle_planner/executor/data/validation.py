@@ -5,7 +5,8 @@ every stage wait at OPTIMIZER for the last stage's last W. With a `hooks.Validat
 stage instead, at OPTIMIZER(i), computes its contribution, starts the sum without waiting and
 steps with the outcome its own view gives (`Validated.guess`: unclipped, when its own norm is
 finite and under the limit), keeping its reduced gradients. Before its first forward of
-iteration i+1 (the first op that reads the parameters), the sum has normally arrived: the
+iteration i+1 (the first op that reads the parameters; before it waits for its activation,
+so that a redo overlaps that wait), the sum has normally arrived: the
 stage compares the outcome it gives with the one used and, in the rare case they differ,
 reverts the step with the undo copy (`undo.py`, the LR scheduler included) and redoes it from
 the same gradients. Only then is the step counted (`StageState.steps`, the fault injector's
