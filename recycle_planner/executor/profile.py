@@ -114,7 +114,7 @@ class LoopbackComm:
     def wait(self, work: Any, what: str = "operation", gated: bool = True) -> None:
         pass
 
-    def confirm(self, works: Any, what: str) -> None:
+    def confirm(self, works: Any, what: str, synchronize: bool = True) -> None:
         pass
 
     def confirm_received(self, what: str) -> None:
