@@ -45,7 +45,8 @@ import torch.distributed as dist
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.control.pool import exit_how, last_line
 from recycle_planner.executor.config import (CONFIG_ENV, CONFIG_ERROR, CONFIG_KEY,
-                                             COORDINATOR_LOST, RDZV_TIMEOUT, WorkerConfig)
+                                             COORDINATOR_LOST, RDZV_ID, RDZV_TIMEOUT,
+                                             WorkerConfig)
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.relay import RELAY_ENV, Relay, relay_path
 
@@ -66,7 +67,7 @@ class HostConfig:
     nproc_per_node: int
     endpoint: str                      # HOST:PORT of the coordinator's store
     node_rank: int | None = None       # None: the next free one (rendezvous by arrival)
-    rdzv_id: str = "recycle"
+    rdzv_id: str = RDZV_ID
     max_restarts: int = 0              # restarts per local worker
     restart_delay: float = 0.0
     startup_timeout: float = 300.0
