@@ -314,13 +314,7 @@ class Comm:
         (`pool.py`), so works kept until the step gate held every receive buffer of the
         iteration (the pool grew with M). On NCCL a work usually completes after its wait
         returns: it stays until a later wait or the gate finds it complete."""
-        received = []
-        for work in self.received:
-            if not work.is_completed():
-                received.append(work)
-            elif self.error is None:
-                self.error = _error_of(work)
-        self.received = received
+        self.received = self._pending(self.received)
         self.waiting_on_peer()
 
     def _await(self, work) -> None:
@@ -334,14 +328,19 @@ class Comm:
         """Whether the device waits for a work not complete yet: a peer's progress, not this
         worker's (read by the stall watch, on its own thread)."""
         with self._awaiting:
-            awaited = []
-            for work in self.awaited:
-                if not work.is_completed():
-                    awaited.append(work)
-                elif self.error is None:
-                    self.error = _error_of(work)
-            self.awaited = awaited
-        return bool(awaited)
+            self.awaited = self._pending(self.awaited)
+            return bool(self.awaited)
+
+    def _pending(self, works: list) -> list:
+        """The works of `works` not complete yet; the first error of those complete is kept
+        for the step gate."""
+        pending = []
+        for work in works:
+            if not work.is_completed():
+                pending.append(work)
+            elif self.error is None:
+                self.error = _error_of(work)
+        return pending
 
     def failed(self) -> bool:
         """Whether an operation the device waited for is known to have failed."""
