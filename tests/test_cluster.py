@@ -28,6 +28,7 @@ torch = pytest.importorskip("torch")
 from helpers.executor_checks import (TINY, assert_losses_equal,  # noqa: E402
                                      assert_params_equal, checkpoint_params, library, reference)
 from helpers.netns import COORD_ADDR, Hosts, unavailable  # noqa: E402
+from helpers.procs import children  # noqa: E402
 
 WHY = unavailable()
 if WHY is not None:
@@ -196,7 +197,7 @@ def test_a_returning_hosts_stale_workers_are_fenced(tmp_path, three_pipelines):
                              "--pg-timeout", "5")
         agents = _agents(net, lib, log, "--data-delay", "0.2", iterations=DRILL_ITERATIONS)
         _until(lambda: "generation 1:" in out.read_text(errors="replace"), 180, out, [coord])
-        for pid in _children(agents[2].pid):
+        for pid in children(agents[2].pid):
             os.kill(pid, signal.SIGCONT)
         os.kill(agents[2].pid, signal.SIGCONT)
         # rank 4 fired the fault (its thread never trains again: it leaves as stalled);
@@ -212,13 +213,6 @@ def test_a_returning_hosts_stale_workers_are_fenced(tmp_path, three_pipelines):
     _, params = checkpoint_params(run, 2)
     assert_params_equal(params, ref.params)
     assert_losses_equal(result["losses"], ref.losses)
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-    except OSError:
-        return []
 
 
 def test_a_rebooted_host_rejoins_at_an_iteration_boundary(tmp_path, three_pipelines):

@@ -26,6 +26,7 @@ torch = pytest.importorskip("torch")
 
 from helpers.executor_checks import (TINY, assert_losses_equal,  # noqa: E402
                                      assert_params_equal, checkpoint_params, library, reference)
+from helpers.procs import children  # noqa: E402
 
 CLI = [sys.executable, "-m", "recycle_planner.cli"]
 
@@ -160,13 +161,6 @@ def test_the_summary_shows_predicted_replayed_and_measured_side_by_side():
            "degradation predicted +3.5%, measured +20.0%" in text
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-    except OSError:
-        return []
-
-
 def test_sigterm_stops_with_a_checkpoint_that_resumes_with_every_loss(tmp_path, lib):
     """SIGTERM to every process of the job (what SLURM and Kubernetes send at preemption):
     the launcher abandons the generation, every worker undoes a half-finished iteration, the
@@ -192,7 +186,7 @@ def test_sigterm_stops_with_a_checkpoint_that_resumes_with_every_loss(tmp_path, 
             assert time.monotonic() < deadline and proc.poll() is None, out.read_text()
             time.sleep(0.02)
         t0 = time.monotonic()
-        for pid in [proc.pid, *_children(proc.pid)]:
+        for pid in [proc.pid, *children(proc.pid)]:
             os.kill(pid, signal.SIGTERM)
         code = proc.wait(timeout=60)
     finally:
