@@ -227,8 +227,8 @@ def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
         host = HostAgent(worker_command(target, args), HostConfig(
             nnodes=nnodes, nproc_per_node=nproc, endpoint=rdzv_endpoint, node_rank=node_rank,
             rdzv_id=rdzv_id, max_restarts=max_restarts if restart_delay is not None else 0,
-            restart_delay=restart_delay or 0.0, rdzv_timeout=rdzv_timeout),
-            on_event=click.echo)
+            restart_delay=restart_delay or 0.0, rdzv_timeout=rdzv_timeout,
+            successor=failover_successor()), on_event=click.echo)
         sys.exit(host.run())
     config = _launch_config(nproc, master_addr=master_addr, master_port=master_port,
                             restart_delay=restart_delay, max_restarts=max_restarts, **settings)
@@ -247,7 +247,8 @@ def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
               help="c10d: this is the job's one coordinator. etcd: run this command on two "
                    "or more machines; they campaign on the etcd at --rdzv-endpoint, one "
                    "leads and the others stand by; when the leader is lost (killed, cut "
-                   "off) another leads within --lease and continues the run (--resume).")
+                   "off) another leads within --lease and takes over the running workers "
+                   "(--take-over).")
 @click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT[,HOST:PORT...]",
               help="etcd's client endpoints (with --rdzv-backend etcd).")
 @click.option("--rdzv-id", default=RDZV_ID, show_default=True,
@@ -255,17 +256,24 @@ def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
 @click.option("--advertise", default=None, metavar="HOST",
               help="With etcd: the address host agents dial for this coordinator's store "
                    "(default: this machine's name).")
+@click.option("--take-over", is_flag=True,
+              help="Continue the run in --run-dir whose coordinator was lost, its workers "
+                   "still running: wait for the host agents to re-attach and adopt their "
+                   "generation (a new attempt; if no host runs one, start again from the "
+                   "latest checkpoint). What a coordinator that leads after another runs "
+                   "with (--rdzv-backend etcd).")
 @_settings
 def coordinator(nnodes: int, nproc_per_node: int, port: int, rdzv_backend: str,
-                rdzv_endpoint: str | None, rdzv_id: str, advertise: str | None, as_json: bool,
-                **settings) -> None:
+                rdzv_endpoint: str | None, rdzv_id: str, advertise: str | None, take_over: bool,
+                as_json: bool, **settings) -> None:
     """Coordinate a cluster job from a machine that does not train.
 
     Hosts the store, declares a worker dead when its lease expires or its host agent
     reports its exit, decides the plan for every failure set, marks checkpoints complete and
     writes RUN_DIR/result.json. Every training host runs 'recycle-planner launch --nnodes N
     --nproc-per-node K --rdzv-endpoint THIS_HOST:PORT JOB'. If this process is lost, the
-    workers stop with a checkpoint; start it again with --resume, then the host agents.
+    workers stop with a checkpoint; start it again with --resume, then the host agents
+    (with --rdzv-backend etcd another coordinator takes over, the workers running).
 
     \b
       recycle-planner coordinator --nnodes 2 --nproc-per-node 4 --run-dir /shared/run
@@ -289,9 +297,17 @@ def coordinator(nnodes: int, nproc_per_node: int, port: int, rdzv_backend: str,
         sys.exit(_in_etcd(lambda: failover.campaign_and_coordinate(
             rdzv_endpoint, rdzv_id, settings["lease"], where, child)))
 
-    config = _launch_config(nnodes * nproc_per_node, master_port=port, **settings)
+    config = _launch_config(nnodes * nproc_per_node, master_port=port, take_over=take_over,
+                            **settings)
     result = coordinate(config, nnodes, on_event=_show(as_json))
     _finish(result, as_json)
+
+
+def failover_successor():
+    """Where a host agent run by a follower (`--rdzv-backend etcd`) finds the next leader."""
+    from recycle_planner.executor.control.failover import Successor
+
+    return Successor.from_env()
 
 
 def own_command(ctx: click.Context, drop: tuple[str, ...] = (), **values) -> list[str]:

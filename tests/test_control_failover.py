@@ -269,8 +269,9 @@ def test_coordinate_and_follow_move_a_job_to_the_next_leader(cluster, tmp_path):
     """The process wrappers around today's commands, with stand-ins for them: the leader runs
     its coordinator command, a host agent command runs against it (and stops as a host agent
     does when it loses its coordinator); the leader is SIGKILLed, so is its coordinator (no
-    coordinator outlives its leadership); the next leader runs its coordinator with --resume
-    and the host agent runs again against it."""
+    coordinator outlives its leadership); the next leader runs its coordinator with
+    --take-over and the host agent (told where to find the next leader) runs again against
+    it."""
     from recycle_planner.executor.config import COORDINATOR_LOST
 
     job = "wrappers"
@@ -285,7 +286,9 @@ def test_coordinate_and_follow_move_a_job_to_the_next_leader(cluster, tmp_path):
              "--endpoint", f"{name}.example:29400", "--", sys.executable, "-c", stand_in],
             stdout=open(outs[name], "w"), stderr=subprocess.DEVNULL)
     runs = tmp_path / "agent-runs"
-    agent = ("import sys; runs = open(sys.argv[2], 'a'); runs.write(sys.argv[1] + '\\n'); "
+    agent = ("import json, os, sys; runs = open(sys.argv[2], 'a'); "
+             "told = json.loads(os.environ['RECYCLE_FOLLOW']); assert told['job'] == 'wrappers'"
+             "; runs.write(sys.argv[1] + '\\n'); "
              f"runs.close(); n = len(open(sys.argv[2]).read().split()); "
              f"sys.exit({COORDINATOR_LOST} if n == 1 else 0)")
     follower = subprocess.Popen(
@@ -303,7 +306,7 @@ def test_coordinate_and_follow_move_a_job_to_the_next_leader(cluster, tmp_path):
         coords[old].kill()
         assert follower.wait(30) == 0
         assert runs.read_text().split() == [f"{old}.example:29400", f"{new}.example:29400"]
-        assert wait_for(lambda: "coordinating ['--resume']" in outs[new].read_text(), 10)
+        assert wait_for(lambda: "coordinating ['--take-over']" in outs[new].read_text(), 10)
         pid = int(outs[old].read_text().split()[-1])
         assert wait_for(lambda: not alive(pid), 15)  # the deposed leader's coordinator died too
     finally:

@@ -49,6 +49,7 @@ from recycle_planner.executor.control import protocol as P
 from recycle_planner.executor.control.mail import Mail
 from recycle_planner.executor.control.pool import LocalPool, Proc, WorkerPool, last_line
 from recycle_planner.executor.control.runfolder import RunFolder, claim
+from recycle_planner.executor.control.takeover import Adoption
 from recycle_planner.executor.faults import Fault
 from recycle_planner.executor.job import Job, load_job
 from recycle_planner.executor.data.state import latest_checkpoint, write_manifest
@@ -94,8 +95,11 @@ class Phase(enum.Enum):
     STARTING (waiting for every hello, then the first decision), RUNNING (a generation
     trains), GATHERING (it was abandoned or is leaving at a boundary: collecting the members'
     step counts for the next decision), EXITING (the last iteration is done everywhere: the
-    workers leave), STOPPING (a stop decision: the members write their checkpoint)."""
+    workers leave), STOPPING (a stop decision: the members write their checkpoint), ADOPTING
+    (a coordinator taking over from a lost one: waiting for the host agents to re-attach,
+    then continuing the generation their workers run, `takeover.py`)."""
 
+    ADOPTING = "adopting"
     STARTING = "starting"
     RUNNING = "running"
     GATHERING = "gathering"
@@ -133,6 +137,7 @@ class LaunchConfig:
     max_restarts: int = MAX_RESTARTS      # restarts per rank
     checkpoint_every: int = CHECKPOINT_EVERY  # iterations between checkpoints (0: final only)
     resume: bool = False                  # start from the run folder's latest checkpoint
+    take_over: bool = False               # adopt a lost coordinator's running workers
     start_over: bool = False              # discard the run folder's earlier run (runfolder.py)
     grace: float = GRACE                  # SIGTERM: a consistent checkpoint within this long
     library: str | None = None            # overrides the job's plan library
@@ -172,7 +177,11 @@ class LaunchConfig:
                             heartbeat=self.heartbeat, lease=self.lease,
                             pg_timeout=self.pg_timeout,
                             poll=self.poll, checkpoint_every=self.checkpoint_every,
-                            resume=self.resume, library=self.library,
+                            # host agents that come back fresh to a coordinator taking over
+                            # start from the checkpoint their stopped workers wrote
+                            resume=self.resume or self.take_over and latest_checkpoint(
+                                self.run_dir) is not None,
+                            library=self.library,
                             threads=self.threads, bucket_mb=self.bucket_mb,
                             undo_copy=self.undo_copy, grace=self.grace,
                             faults=[f.to_dict() for f in self.faults])
@@ -291,7 +300,7 @@ def run_agent(config: LaunchConfig, on_event, pool: type, *pool_args: Any) -> La
     """Claim the run folder, prepare the library and hold its lock for the run's life (the
     run adds the plans it makes on demand), then run an `Agent` over the workers of `pool`
     (`LocalPool`, or `HostPool` for a coordinator)."""
-    folder = claim(config.run_dir, config.resume, config.start_over)
+    folder = claim(config.run_dir, config.resume, config.start_over, config.take_over)
     try:
         config = prepare_library(config)
         with contextlib.ExitStack() as stack:
@@ -417,7 +426,8 @@ class Agent:
         self.run_dir = Path(config.run_dir)
         self.log_dir = folder.log_dir
         # losses of the iterations before the checkpoint come from the earlier attempts
-        self.previous_losses = folder.earlier_losses() if config.resume else {}
+        self.previous_losses = (folder.earlier_losses() if config.resume or config.take_over
+                                else {})
         self.next_loss = 0                          # the next iteration to add to losses.jsonl
         self.store = host_store(config.master_addr, config.master_port,
                                 config.startup_timeout, pool.PORT_OPTION)
@@ -432,7 +442,7 @@ class Agent:
         self.deaths: list[dict] = []
         self.lib: PlanLibrary | None = None
         self.stages = 0
-        self.phase = Phase.STARTING
+        self.phase = Phase.ADOPTING if config.take_over else Phase.STARTING
         self.gen = -1
         self.decision: P.Decision | None = None
         self.round = _Round()                      # what this generation gathered so far
@@ -449,6 +459,8 @@ class Agent:
         self.plan_switch = False                     # a switch to a refined plan is under way
         self.preempted: float | None = None          # when SIGTERM came
         self.preempt_said = False
+        self.progress: msg.Progress | None = None    # what the host agents were told
+        self.progress_at = 0.0
 
     # -- main loop ---------------------------------------------------------------------------
 
@@ -498,6 +510,7 @@ class Agent:
         self._hellos()
         self._checkpoints()
         self._save_losses()
+        self._publish_progress(now)
         self._refinements_done(now)
         self._preemption(now)
         if self.outcome is None:
@@ -534,13 +547,17 @@ class Agent:
                                  f"{found[1]}" if found else "no complete checkpoint"))
 
     def _start(self) -> None:
-        for proc in self.pool.start():
-            self.procs[proc.rank] = proc
+        procs = self.pool.start()
+        if self.phase is not Phase.ADOPTING:  # taking over: the host agents name them
+            for proc in procs:
+                self.procs[proc.rank] = proc
         self._event("start", self.pool.describe())
 
     # -- watching processes --------------------------------------------------------------------
 
     def _reap(self) -> None:
+        if self.phase is Phase.ADOPTING:
+            return  # the re-attaching hosts' reports name the processes (`_adopt`)
         for proc in self.pool.started():
             self.procs[proc.rank] = proc
         for ended in self.pool.exits(self.procs):
@@ -632,6 +649,70 @@ class Agent:
         self.stages = self.lib.spec.stages
 
     # -- phases ------------------------------------------------------------------------------
+
+    def _phase_adopting(self, now: float) -> None:
+        """Taking over from a lost coordinator: wait until every host agent re-attached (or
+        came back fresh, its workers stopped with a checkpoint), at most three leases; then
+        adopt the generation the workers run, or, when no host runs one, start again from
+        the latest checkpoint as --resume does."""
+        nodes = range(self.pool.nnodes)
+        attaches = {n: a for n in nodes if (a := self.mail.get(msg.Attach, node=n)) is not None}
+        fresh = [n for n in nodes if n not in attaches
+                 and self.mail.get(msg.HostUp, node=n) is not None]
+        if len(attaches) + len(fresh) < len(nodes) and now - self.t0 < 3 * self.config.lease:
+            return
+        adoption = Adoption.of(attaches.values())
+        if adoption is None:
+            found = latest_checkpoint(self.run_dir)
+            self._event("take-over", "no host agent runs a generation: starting again from "
+                        + (f"the checkpoint of iteration {found[0]}" if found else "scratch"))
+            self.config = replace(self.config, resume=found is not None)
+            for proc in self.pool.start():
+                self.procs[proc.rank] = proc
+            self.phase = Phase.STARTING
+            return
+        if not any(self.mail.get(msg.Hello, rank=r, incarnation=i) is not None
+                   for r, i in adoption.workers.items()):
+            return  # the hellos come in the same reports: not there yet
+        self._adopt(adoption, sorted(attaches), now)
+
+    def _adopt(self, adoption: Adoption, attached: list[int], now: float) -> None:
+        """Continue generation `adoption.decision` with the workers the hosts run: its
+        decision posted again (a host may not have fetched it), the losses saved from the
+        mark the hosts were told, the next checkpoint after the latest complete one; members
+        that are gone (died meanwhile, or their host did not re-attach) are deaths of this
+        generation, as any other."""
+        d = adoption.decision
+        for rank, inc in adoption.workers.items():
+            self.procs[rank] = Proc(rank, inc, None, self.log_dir, time.time())
+        self.pool.adopt(list(self.procs.values()))
+        self._hellos()
+        self.mail.post_decision(d)
+        self.gen, self.decision, self.round = d.gen, d, _Round()
+        self.next_loss = adoption.saved if adoption.saved >= 0 else d.restart
+        every = self.config.checkpoint_every
+        if every:
+            found = latest_checkpoint(self.run_dir)
+            self.next_checkpoint = (max(d.restart, found[0] if found else -1) // every + 1) \
+                * every
+        self._event("take-over", f"took over generation {d.gen} from the lost coordinator: "
+                                 f"{len(adoption.workers)} workers kept running on hosts "
+                                 f"{attached}", gen=d.gen, hosts=attached)
+        if d.action == "stop":
+            self.phase, self.exit_started = Phase.STOPPING, time.time()
+            return
+        self.phase = Phase.RUNNING
+        for rank in adoption.lost_members():
+            inc = d.incarnations.get(rank, 0)
+            self.mail.put(msg.Kill(rank, inc))  # should its host come back
+            self._death(Proc(rank, inc, None, self.log_dir, time.time()),
+                        "was lost while the coordinators changed")
+        if adoption.abort is not None:
+            self._abort(adoption.abort)
+        elif self.phase is Phase.RUNNING and adoption.join:
+            self.mail.put(msg.JoinRequest(d.gen))
+            self.round.join_posted = True
+            self.phase = Phase.GATHERING
 
     def _phase_starting(self, now: float) -> None:
         if now - self.t0 > self.config.startup_timeout:
@@ -949,6 +1030,18 @@ class Agent:
                                        f"end: stopping it", rank=rank)
                 self._kill(proc, "arrived after the end")
 
+    def _publish_progress(self, now: float) -> None:
+        """Tell the host agents what is durable (`msg.Progress`: losses saved, the latest
+        complete checkpoint), at most every quarter lease: they keep what they relayed from
+        there on, for a coordinator that takes over (`relay.Journal`)."""
+        if self.decision is None or now < self.progress_at:
+            return
+        found = latest_checkpoint(self.run_dir) if self.stages else None
+        progress = msg.Progress(self.next_loss, found[0] if found else -1)
+        if progress != self.progress:
+            self.mail.put(progress)
+            self.progress, self.progress_at = progress, now + self.config.lease / 4
+
     def _checkpoints(self) -> None:
         every = self.config.checkpoint_every
         if not every or self.stages == 0:
@@ -1113,6 +1206,7 @@ class Agent:
 
 
 PHASES: dict[Phase, Callable[[Agent, float], None]] = {
+    Phase.ADOPTING: Agent._phase_adopting,
     Phase.STARTING: Agent._phase_starting,
     Phase.RUNNING: Agent._phase_running,
     Phase.GATHERING: Agent._phase_gathering,

@@ -8,11 +8,13 @@ Two ways to lead, one election (`election.py`), as subcommands of
   deposed leader campaigns again. The tests and the benchmark start several and kill the leader.
 - `coordinate -- recycle-planner coordinator ...`: today's coordinator, whose decisions live in
   its own c10d store, runs only while this process leads (`coordinate`, on `lead_then`): it
-  publishes where that store listens, a later leader adds `--resume` (the workers of the lost
-  one stopped with a checkpoint), and a deposed leader's coordinator is killed at once (its own
-  store is not fenced by etcd). `follow -- recycle-planner launch ... --rdzv-endpoint
-  {coordinator} ...` runs a host agent against the leader's store, and again against the next
-  leader after a failover (`follow`).
+  publishes where that store listens, a later leader adds `--take-over` (it adopts the
+  generation the lost one's workers still run, `takeover.py`), and a deposed leader's
+  coordinator is killed at once (its own store is not fenced by etcd). `follow --
+  recycle-planner launch ... --rdzv-endpoint {coordinator} ...` runs a host agent against the
+  leader's store, telling it where to find the next leader (`Successor`, in `FOLLOW_ENV`): it
+  re-attaches there with its workers running; a host agent that stopped its workers anyway
+  (no leader in time) is run again against the next leader.
 
 Exit status: that of the command (`coordinate`, `follow`); 0 when stopped (SIGTERM, SIGINT); 3
 when the control store is unavailable (every endpoint down, or etcd lost its quorum): no
@@ -22,6 +24,7 @@ decision can be made, so the job stops and its workers write a consistent checkp
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -111,19 +115,56 @@ def published_coordinator(store: ControlStore, keys: Keys, timeout: float,
 COORDINATOR = "{coordinator}"
 """In a host agent's command (`follow`), replaced by the leader's HOST:PORT."""
 
+FOLLOW_ENV = "RECYCLE_FOLLOW"
+"""The environment variable by which `follow` tells its host agent where the next leader is
+published (a `Successor` as JSON)."""
+
+
+@dataclass(frozen=True)
+class Successor:
+    """Where a host agent finds the coordinator that takes over from its own: the etcd
+    endpoints, the job, the revision at which its current coordinator was published (the
+    next one is published after it), and the lease (etcd's client timeout)."""
+
+    etcd: str
+    job: str
+    revision: int
+    lease: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> "Successor | None":
+        raw = os.environ.get(FOLLOW_ENV)
+        if not raw:
+            return None
+        d = json.loads(raw)
+        return cls(str(d["etcd"]), str(d["job"]), int(d["revision"]), float(d["lease"]))
+
+    def after(self, revision: int) -> "Successor":
+        return replace(self, revision=revision)
+
+    def find(self, timeout: float) -> tuple[str, int]:
+        """HOST:PORT of the next leader's store and its revision (waits up to `timeout`)."""
+        return published_coordinator(_etcd(self.etcd, self.lease), Keys(self.job), timeout,
+                                     self.revision)
+
 
 def coordinate(store: ControlStore, keys: Keys, identity: str, ttl: float, endpoint: str,
                command: list[str], stop: threading.Event | None = None) -> int | None:
     """Run `command` (`recycle-planner coordinator ...`, hosting its store at `endpoint`)
-    while this process leads; a leader that follows another adds `--resume`, so that it
-    continues from the checkpoint its predecessor's workers wrote. Deposed: the command's
+    while this process leads; a leader that follows another adds `--take-over`, so that it
+    adopts the generation its predecessor's workers still run (or, if none runs, continues
+    from the checkpoint they wrote, as --resume does). Deposed: the command's
     processes are killed at once and this process exits with `DEPOSED`. Returns the
     command's exit status (None: stopped before leading)."""
     child: list[subprocess.Popen] = []
 
     def run(previous: str | None) -> int:
-        resume = ["--resume"] if previous is not None and "--resume" not in command else []
-        child.append(subprocess.Popen([*command, *resume], start_new_session=True,
+        words = command if previous is None else \
+            [*(w for w in command if w != "--resume"), "--take-over"]
+        child.append(subprocess.Popen(words, start_new_session=True,
                                       preexec_fn=_die_with_parent))
         return _wait(child[0], stop)
 
@@ -153,19 +194,23 @@ def _die_with_parent() -> None:
 
 
 def follow(store: ControlStore, keys: Keys, command: list[str], timeout: float,
-           stop: threading.Event | None = None) -> int:
+           stop: threading.Event | None = None,
+           successor: Callable[[int], Successor] | None = None) -> int:
     """Run a host agent's `command` (`recycle-planner launch --nnodes ... --rdzv-endpoint
     {coordinator} ...`) against the leading coordinator, and again against the next leader
     each time it stops because it lost its coordinator (`COORDINATOR_LOST`: its workers wrote
-    a checkpoint). Returns the host agent's last exit status."""
+    a checkpoint). `successor(revision)`: what the host agent is told (`FOLLOW_ENV`) to find
+    the next leader itself, its workers running. Returns the host agent's last exit status."""
     from recycle_planner.executor.config import COORDINATOR_LOST
 
     after = 0
     while True:
         endpoint, after = published_coordinator(store, keys, timeout, after)
         log.info("host agent follows the coordinator at %s", endpoint)
-        code = _wait(subprocess.Popen([a.replace(COORDINATOR, endpoint) for a in command]),
-                     stop)
+        env = None if successor is None else \
+            {**os.environ, FOLLOW_ENV: successor(after).to_json()}
+        code = _wait(subprocess.Popen([a.replace(COORDINATOR, endpoint) for a in command],
+                                      env=env), stop)
         if code != COORDINATOR_LOST or (stop is not None and stop.is_set()):
             return code
 
@@ -224,9 +269,11 @@ def campaign_and_coordinate(endpoints: str, job: str, lease: float, endpoint: st
 def follow_leader(endpoints: str, job: str, lease: float, command: list[str],
                   timeout: float) -> int:
     """`recycle-planner launch --rdzv-backend etcd`: run this host's agent (`command`, with
-    `COORDINATOR` for the coordinator's HOST:PORT) against the leading coordinator, and again
-    after each failover. Returns the host agent's last exit status."""
-    return follow(_etcd(endpoints, lease), Keys(job), command, timeout, _stop_on_signals())
+    `COORDINATOR` for the coordinator's HOST:PORT) against the leading coordinator; it
+    re-attaches to the next leader itself, and is run again if it stopped. Returns the host
+    agent's last exit status."""
+    return follow(_etcd(endpoints, lease), Keys(job), command, timeout, _stop_on_signals(),
+                  lambda revision: Successor(endpoints, job, revision, lease))
 
 
 def _etcd(endpoints: str, lease: float) -> ControlStore:
@@ -251,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     decide = sub.add_parser("decide", help="make the job's membership decisions on etcd "
                                            "while leading (plane.Leader)")
     lead = sub.add_parser("coordinate", help="run COMMAND (recycle-planner coordinator ...) "
-                                             "while leading; a later leader adds --resume")
+                                             "while leading; a later leader adds "
+                                             "--take-over")
     host = sub.add_parser("follow", help="run a host agent's COMMAND against the leader's "
                                          "store ({coordinator} in it), again after a failover")
     for p in (decide, lead, host):

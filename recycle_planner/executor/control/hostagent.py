@@ -7,8 +7,12 @@ The workers talk to this agent only (`link.HostLink` over the Unix domain socket
 per-host record, watches the coordinator's notices once for the host and pushes aborts and
 decisions to its workers. What it watches itself: its workers' processes (it spawns them: an
 exit is known within milliseconds) and their heartbeats over the socket (a worker silent for
-the lease is killed, which makes it dead); the coordinator's notices (none for a lease: the
-coordinator is lost, and its workers stop with a checkpoint).
+the lease is killed, which makes it dead); the coordinator's notices (none for a lease, or
+its store failing: the coordinator is lost). With coordinators that fail over (`successor`,
+set by `failover.follow`), a lost coordinator is replaced live: the agent finds the next
+leader's store on etcd and re-attaches its relay there while its workers keep training
+(`_detach`, `_reattach_due`); only when no leader publishes within `rdzv_timeout`, or the
+workers joined no generation yet, do they stop with a checkpoint (`COORDINATOR_LOST`).
 
 Placement: host `node_rank` runs global ranks `node_rank * nproc_per_node + local_rank`
 (consecutive ranks per host, as torchrun places them), and rank r plays worker
@@ -38,7 +42,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -73,6 +77,7 @@ class HostConfig:
     startup_timeout: float = 300.0
     rdzv_timeout: float = RDZV_TIMEOUT  # how long to wait for the coordinator to be there
     poll: float = 0.02
+    successor: Any = None              # failover.Successor: coordinators that fail over
 
     def __post_init__(self) -> None:
         host, _, port = self.endpoint.rpartition(":")
@@ -112,6 +117,9 @@ class HostAgent:
         self.relay: Relay | None = None
         self.why: dict[int, str] = {}          # rank -> why this agent killed it
         self.kills_seen: dict[tuple[int, int], float] = {}  # kill notices, when first seen
+        self.incarnations: dict[int, int] = {}  # rank -> the newest incarnation spawned
+        self.successor = config.successor
+        self.finding: dict[str, Any] | None = None  # the search for the next coordinator
 
     def _connect(self) -> dist.TCPStore:
         """The coordinator's store, waiting for it up to `rdzv_timeout` (a host agent may
@@ -166,7 +174,7 @@ class HostAgent:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self.relay = Relay(self.store, self._client(self.lease), self.node_rank,
                                relay_path(str(self.log_dir), self.node_rank), self.lease,
-                               worker_config.heartbeat)
+                               worker_config.heartbeat, endpoint=c.endpoint)
             ranks = [self.node_rank * c.nproc_per_node + i for i in range(c.nproc_per_node)]
             for i, rank in enumerate(ranks):
                 self._spawn(rank, i, self._next_incarnation(rank))
@@ -198,7 +206,8 @@ class HostAgent:
 
     def _spawn(self, rank: int, local_rank: int, incarnation: int) -> None:
         c = self.config
-        host, port = c.address
+        host, _, port = self.relay.endpoint.rpartition(":")  # the current coordinator's
+        host = host.strip("[]")
         env = dict(os.environ)
         env.update({
             "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(self.world),
@@ -214,6 +223,7 @@ class HostAgent:
             popen = subprocess.Popen(self.command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.workers[rank] = _Local(rank, local_rank, incarnation, popen, path)
+        self.incarnations[rank] = incarnation
         if incarnation > 0:  # the coordinator learns of it (a restart, or a rebooted host)
             self.relay.report(msg.Spawned(rank, incarnation))
 
@@ -280,8 +290,11 @@ class HostAgent:
                               f"killing the workers")
                 return 128 + signal.SIGTERM
             relay.step()
-            if relay.lost is not None:
+            if relay.lost is not None and not self._detach():
                 return self._coordinator_lost(relay.lost)
+            if not relay.attached and not self._reattach_due():
+                return self._coordinator_lost(f"no coordinator took over within "
+                                              f"{c.rdzv_timeout:g} s")
             outcome = relay.notice(msg.Outcome)
             if outcome is not None:
                 self.loop_at = float("inf")  # the job is over: no more store calls to watch
@@ -313,7 +326,7 @@ class HostAgent:
                     pending[rank] = now + c.restart_delay
                 self.on_event(f"host {self.node_rank}: worker rank {rank} {how}")
             for rank, when in list(pending.items()):
-                if now >= when and self.preempted is None:
+                if now >= when and self.preempted is None and relay.attached:
                     del pending[rank]
                     self.restarts[rank] = self.restarts.get(rank, 0) + 1
                     self._spawn(rank, self._local_rank[rank], self._next_incarnation(rank))
@@ -324,6 +337,63 @@ class HostAgent:
                     pass
             except BlockingIOError:
                 pass
+
+    def _detach(self) -> bool:
+        """The coordinator is lost: with coordinators that fail over, and workers running a
+        generation (the relay holds its decision), keep them running and look for the next
+        leader's store on etcd (a thread: this loop keeps relaying and judging the workers).
+        False: stop them with a checkpoint instead."""
+        relay = self.relay
+        if self.successor is None or not relay.decisions or relay.notice(msg.Outcome):
+            return False
+        reason = relay.detach()
+        self.on_event(f"host {self.node_rank}: lost the coordinator ({reason}); the workers "
+                      f"keep training while the next one takes over")
+        self.finding = {"since": time.monotonic()}
+        threading.Thread(target=self._find_successor, args=(self.finding,),
+                         name="recycle-successor", daemon=True).start()
+        return True
+
+    def _find_successor(self, finding: dict[str, Any]) -> None:
+        """On its own thread: the next leader's store (published on etcd after the one this
+        agent used), and two connections to it."""
+        try:
+            endpoint, revision = self.successor.find(self.config.rdzv_timeout)
+            host, _, port = endpoint.rpartition(":")
+            stores = [dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                                    timeout=timedelta(seconds=t))
+                      for t in (self.config.startup_timeout, self.lease)]
+            finding["found"] = (endpoint, revision, stores)
+        except Exception as exc:  # noqa: BLE001 - any failure: no successor, stop
+            finding["failed"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+    def _reattach_due(self) -> bool:
+        """While detached: re-attach once the next coordinator's store is found; False when
+        none was found (within `rdzv_timeout`)."""
+        finding = self.finding
+        if "failed" in finding:
+            self.on_event(f"host {self.node_rank}: no coordinator took over: "
+                          f"{finding['failed']}")
+            return False
+        if "found" not in finding:
+            return True
+        endpoint, revision, (store, notices) = finding["found"]
+        self.finding = None
+        c = self.config
+        # the new store counts incarnations (and hosts that came by arrival) from here on
+        for rank, incarnation in self.incarnations.items():
+            store.add(f"incarnation/{rank}", incarnation + 1)
+        if c.node_rank is None:
+            store.add(f"rdzv/{c.rdzv_id}/nodes", 1)
+        self.store = store
+        self.successor = self.successor.after(revision)
+        self.relay.attach(store, notices, endpoint, tuple(
+            (r, w.incarnation) for r, w in sorted(self.workers.items())
+            if w.popen.poll() is None))
+        self.on_event(f"host {self.node_rank}: re-attached to the coordinator at {endpoint} "
+                      f"after {time.monotonic() - finding['since']:.2f} s; workers "
+                      f"{sorted(self.workers)} kept running")
+        return True
 
     def _kill_declared_dead(self) -> None:
         """Kill the workers the coordinator declared dead (their lease had expired: the host

@@ -207,7 +207,8 @@ class HostLink:
     (answers to the calls blocked in `wait`/`decision`, aborts pushed by the host agent,
     and its word that the coordinator is lost); one sends a heartbeat every `heartbeat`
     seconds, which the host agent judges against the lease. The process groups are formed in
-    the coordinator's store (`group_store`, from torchrun's MASTER_ADDR and MASTER_PORT)."""
+    the current coordinator's store (`group_store`: the host agent names it; at first
+    torchrun's MASTER_ADDR and MASTER_PORT)."""
 
     def __init__(self, path: str, rank: int, incarnation: int, master: tuple[str, int],
                  timeout: float, heartbeat: float):
@@ -340,8 +341,17 @@ class HostLink:
         return Decision.from_json(self._ask({"op": "decision", "gen": gen}))
 
     def group_store(self, decision: Decision) -> Any:
-        """The coordinator's store, where the members form their groups under the
-        generation's prefix (the coordinator deletes an old generation's keys)."""
+        """The current coordinator's store, where the members form their groups under the
+        generation's prefix (the coordinator deletes an old generation's keys). Asked of the
+        host agent for every generation: after a coordinator took over, later generations
+        form in the new one's store (a generation already formed needs none, see
+        docs/runtime-engines.md)."""
+        where = self._ask({"op": "where"})
+        if where:
+            host, _, port = where.rpartition(":")
+            master = (host.strip("[]"), int(port))
+            if master != self.master:
+                self.master, self._store = master, None
         if self._store is None:
             import torch.distributed as dist
 

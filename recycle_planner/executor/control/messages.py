@@ -323,6 +323,36 @@ class Bye(Message):
 
 
 @dataclass(frozen=True)
+class Attach(Message):
+    """Host agent `node` re-attached to a coordinator that took over from a lost one, its
+    workers still running: `decision` is the newest decision JSON it holds (generation
+    `gen`, -1 and "" if none), and what the lost coordinator had told about that generation
+    (`abort`: its abort's reason, `join`: a join or plan switch was asked, `finish`: the job
+    is complete). Sent after the records it relayed that the lost one may not have
+    processed (`relay.Journal`). `workers`: (rank, incarnation) of its live workers."""
+
+    KEY: ClassVar[str] = "attach/{node}"
+    node: int
+    gen: int
+    decision: str
+    workers: tuple[tuple[int, int], ...] = ()
+    abort: str | None = None
+    join: bool = False
+    saved: int = -1                    # the latest `Progress.losses` it was told (-1: none)
+
+
+@dataclass(frozen=True)
+class Progress(Message):
+    """What the coordinator has made durable: every iteration before `losses` has its loss in
+    losses.jsonl, and `checkpoint` is the newest complete checkpoint (-1: none). Host agents
+    keep the records they relayed from there on, for a coordinator that takes over."""
+
+    KEY: ClassVar[str] = "progress"
+    losses: int
+    checkpoint: int
+
+
+@dataclass(frozen=True)
 class Outcome(Message):
     """The job is over (the coordinator's last word; host agents exit)."""
 

@@ -82,6 +82,9 @@ class WorkerPool(Protocol):
     def restart(self, rank: int, incarnation: int) -> Proc:
         """Start `rank` again (only when `restarts`)."""
 
+    def adopt(self, procs: list[Proc]) -> None:
+        """A coordinator taking over found `procs` running (only `HostPool`)."""
+
     def close(self, procs: dict[int, Proc], outcome: tuple[str, str] | None) -> None:
         """Training is over (`outcome`: status and message, None if the launcher failed):
         end or release every worker."""
@@ -111,6 +114,9 @@ class LocalPool:
 
     def restart(self, rank: int, incarnation: int) -> Proc:
         return self._spawn(rank, incarnation)
+
+    def adopt(self, procs: list[Proc]) -> None:
+        raise NotImplementedError("the launcher's own workers die with it: nothing to adopt")
 
     def _spawn(self, rank: int, incarnation: int) -> Proc:
         a, c = self.agent, self.agent.config
@@ -219,6 +225,11 @@ class HostPool:
 
     def restart(self, rank: int, incarnation: int) -> Proc:
         raise NotImplementedError("host agents restart their own workers")
+
+    def adopt(self, procs: list[Proc]) -> None:
+        """The incarnations the host agents run now: a later `Spawned` counts from there."""
+        for proc in procs:
+            self.incarnation[proc.rank] = proc.incarnation
 
     def close(self, procs: dict[int, Proc], outcome) -> None:
         """Tell the host agents the job is over and give them a moment to read it."""

@@ -18,6 +18,11 @@ carry the typed records of `messages.py`. The host agent's `Relay`:
   kills it; its exit is reported like any other, its death by process exit is the host
   agent's own, since it spawns the workers).
 
+- keeps what it relayed until the coordinator made it durable (`Journal`): when the coordinator
+  is lost and another takes over (`detach`, then `attach` to the new one's store), it re-sends
+  those records and an `Attach` naming the generation its workers run, which keep training
+  meanwhile (their calls that need the coordinator wait).
+
 The coordinator's side is `mail.RelayMail`. Records between workers of different hosts (a
 stage's output shape, the agreed switch iteration, the step reports an injected fault waits
 for) and the process groups stay on the coordinator's c10d store (`DIRECT`).
@@ -68,7 +73,8 @@ KINDS: dict[str, type[msg.Message]] = {
 
 DIRECT = (msg.Shape, msg.SwitchAt, msg.Stepped)
 """Records between workers, on the coordinator's store, not relayed through the bulletins."""
-DOWN = (msg.Welcome, msg.Abort, msg.JoinRequest, msg.Finish, msg.Kill, msg.Outcome)
+DOWN = (msg.Welcome, msg.Abort, msg.JoinRequest, msg.Finish, msg.Kill, msg.Outcome,
+        msg.Progress)
 """Records the coordinator posts for workers and host agents: in the bulletins."""
 PER_HOST = (msg.Welcome, msg.Kill)
 """Down records addressed to one rank: in its host's bulletin."""
@@ -155,6 +161,47 @@ class Bulletin:
         return cls(int(d["version"]), d["records"])
 
 
+class Journal:
+    """The records a host relayed up that a coordinator taking over may need: kept until the
+    coordinator made them durable (`Progress`: losses saved, checkpoint complete) or their
+    generation is past. Keyed by the records' own keys with their rules, so that what is
+    re-sent is each record once (`set`: the latest, `first`: the first) and each `count`
+    message once: the new coordinator's counts start from nothing."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, list[tuple[str, str, msg.Message]]] = {}
+
+    def add(self, message: msg.Message) -> None:
+        key, entry = message.key(), (type(message).__name__, message.to_json(), message)
+        if message.RULE == msg.COUNT:
+            self.entries.setdefault(key, []).append(entry)
+        elif message.RULE != msg.FIRST or key not in self.entries:
+            self.entries[key] = [entry]
+
+    def prune(self, progress: msg.Progress | None, gen: int) -> None:
+        """Drop what `progress` made durable and what generations before `gen - 1` said."""
+        self.entries = {k: v for k, v in self.entries.items() if keeps(v[0][2], progress, gen)}
+
+    def records(self) -> list[tuple[str, str]]:
+        return [(kind, text) for entry in self.entries.values() for kind, text, _ in entry]
+
+
+def keeps(message: msg.Message, progress: msg.Progress | None, gen: int) -> bool:
+    """Whether a coordinator taking over may still need `message` (see `Journal`)."""
+    if isinstance(message, msg.CheckpointWritten):
+        return progress is None or message.iteration > progress.checkpoint
+    if hasattr(message, "iteration"):
+        return progress is None or message.iteration >= progress.losses
+    if hasattr(message, "gen"):
+        return message.gen >= gen - 1
+    return True
+
+
+class Detached(Exception):
+    """The relay has no coordinator now (lost, or not yet re-attached): what needs its store
+    waits."""
+
+
 # -- the host agent's side ------------------------------------------------------------------------
 
 @dataclass
@@ -175,12 +222,18 @@ class Relay:
     its loop (and whenever one of `fds()` is readable); `report` batches its own records;
     `notice(kind, **ids)` reads a down record for the agent itself (kills, the outcome);
     `silent()` names the local workers whose lease ran out; `lose(reason)` tells every
-    worker the coordinator is gone."""
+    worker the coordinator is gone; `detach()` and `attach(...)` move it to a coordinator
+    that took over, the workers left running. `endpoint`: where the coordinator's store
+    listens (where the workers form their process groups)."""
 
     def __init__(self, store: Any, notices: Any, node: int, path: str, lease: float,
-                 heartbeat: float, flush: float = 0.005):
+                 heartbeat: float, flush: float = 0.005, endpoint: str = ""):
         self.store = store              # the agent's connection to the coordinator's store
         self.notices = notices          # a second one, for the blocking waits
+        self.endpoint = endpoint
+        self.attached = True            # False between a lost coordinator and the next
+        self.journal = Journal()
+        self.deferred: list[tuple[_Conn, dict]] = []  # worker records for the next store
         self.node, self.path = node, path
         self.lease, self.heartbeat, self.flush_after = lease, heartbeat, flush
         if os.path.exists(path):
@@ -207,23 +260,31 @@ class Relay:
         self._wake_w.setblocking(False)
         self._closed = False
         self._stepped_at = time.monotonic()
-        self._thread = threading.Thread(target=self._watch_notices, name="relay-notices",
-                                        daemon=True)
+        self._epoch = 0
+        self._start_notices()
+
+    def _start_notices(self) -> None:
+        self._thread = threading.Thread(target=self._watch_notices,
+                                        args=(self._epoch, self.notices),
+                                        name="relay-notices", daemon=True)
         self._thread.start()
 
     # the notice thread: the only place that blocks on the coordinator
-    def _watch_notices(self) -> None:
+    def _watch_notices(self, epoch: int, notices: Any) -> None:
         """Read the bulletins, then block until the coordinator creates the next notice key;
         it does at least every lease / 4 (its beat), so bulletins whose version did not move
         for a lease mean the coordinator is gone (or this host is cut off from it). A cut
-        link makes the read itself fail after the lease (the store client's timeout)."""
+        link makes the read itself fail after the lease (the store client's timeout). A thread
+        of an `epoch` the relay left (it re-attached elsewhere) ends without a word."""
         import torch.distributed as dist
 
         keys = [GLOBAL_BULLETIN, host_bulletin(self.node)]
         version, moved = -1, time.monotonic()
-        while not self._closed:
+        while not self._closed and self._epoch == epoch:
             try:
-                everyone, mine = (Bulletin.from_json(v) for v in self.notices.multi_get(keys))
+                everyone, mine = (Bulletin.from_json(v) for v in notices.multi_get(keys))
+                if self._epoch != epoch:
+                    return
                 now = self.noticed_at = time.monotonic()
                 if everyone.version != version:
                     version, moved = everyone.version, now
@@ -231,15 +292,17 @@ class Relay:
                     raise TimeoutError(f"the bulletins stayed at version {version} for "
                                        f"{now - moved:.1f} s")
                 with self._lock:
+                    if self._epoch != epoch:
+                        return
                     self._fresh = (everyone, mine)
                 self._wake()
                 try:
-                    self.notices.wait([notice_key(version + 1)], timedelta(seconds=self.lease))
+                    notices.wait([notice_key(version + 1)], timedelta(seconds=self.lease))
                 except dist.DistStoreError as exc:
                     if "timeout" not in str(exc).lower():
                         raise
             except (RuntimeError, OSError) as exc:  # DistError is a RuntimeError
-                if not self._closed:
+                if not self._closed and self._epoch == epoch:
                     text = str(exc).strip().splitlines()
                     self.lost = f"no notice from the coordinator: {text[0] if text else exc}"
                     self._wake()
@@ -263,7 +326,7 @@ class Relay:
                     c.beat = now
             self.noticed_at = max(self.noticed_at, now)
         self._stepped_at = now
-        if self.lost is None and now - self.noticed_at > self.lease:
+        if self.attached and self.lost is None and now - self.noticed_at > self.lease:
             # a store call on a cut link can outlast its own timeout: judge by the clock
             self.lost = f"no notice from the coordinator for {now - self.noticed_at:.1f} s"
         self._drain_wake()
@@ -277,11 +340,28 @@ class Relay:
             fresh, self._fresh = self._fresh, None
         if fresh is not None:
             self.bulletin, self.mine = fresh
+            self.journal.prune(self.notice(msg.Progress), max(self.decisions, default=0))
             for conn in list(self.conns.values()):
                 self._push_aborts(conn)
         for conn in list(self.conns.values()):
             self._answer(conn)
-        self._flush(now)
+        try:
+            self._flush(now)
+        except Detached:
+            pass  # the batch waits for the next coordinator
+
+    def _call(self, fn: Any) -> Any:
+        """A call on the coordinator's store; `Detached` when there is none (the first
+        failure says the coordinator is lost)."""
+        if not self.attached or self.lost is not None:
+            raise Detached()
+        try:
+            return fn()
+        except (RuntimeError, OSError) as exc:  # DistError is a RuntimeError
+            text = str(exc).strip().splitlines()
+            self.lost = self.lost or (f"the coordinator's store failed: "
+                                      f"{text[0] if text else type(exc).__name__}")
+            raise Detached() from None
 
     def _drain_wake(self) -> None:
         try:
@@ -327,7 +407,11 @@ class Relay:
             message = frame_record(frame)
             result = None
             if isinstance(message, DIRECT):
-                result = msg.put(self.store, message)
+                try:
+                    result = self._call(lambda: msg.put(self.store, message))
+                except Detached:
+                    self.deferred.append((conn, frame))  # answered once re-attached
+                    return
                 result = result.to_json() if isinstance(result, msg.Message) else result
             else:
                 self.report(message)
@@ -335,7 +419,7 @@ class Relay:
                     self.flush()
             if "id" in frame:
                 self._send(conn, {"id": frame["id"], "rec": result})
-        elif op in ("get", "decision"):
+        elif op in ("get", "decision", "where"):
             conn.waits.append(frame)
 
     def _answer(self, conn: _Conn) -> None:
@@ -345,6 +429,8 @@ class Relay:
         for frame in conn.waits:
             if frame["op"] == "decision":
                 text = self._decision(frame["gen"])
+            elif frame["op"] == "where":  # where process groups form: the current store
+                text = self.endpoint if self.attached and self.lost is None else None
             else:
                 text = self._record(KINDS[frame["kind"]], frame["ids"])
             if text is None and frame.get("block", True):
@@ -357,15 +443,22 @@ class Relay:
         key = kind.key_for(**ids)
         if issubclass(kind, DOWN):
             return (self.mine if issubclass(kind, PER_HOST) else self.bulletin).records.get(key)
-        if self.store.check([key]):
-            return self.store.get(key).decode()
+        try:
+            if self._call(lambda: self.store.check([key])):
+                return self._call(lambda: self.store.get(key)).decode()
+        except Detached:
+            pass
         return None
 
     def _decision(self, gen: int) -> str | None:
         if gen not in self.decisions:
             if decision_key(gen) not in self.bulletin.records:
                 return None
-            self.decisions[gen] = self.store.get(decision_key(gen)).decode()
+            try:
+                self.decisions[gen] = self._call(
+                    lambda: self.store.get(decision_key(gen))).decode()
+            except Detached:
+                return None
             for old in [g for g in self.decisions if g < gen - 1]:
                 del self.decisions[old]
         return self.decisions[gen]
@@ -396,24 +489,31 @@ class Relay:
         if self.pending_since is None:
             self.pending_since = time.monotonic()
         self.pending.append((type(message).__name__, message.to_json()))
+        if not isinstance(message, msg.Attach):
+            self.journal.add(message)
 
     def _flush(self, now: float, force: bool = False) -> None:
         due = self.pending_since is not None and now - self.pending_since >= self.flush_after
         if not (force or due or now - self.sent_at >= self.heartbeat):
             return
         report = HostReport(self.node, self.seq, tuple(self.pending))
-        self.store.queue_push(UP_QUEUE, report.to_json())
+        self._call(lambda: self.store.queue_push(UP_QUEUE, report.to_json()))
         self.seq += 1
         self.sent_at = now
         self.pending, self.pending_since = [], None
 
     def flush(self) -> None:
         """Send what is batched now (the host agent's goodbye)."""
-        self._flush(time.monotonic(), force=True)
+        try:
+            self._flush(time.monotonic(), force=True)
+        except Detached:
+            pass
 
     def timeout(self) -> float:
         """How long the host agent's loop may sleep before the next `step` is due."""
         now = time.monotonic()
+        if not self.attached or self.lost is not None:
+            return self.heartbeat  # nothing is sent until a coordinator is there
         due = self.sent_at + self.heartbeat
         if self.pending_since is not None:
             due = min(due, self.pending_since + self.flush_after)
@@ -436,6 +536,50 @@ class Relay:
         self.lost = self.lost or reason
         for conn in list(self.conns.values()):
             self._send(conn, {"push": "lost", "reason": self.lost})
+
+    def detach(self) -> str:
+        """The coordinator is lost and another may take over: stop using its store (what
+        needs one waits; the workers keep training). Returns why it was lost."""
+        why = self.lost or "the coordinator is gone"
+        with self._lock:
+            self._epoch += 1            # the notice thread of the lost store says nothing more
+            self._fresh = None
+        self.attached, self.lost = False, None
+        return why
+
+    def attach(self, store: Any, notices: Any, endpoint: str,
+               workers: tuple[tuple[int, int], ...] = ()) -> None:
+        """Re-attach to the coordinator that took over, at `endpoint`: re-send the journal
+        (which holds every batched record too) and this host's `Attach`, answer the workers'
+        calls that waited, and watch the new coordinator's notices."""
+        self.store, self.notices, self.endpoint = store, notices, endpoint
+        self.pending = self.journal.records()
+        self.pending.append((msg.Attach.__name__, self.attachment(workers).to_json()))
+        self.pending_since = time.monotonic()
+        self.attached, self.lost = True, None
+        self.noticed_at = time.monotonic()
+        self._start_notices()
+        deferred, self.deferred = self.deferred, []
+        for conn, frame in deferred:
+            if self.conns.get(conn.sock.fileno()) is conn:
+                self._handle(conn, frame)
+        try:
+            self._flush(time.monotonic(), force=True)
+        except Detached:
+            pass  # lost again: the host agent sees `lost`
+
+    def attachment(self, workers: tuple[tuple[int, int], ...] = ()) -> msg.Attach:
+        """What this host tells a coordinator taking over: its live `workers` (rank,
+        incarnation), the newest decision it holds and what the bulletin said about it."""
+        progress = self.notice(msg.Progress)
+        saved = progress.losses if progress is not None else -1
+        if not self.decisions:
+            return msg.Attach(self.node, -1, "", workers, saved=saved)
+        gen = max(self.decisions)
+        abort = self.notice(msg.Abort, gen=gen)
+        return msg.Attach(self.node, gen, self.decisions[gen], workers,
+                          abort.reason if abort is not None else None,
+                          msg.JoinRequest.key_for(gen=gen) in self.bulletin.records, saved)
 
     def close(self) -> bool:
         """Stop; waits for the notice thread to leave its store call (the coordinator's next

@@ -138,9 +138,12 @@ def read_losses(run_dir: str | Path) -> dict[int, float]:
     return losses
 
 
-def claim(run_dir: str | Path, resume: bool, start_over: bool) -> RunFolder:
+def claim(run_dir: str | Path, resume: bool, start_over: bool,
+          take_over: bool = False) -> RunFolder:
     """Take the folder for this run (see the module's docstring); a `RecycleError` in one line
-    if it holds another run, is in use, or has nothing to resume."""
+    if it holds another run, is in use, or has nothing to resume. `take_over`: a coordinator
+    that takes over from a lost one continues its run as the next attempt (its logs apart),
+    whether or not a checkpoint exists yet."""
     from recycle_planner.executor.data.state import latest_checkpoint
 
     if resume and start_over:
@@ -152,7 +155,11 @@ def claim(run_dir: str | Path, resume: bool, start_over: bool) -> RunFolder:
     try:
         previous = read_record(run_dir)
         checkpoints = _checkpoints(run_dir)
-        if resume:
+        if take_over:
+            if previous is None:
+                raise RecycleError(f"--take-over: {run_dir} holds no run to take over")
+            record = RunRecord(previous.run_id, previous.attempt + 1, time.time())
+        elif resume:
             if latest_checkpoint(run_dir) is None:
                 raise RecycleError(f"--resume: no complete checkpoint in "
                                    f"{run_dir / CHECKPOINTS} to resume from")

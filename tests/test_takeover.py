@@ -1,0 +1,97 @@
+"""The pure parts of a live takeover: what a host agent keeps and re-sends to a coordinator
+that takes over (`relay.Journal`), and what that coordinator adopts (`takeover.Adoption`)."""
+
+from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.mail import RelayMail
+from recycle_planner.executor.control.protocol import Decision
+from recycle_planner.executor.control.relay import HostReport, Journal, keeps
+from recycle_planner.executor.control.takeover import Adoption
+
+
+class _Store:
+    """Just what RelayMail calls: a dictionary and a queue."""
+
+    def __init__(self):
+        self.kv, self.queue = {}, []
+
+    def multi_set(self, keys, values):
+        self.kv.update(zip(keys, values))
+
+    def queue_len(self, key):
+        return len(self.queue)
+
+    def queue_pop(self, key, block):
+        return self.queue.pop(0)
+
+
+def _journal_of(*messages):
+    journal = Journal()
+    for m in messages:
+        journal.add(m)
+    return journal
+
+
+def test_the_journal_re_sends_each_record_once_by_its_rule():
+    journal = _journal_of(
+        msg.Hello(0, 0, 10, "h", "lib", 0), msg.CommError(1, 0), msg.CommError(1, 1),
+        msg.Bug(1, 0, 3, "first"), msg.Bug(1, 1, 3, "second"),
+        msg.OpTimes(0, {"0": {"F": [1, 1.0, 1.0]}}), msg.OpTimes(0, {"1": {"F": [2, 2.0, 2.0]}}))
+    kinds = [kind for kind, _ in journal.records()]
+    assert kinds == ["Hello", "CommError", "CommError", "Bug", "OpTimes"]
+    texts = dict(journal.records())
+    assert msg.Bug.from_json(texts["Bug"]).traceback == "first"       # first wins
+    assert '"1"' in texts["OpTimes"]                                   # the latest set wins
+
+
+def test_a_count_re_sent_to_a_new_coordinator_counts_once():
+    """What was batched but not sent, and what was sent, are both in the journal: the new
+    coordinator's counts start from nothing, so each error counts once."""
+    journal = _journal_of(msg.CommError(2, 0), msg.CommError(2, 1))
+    store = _Store()
+    mail = RelayMail(store, nnodes=1, per_host=2, beat_every=1.0)
+    store.queue.append(HostReport(0, 7, tuple(journal.records())).to_json())
+    mail.refresh()
+    assert mail.count(msg.CommError, gen=2) == 2
+
+
+def test_the_journal_keeps_what_is_not_durable_yet():
+    progress = msg.Progress(losses=5, checkpoint=4)
+    assert not keeps(msg.Losses(4, 1, 0, ()), progress, 0)
+    assert keeps(msg.Losses(5, 1, 0, ()), progress, 0)
+    assert not keeps(msg.IterationDone(4, 1, 0, 0.0), progress, 0)
+    assert not keeps(msg.CheckpointWritten(4, 0), progress, 0)
+    assert keeps(msg.CheckpointWritten(8, 0), progress, 0)
+    assert keeps(msg.Losses(0, 1, 0, ()), None, 0)           # nothing made durable yet
+    assert not keeps(msg.Ready(1, 0, 3, "failure"), progress, 3)  # generations long past
+    assert keeps(msg.Ready(2, 0, 3, "failure"), progress, 3)
+    assert keeps(msg.Hello(0, 0, 10, "h", "lib", 0), progress, 9)
+    assert keeps(msg.WorkerExit(0, 0, 1, "died", ""), progress, 9)
+    journal = _journal_of(msg.Losses(4, 1, 0, ()), msg.Losses(6, 1, 0, ()),
+                          msg.HostUp(0, "h", 1, (0, 1)))
+    journal.prune(progress, 0)
+    assert [kind for kind, _ in journal.records()] == ["Losses", "HostUp"]
+
+
+def _decision(gen: int, incarnations=None) -> Decision:
+    return Decision(gen, "run", (0, 1, 2, 3), (), 3, plan="k0.json.gz",
+                    incarnations=incarnations or {r: 0 for r in range(4)})
+
+
+def test_the_newest_decision_any_host_holds_is_adopted_with_what_was_said_of_it():
+    attaches = [
+        msg.Attach(0, 1, _decision(1).to_json(), ((0, 0), (1, 0)), saved=2),
+        msg.Attach(1, 2, _decision(2).to_json(), ((2, 0), (3, 0)), abort="worker 1:0 died",
+                   saved=3)]
+    adoption = Adoption.of(attaches)
+    assert adoption.decision.gen == 2 and adoption.abort == "worker 1:0 died"
+    assert not adoption.join and adoption.saved == 3
+    assert dict(adoption.workers) == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert adoption.lost_members() == []
+
+
+def test_members_no_host_runs_are_lost_and_nothing_held_is_nothing_to_adopt():
+    attaches = [msg.Attach(0, 4, _decision(4, {0: 1, 1: 0, 2: 0, 3: 0}).to_json(),
+                           ((0, 0), (1, 0)))]  # host 1 did not re-attach; rank 0 is stale
+    assert Adoption.of(attaches).lost_members() == [0, 2, 3]
+    assert Adoption.of([msg.Attach(0, -1, "", ((0, 0),))]) is None
+    assert Adoption.of([]) is None
