@@ -21,9 +21,11 @@ A dead set the library lacks is planned here, on demand, and added to the librar
 be on the shared filesystem, like the run folder), and refined in a background process of this
 machine: the coordinator is the library's only writer (`agent.Agent._plan_on_demand`).
 
-Losing the coordinator is the one failure that stops training: the workers notice within
-the lease, write a consistent checkpoint and exit; a coordinator started again with
-`--resume`, and the host agents, continue from it.
+Losing the one coordinator of a `--rdzv-backend c10d` job stops training: the workers notice
+within the lease, write a consistent checkpoint and exit; a coordinator started again with
+`--resume`, and the host agents, continue from it. With coordinators that fail over
+(`failover.py`), the next leader runs this with `--take-over` (`LaunchConfig.take_over`): the
+host agents re-attach to it and it adopts the generation their workers run (`takeover.py`).
 """
 
 from __future__ import annotations
