@@ -297,6 +297,13 @@ def coordinator(nnodes: int, nproc_per_node: int, port: int, rdzv_backend: str,
         sys.exit(_in_etcd(lambda: failover.campaign_and_coordinate(
             rdzv_endpoint, rdzv_id, settings["lease"], where, child)))
 
+    from recycle_planner.executor.control.failover import TAKE_OVER, standby_word
+
+    word = standby_word()  # run by a coordinator that campaigns: loaded, it waits to lead
+    if word == "":
+        sys.exit(0)  # it never led
+    if word == TAKE_OVER:
+        settings["resume"], take_over = False, True
     config = _launch_config(nnodes * nproc_per_node, master_port=port, take_over=take_over,
                             **settings)
     result = coordinate(config, nnodes, on_event=_show(as_json))

@@ -269,14 +269,14 @@ def test_coordinate_and_follow_move_a_job_to_the_next_leader(cluster, tmp_path):
     """The process wrappers around today's commands, with stand-ins for them: the leader runs
     its coordinator command, a host agent command runs against it (and stops as a host agent
     does when it loses its coordinator); the leader is SIGKILLed, so is its coordinator (no
-    coordinator outlives its leadership); the next leader runs its coordinator with
-    --take-over and the host agent (told where to find the next leader) runs again against
+    coordinator outlives its leadership); the next leader's coordinator, started as a hot
+    standby, is told to take over, and the host agent (told where to find the next leader) runs again against
     it."""
     from recycle_planner.executor.config import COORDINATOR_LOST
 
     job = "wrappers"
-    stand_in = ("import os, sys, time; print('coordinating', sys.argv[1:], os.getpid(), "
-                "flush=True); time.sleep(120)")
+    stand_in = ("import os, sys, time; word = sys.stdin.readline().strip(); "
+                "print('coordinating', word, os.getpid(), flush=True); time.sleep(120)")
     coords, outs = {}, {}
     for name in ("c0", "c1"):
         outs[name] = tmp_path / f"{name}.out"
@@ -302,11 +302,11 @@ def test_coordinate_and_follow_move_a_job_to_the_next_leader(cluster, tmp_path):
         old = leader_name(store, keys)
         new = "c1" if old == "c0" else "c0"
         assert runs.read_text().split() == [f"{old}.example:29400"]
-        assert wait_for(lambda: "coordinating []" in outs[old].read_text(), 10)
+        assert wait_for(lambda: "coordinating lead" in outs[old].read_text(), 10)
         coords[old].kill()
         assert follower.wait(30) == 0
         assert runs.read_text().split() == [f"{old}.example:29400", f"{new}.example:29400"]
-        assert wait_for(lambda: "coordinating ['--take-over']" in outs[new].read_text(), 10)
+        assert wait_for(lambda: "coordinating take-over" in outs[new].read_text(), 10)
         pid = int(outs[old].read_text().split()[-1])
         assert wait_for(lambda: not alive(pid), 15)  # the deposed leader's coordinator died too
     finally:

@@ -7,8 +7,9 @@ Two ways to lead, one election (`election.py`), as subcommands of
 - `decide`: the decisions themselves live on etcd (`stand_by_or_lead` runs `plane.Leader`); a
   deposed leader campaigns again. The tests and the benchmark start several and kill the leader.
 - `coordinate -- recycle-planner coordinator ...`: today's coordinator, whose decisions live in
-  its own c10d store, runs only while this process leads (`coordinate`, on `lead_then`): it
-  publishes where that store listens, a later leader adds `--take-over` (it adopts the
+  its own c10d store, acts only while this process leads (`coordinate`, on `lead_then`): it
+  starts at once as a hot standby and is told when to act (`STANDBY_ENV`), this process
+  publishes where its store listens, a later leader tells it to take over (it adopts the
   generation the lost one's workers still run, `takeover.py`), and a deposed leader's
   coordinator is killed at once (its own store is not fenced by etcd). `follow --
   recycle-planner launch ... --rdzv-endpoint {coordinator} ...` runs a host agent against the
@@ -151,29 +152,56 @@ class Successor:
                                      self.revision)
 
 
+STANDBY_ENV = "RECYCLE_STANDBY"
+"""Set by `coordinate` for its command, which it starts before campaigning (a hot standby:
+Python and torch load in seconds, which a takeover should not wait for): the command loads,
+then reads one word on stdin (`standby_word`): `LEAD` (the job's first leader), `TAKE_OVER`
+(it follows a lost leader), or nothing (this process never led: it leaves)."""
+LEAD, TAKE_OVER = "lead", "take-over"
+
+
+def standby_word() -> str | None:
+    """In a command `coordinate` started: block until it leads; its word (`LEAD`,
+    `TAKE_OVER`), "" if it never will. None when not started as a standby."""
+    if not os.environ.pop(STANDBY_ENV, None):
+        return None
+    word = sys.stdin.readline().strip()
+    return word if word in (LEAD, TAKE_OVER) else ""
+
+
 def coordinate(store: ControlStore, keys: Keys, identity: str, ttl: float, endpoint: str,
                command: list[str], stop: threading.Event | None = None) -> int | None:
     """Run `command` (`recycle-planner coordinator ...`, hosting its store at `endpoint`)
-    while this process leads; a leader that follows another adds `--take-over`, so that it
-    adopts the generation its predecessor's workers still run (or, if none runs, continues
-    from the checkpoint they wrote, as --resume does). Deposed: the command's
-    processes are killed at once and this process exits with `DEPOSED`. Returns the
-    command's exit status (None: stopped before leading)."""
-    child: list[subprocess.Popen] = []
+    while this process leads. It starts at once, as a hot standby (`STANDBY_ENV`), and is
+    told when this process leads: `LEAD`, or `TAKE_OVER` for a leader that follows another,
+    so that it adopts the generation its predecessor's workers still run (`--take-over`).
+    Deposed: the command's processes are killed at once and this process exits with
+    `DEPOSED`. Returns the command's exit status (None: stopped before leading)."""
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_die_with_parent, env={**os.environ, STANDBY_ENV: "1"})
 
     def run(previous: str | None) -> int:
-        words = command if previous is None else \
-            [*(w for w in command if w != "--resume"), "--take-over"]
-        child.append(subprocess.Popen(words, start_new_session=True,
-                                      preexec_fn=_die_with_parent))
-        return _wait(child[0], stop)
+        try:
+            proc.stdin.write(f"{LEAD if previous is None else TAKE_OVER}\n".encode())
+            proc.stdin.close()
+        except OSError:  # it ended while standing by (its own error is in its output)
+            pass
+        return _wait(proc, stop)
 
     def deposed(code: int) -> None:
-        for proc in child:
-            os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
         os._exit(code)
 
-    return lead_then(store, keys, identity, ttl, endpoint, run, stop, on_deposed=deposed)
+    try:
+        return lead_then(store, keys, identity, ttl, endpoint, run, stop, on_deposed=deposed)
+    finally:
+        if not proc.stdin.closed:  # never led: the standby leaves
+            proc.stdin.close()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def _wait(proc: subprocess.Popen, stop: threading.Event | None) -> int:
@@ -298,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     decide = sub.add_parser("decide", help="make the job's membership decisions on etcd "
                                            "while leading (plane.Leader)")
     lead = sub.add_parser("coordinate", help="run COMMAND (recycle-planner coordinator ...) "
-                                             "while leading; a later leader adds "
-                                             "--take-over")
+                                             "as a hot standby: it reads 'lead' or "
+                                             "'take-over' on stdin when this process leads")
     host = sub.add_parser("follow", help="run a host agent's COMMAND against the leader's "
                                          "store ({coordinator} in it), again after a failover")
     for p in (decide, lead, host):
