@@ -2,6 +2,7 @@
 every host re-attached, and whether the workers paused meanwhile.
 
 Usage: python benchmarks/bench_takeover.py [--lease SECONDS] [--repeat N] [--logs DIR]
+(results in benchmarks/results/takeover-leaseL.json)
 (root, etcd installed: hosts are network namespaces joined by veth pairs, a real 3-member etcd
 and two `recycle-planner coordinator --rdzv-backend etcd` in the coordinator's namespace, as in
 tests/test_control_failover_training.py).
@@ -140,7 +141,7 @@ def main() -> None:
             folder.mkdir(parents=True)
             runs.append(run_once(lib, folder, opts.lease))
             print(json.dumps(runs[-1]), flush=True)
-    out = Path(__file__).parent / "results" / "takeover.json"
+    out = Path(__file__).parent / "results" / f"takeover-lease{opts.lease:g}.json"
     out.write_text(json.dumps({"machine": machine(), "lease": opts.lease, "runs": runs},
                               indent=2) + "\n")
     print(f"written {out}")
