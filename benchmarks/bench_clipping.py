@@ -72,7 +72,7 @@ def one_run(target: str, job_args: list[str], lib: PlanLibrary, work: Path,
     res = run_ours(target, job_args, lib, work, quota, faults)
     row = {"step_ms": median_step(res.iteration_end, 5, kill_at), **settled(res)}
     if kill_at is not None:
-        gen = [e for e in res.events if e["kind"] == "generation"][-1]
+        gen = [e.data for e in res.events if e.kind == "generation"][-1]
         row["rerouted_ms"] = median_step(res.iteration_end, gen["restart"] + 2)
         row["plan"] = gen["plan"]
     return row

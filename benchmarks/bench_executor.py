@@ -200,7 +200,7 @@ def run_workload(name: str, target: str, args: list[str], repeat: int, iteration
         for r in range(repeat):
             res = run_ours(target, job_args, lib, work / f"{name}-k{r}", quota,
                            [parse_fault(f"{rank}:{KILL_AT}:F1")])
-            gen = [e for e in res.events if e["kind"] == "generation"][-1]
+            gen = [e.data for e in res.events if e.kind == "generation"][-1]
             before = median_step(res.iteration_end, 5, KILL_AT)
             after = median_step(res.iteration_end, gen["restart"] + 2)
             ff = replayed(res, lib, [], 0)["replayed_ms"]
@@ -213,8 +213,8 @@ def run_workload(name: str, target: str, args: list[str], repeat: int, iteration
                          "replayed_degradation": rep["replayed_ms"] / ff - 1,
                          "ops_per_iteration_ms": rep["ops_per_iteration_ms"],
                          "measured_costs_ms": rep["measured_costs_ms"],
-                         "recovery_s": res.recoveries[0]["seconds"],
-                         "replan_s": res.recoveries[0]["replanned_after"], "plan": gen["plan"]})
+                         "recovery_s": res.recoveries[0].seconds,
+                         "replan_s": res.recoveries[0].replanned_after, "plan": gen["plan"]})
         out["failures"][worker] = {key: statistics.median(r[key] for r in rows)
                                    for key in rows[0] if isinstance(rows[0][key], float)}
         out["failures"][worker]["plan"] = rows[0]["plan"]

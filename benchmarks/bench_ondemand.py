@@ -193,9 +193,9 @@ def executor() -> dict:
                                                 faults=[parse_fault("2:6:F1")], refine="off"),
                              ["--library", str(lib), "--iterations", "12",
                               "--device-ms", "2,2,2"])
-                planned = [e["seconds"] for e in res.events if e["kind"] == "planned"]
-                runs.append({"replanned_s": res.recoveries[0]["replanned_after"],
-                             "first_iteration_s": res.recoveries[0]["seconds"],
+                planned = [e.data["seconds"] for e in res.events if e.kind == "planned"]
+                runs.append({"replanned_s": res.recoveries[0].replanned_after,
+                             "first_iteration_s": res.recoveries[0].seconds,
                              "planning_s": planned[0] if planned else 0.0})
             out[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             print(name, out[name], flush=True)

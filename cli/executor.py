@@ -131,9 +131,9 @@ def _finish(result, as_json: bool) -> None:
 
 
 def _show(as_json: bool):
-    def show(event: dict) -> None:
-        if not as_json and event["kind"] != "end":
-            click.echo(f"[{event['t']:8.3f}s] {event['message']}")
+    def show(event) -> None:
+        if not as_json and event.kind != "end":
+            click.echo(f"[{event.t:8.3f}s] {event.message}")
     return show
 
 
@@ -378,11 +378,10 @@ def result_summary(result) -> str:
                      f"{1e3 * _median_step(ends):.2f} ms")
     lines += predicted_and_measured(result)
     for rec in result.recoveries:
-        replanned = rec.get("replanned_after")
-        lines.append(f"  recovery        worker {rec['worker']} died at {rec['t_death']:.3f} s; "
+        replanned = rec.replanned_after
+        lines.append(f"  recovery        worker {rec.worker} died at {rec.t_death:.3f} s; "
                      + (f"new plan {replanned:.3f} s later, " if replanned is not None else "")
-                     + f"iteration {rec['first_iteration']} completed {rec['seconds']:.3f} s "
-                       f"later")
+                     + f"iteration {rec.first_iteration} completed {rec.seconds:.3f} s later")
     if result.checkpoint:
         lines.append(f"  checkpoint      {result.checkpoint}")
     lines.append(f"  run folder      {result.run_dir} (result.json, logs/)")
@@ -399,23 +398,23 @@ def predicted_and_measured(result) -> list[str]:
     the run measured (replayed), and the measured step; for a failure also the degradation
     predicted and measured (against the fault-free generation's step). On a CPU shared with
     other work they differ: docs/executor.md, "Predicted and measured", says why."""
-    records = list(getattr(result, "generations", []) or [])
-    base = next((g["measured_ms"] for g in records if not g["dead"] and g["measured_ms"]), None)
+    records = result.generations
+    base = next((g.measured_ms for g in records if not g.dead and g.measured_ms), None)
     lines = []
     for g in records:
-        if g["iterations"] == 0:
+        if g.iterations == 0:
             continue
-        dead = ", ".join(f"{d}:{s}" for d, s in g["dead"]) or "none"
-        parts = [f"predicted {g['predicted_ms']:.4g} ms"]
-        if g["replayed_ms"] is not None:
-            parts.append(f"replayed {g['replayed_ms']:.4g} ms")
-        if g["measured_ms"] is not None:
-            parts.append(f"measured {g['measured_ms']:.4g} ms")
-        line = f"  generation {g['gen']:<4} dead {dead}: period " + ", ".join(parts)
-        if g["dead"]:
-            line += f"; degradation predicted {g['predicted_degradation']:+.1%}"
-            if base and g["measured_ms"] is not None:
-                line += f", measured {g['measured_ms'] / base - 1:+.1%}"
+        dead = ", ".join(f"{d}:{s}" for d, s in g.dead) or "none"
+        parts = [f"predicted {g.predicted_ms:.4g} ms"]
+        if g.replayed_ms is not None:
+            parts.append(f"replayed {g.replayed_ms:.4g} ms")
+        if g.measured_ms is not None:
+            parts.append(f"measured {g.measured_ms:.4g} ms")
+        line = f"  generation {g.gen:<4} dead {dead}: period " + ", ".join(parts)
+        if g.dead:
+            line += f"; degradation predicted {g.predicted_degradation:+.1%}"
+            if base and g.measured_ms is not None:
+                line += f", measured {g.measured_ms / base - 1:+.1%}"
         lines.append(line)
     return lines
 

@@ -18,14 +18,14 @@ from conftest import ROOT
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 
-from recycle_planner.executor import (LaunchConfig, TrainingStopped, launch,  # noqa: E402
-                                      parse_fault)
+from recycle_planner.executor import (EventKind, LaunchConfig, LaunchResult,  # noqa: E402
+                                      TrainingStopped, launch, parse_fault)
 from helpers.executor_checks import (EXAMPLES, TINY, assert_losses_equal,  # noqa: E402
                                      assert_params_equal, checkpoint_params, library, reference)
 
 
 def _events(result, kind):
-    return [e for e in result.events if e["kind"] == kind]
+    return [e.to_json() for e in result.events if e.kind == kind]
 
 
 BACKENDS = pytest.mark.parametrize("backend", ["gloo", "nccl-sim"])
@@ -85,18 +85,19 @@ def test_cli_two_kills_and_a_rejoin_on_2x2(tmp_path, backend):
     assert "worker 1:0 killed by SIGKILL (injected fault 2:2:F1:kill)" in out
     assert "worker 0:1 killed by SIGKILL (injected fault 1:4:optimizer:kill)" in out
     assert "trained 12 iterations" in out and "recovery" in out
-    result = json.loads((run / "result.json").read_text())
-    gens = [e for e in result["events"] if e["kind"] == "generation"]
+    result = LaunchResult.from_dict(json.loads((run / "result.json").read_text()))
+    gens = [e.data for e in result.events if e.kind is EventKind.GENERATION]
     assert [g["dead"] for g in gens[:3]] == [[], [[1, 0]], [[0, 1], [1, 0]]]
     assert gens[2]["plan"] == "k1-1.json.gz"
     assert sorted(r for g in gens for r in g["joined"]) == [1, 2]
     assert gens[-1]["dead"] == [] and gens[-1]["plan"] == "k0-0.json.gz"
-    assert len(result["recoveries"]) == 2
-    assert all(0 < r["seconds"] < 5 for r in result["recoveries"])
+    assert [r.worker for r in result.recoveries] == ["1:0", "0:1"]
+    assert all(0 < r.seconds < 5 for r in result.recoveries)
+    assert [g.dead for g in result.generations[:2]] == [(), ((1, 0),)]
     ref = reference(["--iterations", "12"], 2, 4)
     _, params = checkpoint_params(run, 2)
     assert_params_equal(params, ref.params)
-    assert_losses_equal(result["losses"], ref.losses)
+    assert_losses_equal(result.losses, ref.losses)
 
 
 @BACKENDS
@@ -121,7 +122,7 @@ def test_rollback_failure_during_recovery_and_a_hang_on_3x2(tmp_path, backend):
     assert first["restart"] == 3 and first["steps"]["2"] == 4  # stage 2 undid its step
     assert first["steps"]["1"] == 4 and first["steps"]["0"] == 3  # stage 0 had not stepped
     assert len(_events(result, "hang")) == 1
-    assert [d["worker"] for d in result.recoveries] == ["1:0", "1:1", "0:2"]
+    assert [d.worker for d in result.recoveries] == ["1:0", "1:1", "0:2"]
     ref = reference(args[:2] + args[4:], 2, 4)
     _, params = checkpoint_params(tmp_path / "run", 3)
     assert_params_equal(params, ref.params)
@@ -150,7 +151,7 @@ def test_beyond_the_threshold_stops_with_a_checkpoint_and_resumes_exactly(tmp_pa
         launch(TINY, config, args)
     stopped = info.value.result
     assert stopped.status == "stopped"
-    assert [e["kind"] for e in stopped.events if e["kind"] in ("abort", "hang")] == \
+    assert [e.kind for e in stopped.events if e.kind in ("abort", "hang")] == \
         ["abort", "abort"]
     stall = _events(stopped, "death")[1]
     assert "stalled (its training thread made no progress for the 1 s lease)" in \

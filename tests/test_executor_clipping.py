@@ -186,7 +186,7 @@ def test_decide_settles_before_a_stop_and_keeps_the_one_step_rule():
 # -- real processes -------------------------------------------------------------------------
 
 def _events(result, kind):
-    return [e for e in result.events if e["kind"] == kind]
+    return [e.to_json() for e in result.events if e.kind == kind]
 
 
 def _settled(result, kind: str) -> int:

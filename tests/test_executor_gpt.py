@@ -40,7 +40,7 @@ def _killed_run(tmp_path, args: list[str], fault: str):
     config = LaunchConfig(nproc=4, run_dir=str(tmp_path / "run"), faults=[parse_fault(fault)])
     result = launch(GPT, config, ["--library", str(lib), *args])
     assert result.status == "completed" and result.iterations == 5
-    return result, [e for e in result.events if e["kind"] == "generation"]
+    return result, [e.to_json() for e in result.events if e.kind == "generation"]
 
 
 def _assert_equals_reference(tmp_path, result, ref) -> None:

@@ -14,7 +14,7 @@ from helpers.executor_checks import (TINY, assert_losses_equal,  # noqa: E402
 
 
 def _events(result, kind):
-    return [e for e in result.events if e["kind"] == kind]
+    return [e.to_json() for e in result.events if e.kind == kind]
 
 
 BACKENDS = ["gloo", "nccl-sim"]
@@ -42,8 +42,8 @@ def test_a_silent_member_of_a_three_member_group_is_released_within_the_lease(tm
     assert result.status == "completed" and result.iterations == 6
     assert [g["dead"] for g in _events(result, "generation")] == [
         [], [[2, 1]], [[2, 0], [2, 1]]]
-    assert [r["worker"] for r in result.recoveries] == ["2:1", "2:0"]
-    assert all(r["seconds"] < 6 for r in result.recoveries), result.recoveries
+    assert [r.worker for r in result.recoveries] == ["2:1", "2:0"]
+    assert all(r.seconds < 6 for r in result.recoveries), result.recoveries
     ref = reference(args[2:], 3, 4)
     _, params = checkpoint_params(tmp_path / "run", 2)
     assert_params_equal(params, ref.params)
@@ -150,9 +150,9 @@ def test_a_death_during_a_plan_switch_never_hangs_the_survivors(tmp_path, backen
                           heartbeat=0.1, pg_timeout=30.0)
     result = launch(TINY, config, args)
     assert result.status == "completed" and result.iterations == 7
-    assert [r["worker"] for r in result.recoveries] == ["1:0", "2:0"]
-    assert any(e["kind"] == "join" for e in result.events)
-    assert all(r["seconds"] < 8 for r in result.recoveries), result.recoveries
+    assert [r.worker for r in result.recoveries] == ["1:0", "2:0"]
+    assert any(e.kind == "join" for e in result.events)
+    assert all(r.seconds < 8 for r in result.recoveries), result.recoveries
     ref = reference(args[2:], 3, 4)
     _, params = checkpoint_params(tmp_path / "run", 2)
     assert_params_equal(params, ref.params)

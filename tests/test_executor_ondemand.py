@@ -20,7 +20,7 @@ from helpers.executor_checks import (TINY, assert_losses_equal,  # noqa: E402
 
 
 def _events(result, kind):
-    return [e for e in result.events if e["kind"] == kind]
+    return [e.to_json() for e in result.events if e.kind == kind]
 
 
 def test_plan_decision_is_pure_and_leaves_the_planning_to_the_launcher():
@@ -53,8 +53,9 @@ def test_beyond_the_threshold_is_planned_on_demand_then_refined_at_a_boundary(tm
                                          "k1-1.ondemand1.json.gz", "k1-1.refined1.json.gz"]
     refined = _events(result, "refined")[0]
     assert refined["better"] and refined["period"] < refined["previous"] * 0.99
-    kinds = [e["kind"] for e in result.events]
-    assert kinds.index("refined") < kinds.index("switch") < result.events.index(gens[3])
+    events = [e.to_json() for e in result.events]
+    kinds = [e["kind"] for e in events]
+    assert kinds.index("refined") < kinds.index("switch") < events.index(gens[3])
     # worker 0:0 sees the switch asked at iteration 5: the members leave at 5 + 2
     assert gens[3]["dead"] == gens[2]["dead"] and gens[3]["restart"] == 7
 

@@ -146,11 +146,10 @@ def test_start_over_trains_anew_and_the_result_names_its_run(tmp_path, lib):
 
 def test_the_summary_shows_predicted_replayed_and_measured_side_by_side():
     from recycle_planner.cli.executor import result_summary
-    from recycle_planner.executor.control.agent import GenerationRecord, LaunchResult
+    from recycle_planner.executor.control.result import GenerationRecord, LaunchResult
 
-    gens = [GenerationRecord(0, (), "k0-0.json.gz", 1.27, 0.0, 10, 17.0, 15.5).to_json(),
-            GenerationRecord(1, ((1, 0),), "k1-0.json.gz", 1.31, 0.035, 20, 20.4,
-                             18.0).to_json()]
+    gens = [GenerationRecord(0, (), "k0-0.json.gz", 1.27, 0.0, 10, 17.0, 15.5),
+            GenerationRecord(1, ((1, 0),), "k1-0.json.gz", 1.31, 0.035, 20, 20.4, 18.0)]
     result = LaunchResult("completed", "trained 30 iterations", 30, [1.0] * 30,
                           [0.017 * i for i in range(30)], [], [], None, "run",
                           generations=gens)

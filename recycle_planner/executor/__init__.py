@@ -5,7 +5,9 @@ Public API:
 - `Job`: the user's stage modules, loss, optimizer factory, data source and plan library.
 - `run(job)`: the body of a worker process (call it from a training script).
 - `launch(target, LaunchConfig(nproc=...))`: start the workers, handle failures, return a
-  `LaunchResult`; raises `TrainingStopped` when the job cannot finish.
+  `LaunchResult` (its `status`, a `Status`; its `events`, `Event` records of an `EventKind`;
+  `LaunchResult.from_dict` reads a run folder's result.json back); raises `TrainingStopped`
+  when the job cannot finish.
 - `train_reference(job, pipelines, microbatches)`: the single-process result to compare with.
 - `parse_fault("1:2:F0")`: inject a real process death for tests and drills.
 - `ClipGradNorm(max_norm)`: global-norm gradient clipping across stages (a `StepHook`, and
@@ -25,7 +27,8 @@ torch imports; the worker side needs torch (`pip install recycle-planner[torch]`
 from importlib import import_module
 
 _WHERE = {
-    "LaunchConfig": "control.agent", "LaunchResult": "control.agent",
+    "LaunchConfig": "control.agent", "LaunchResult": "control.result",
+    "Status": "control.result", "Event": "control.result", "EventKind": "control.result",
     "TrainingStopped": "control.agent", "launch": "control.agent",
     "worker_command": "control.agent", "Fault": "faults", "parse_fault": "faults",
     "Job": "job", "load_job": "job", "ReferenceResult": "reference",

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -48,6 +48,8 @@ from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control import protocol as P
 from recycle_planner.executor.control.mail import Mail
 from recycle_planner.executor.control.pool import LocalPool, Proc, WorkerPool, last_line
+from recycle_planner.executor.control.result import (Death, Event, EventKind, GenerationRecord,
+                                                     LaunchResult, Recovery, Status)
 from recycle_planner.executor.control.runfolder import RunFolder, claim
 from recycle_planner.executor.control.takeover import Adoption
 from recycle_planner.executor.faults import Fault
@@ -71,24 +73,6 @@ from recycle_planner.io import write_json
 from recycle_planner.timing.replay import measured_spec, replay_period, stage_costs
 
 log = logging.getLogger(__name__)
-
-RESULT_VERSION = 2
-"""result.json's layout: 2 added the run id, the attempt, the generation of every iteration
-and the plans' predicted periods."""
-
-
-class Status(str, enum.Enum):
-    """How a run ended: COMPLETED (every iteration trained), STOPPED (a clean stop with a
-    checkpoint: no live worker for a stage, beyond the threshold, SIGTERM), FAILED (the job
-    cannot run, or a bug in user code). A `str`, so that result.json keeps the words."""
-
-    COMPLETED = "completed"
-    STOPPED = "stopped"
-    FAILED = "failed"
-
-    def __str__(self) -> str:
-        return self.value
-
 
 class Phase(enum.Enum):
     """Where the launcher (or coordinator) is, like torch elastic's `WorkerState`:
@@ -187,79 +171,6 @@ class LaunchConfig:
                             faults=[f.to_dict() for f in self.faults])
 
 
-@dataclass
-class LaunchResult:
-    """What a run did. `losses[i]`: mean loss of iteration i over all D*M micro-batches;
-    `iteration_end[i]`: seconds from launch to the end of iteration i everywhere;
-    `recoveries`: per death, the seconds until the next generation was formed
-    (`replanned_after`) and until the first iteration it completed (`seconds`);
-    `events`: what happened, in order."""
-
-    status: Status
-    message: str
-    iterations: int
-    losses: list[float | None]
-    iteration_end: list[float | None]
-    events: list[dict]
-    recoveries: list[dict]
-    checkpoint: str | None
-    run_dir: str
-    microbatch_losses: dict[str, float] = field(default_factory=dict)
-    spec: dict | None = None             # the plan library's job spec
-    op_times: dict[str, dict] = field(default_factory=dict)
-    """Per worker that finished ("pipeline:stage"), per generation, per op kind: [count,
-    seconds, seconds from the op's last wait for a peer to its end (its own work)]."""
-    run_id: str = ""                     # the run this result belongs to (run.json)
-    attempt: int = 1                     # which start of that run (1 + resumes)
-    iteration_gen: list[int | None] = field(default_factory=list)
-    """The generation that completed iteration i (None: an earlier attempt did)."""
-    reference_period: float | None = None  # the library's fault-free period (ms)
-    generations: list[dict] = field(default_factory=list)
-    """Per generation that ran, a `GenerationRecord`: its plan's predicted period beside the
-    step measured and the plan re-timed with the ops' measured costs."""
-    version: int = RESULT_VERSION
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """One death and what it cost (seconds from launch): the worker ("pipeline:stage"),
-    when it died, the first iteration completed after it, how long after the death that
-    iteration ended (`seconds`) and the next generation was formed (`replanned_after`)."""
-
-    worker: str
-    t_death: float
-    first_iteration: int
-    seconds: float
-    replanned_after: float | None
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class GenerationRecord:
-    """What one generation predicted and what it measured (times in ms). `measured_ms`: the
-    median time between consecutive iterations it completed; `replayed_ms`: its plan
-    re-timed with the per-stage op costs its workers measured (`timing/replay.py`): what the
-    plan predicts on the ops as they ran here, so that predicted vs replayed is the machine
-    (op times unlike the profile's) and replayed vs measured is what the model misses."""
-
-    gen: int
-    dead: tuple[tuple[int, int], ...]
-    plan: str
-    predicted_ms: float
-    predicted_degradation: float
-    iterations: int
-    measured_ms: float | None
-    replayed_ms: float | None
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
 def _median(values: list[float]) -> float | None:
     return sorted(values)[len(values) // 2] if values else None
 
@@ -280,7 +191,7 @@ def check_target(target: str) -> None:
 
 
 def launch(target: str | Sequence[str], config: LaunchConfig, args: Sequence[str] = (),
-           on_event: Callable[[dict], None] | None = None) -> LaunchResult:
+           on_event: Callable[[Event], None] | None = None) -> LaunchResult:
     """Run a job on `config.nproc` local worker processes and return what happened.
 
     `target` is a training script, a job factory (`FILE.py:FUNCTION`), or a full command list.
@@ -418,7 +329,7 @@ class Agent:
     """The launcher's (or coordinator's) membership logic over a `WorkerPool`: leases,
     generations and decisions, checkpoints, losses, the result."""
 
-    def __init__(self, config: LaunchConfig, on_event: Callable[[dict], None] | None,
+    def __init__(self, config: LaunchConfig, on_event: Callable[[Event], None] | None,
                  folder: RunFolder, pool: type, *pool_args: Any):
         self.config = config
         self.on_event = on_event
@@ -438,8 +349,8 @@ class Agent:
         self.procs: dict[int, Proc] = {}          # live processes by rank
         self.restarts: dict[int, int] = {}
         self.restart_at: dict[int, float] = {}
-        self.events: list[dict] = []
-        self.deaths: list[dict] = []
+        self.events: list[Event] = []
+        self.deaths: list[Death] = []
         self.lib: PlanLibrary | None = None
         self.stages = 0
         self.phase = Phase.ADOPTING if config.take_over else Phase.STARTING
@@ -531,8 +442,8 @@ class Agent:
         grace = self.config.grace
         if not self.preempt_said:
             self.preempt_said = True
-            self._event("preempted", f"SIGTERM: stopping with a checkpoint within the "
-                                     f"{grace:g} s grace period")
+            self._event(EventKind.PREEMPTED, f"SIGTERM: stopping with a checkpoint within the "
+                                             f"{grace:g} s grace period")
             if self.phase is Phase.STARTING:
                 self._finish_with(Status.STOPPED, "SIGTERM before training started: nothing to "
                                              "checkpoint")
@@ -551,7 +462,7 @@ class Agent:
         if self.phase is not Phase.ADOPTING:  # taking over: the host agents name them
             for proc in procs:
                 self.procs[proc.rank] = proc
-        self._event("start", self.pool.describe())
+        self._event(EventKind.START, self.pool.describe())
 
     # -- watching processes --------------------------------------------------------------------
 
@@ -587,9 +498,9 @@ class Agent:
                 self._lease_expired(proc, now - proc.last_beat)
 
     def _lease_expired(self, proc: Proc, silent: float) -> None:
-        self._event("hang", f"worker {self._name(proc.rank)} sent no heartbeat for "
-                            f"{silent:.1f} s (host gone, processes stopped, or training "
-                            f"thread stalled): killing it", rank=proc.rank)
+        self._event(EventKind.HANG, f"worker {self._name(proc.rank)} sent no heartbeat for "
+                                    f"{silent:.1f} s (host gone, processes stopped, or training "
+                                    f"thread stalled): killing it", rank=proc.rank)
         self._kill(proc, f"lost its lease: no heartbeat for {silent:.1f} s")
 
     def _kill(self, proc: Proc, how: str) -> None:
@@ -607,15 +518,15 @@ class Agent:
         rank = proc.rank
         if self.first_death_log is None:
             self.first_death_log = proc.log_path
-        info: dict[str, Any] = {"rank": rank, "worker": self._name(rank), "how": how,
-                                "t": time.time() - self.t0, "gen": self.gen}
+        death = Death(rank, self._name(rank), how, time.time() - self.t0, self.gen)
         fault = self.mail.get(msg.FaultFired, rank=rank, incarnation=proc.incarnation)
         if fault is not None:
-            info.update(t=fault.t - self.t0, fault=fault.fault)
-        self.deaths.append(info)
-        self._event("death", f"worker {self._name(rank)} {how}"
-                             + (f" (injected fault {info['fault']})" if "fault" in info else ""),
-                    **{k: v for k, v in info.items() if k not in ("worker",)})
+            death = replace(death, t=fault.t - self.t0, fault=fault.fault)
+        self.deaths.append(death)
+        self._event(EventKind.DEATH, f"worker {death.worker} {how}"
+                    + (f" (injected fault {death.fault})" if death.fault else ""),
+                    rank=rank, how=how, t=death.t, gen=death.gen,
+                    **({"fault": death.fault} if death.fault else {}))
         if self.pool.restarts and self.config.restart_delay is not None and \
                 self.restarts.get(rank, 0) < self.config.max_restarts:
             self.restart_at[rank] = time.time() + self.config.restart_delay
@@ -631,8 +542,8 @@ class Agent:
                 del self.restart_at[rank]
                 self.restarts[rank] = self.restarts.get(rank, 0) + 1
                 self.procs[rank] = self.pool.restart(rank, self.restarts[rank])
-                self._event("restart", f"worker {self._name(rank)} restarted (incarnation "
-                                       f"{self.restarts[rank]})", rank=rank)
+                self._event(EventKind.RESTART, f"worker {self._name(rank)} restarted (incarnation "
+                                               f"{self.restarts[rank]})", rank=rank)
 
     def _hellos(self) -> None:
         for rank, proc in self.procs.items():
@@ -664,8 +575,9 @@ class Agent:
         adoption = Adoption.of(attaches.values())
         if adoption is None:
             found = latest_checkpoint(self.run_dir)
-            self._event("take-over", "no host agent runs a generation: starting again from "
-                        + (f"the checkpoint of iteration {found[0]}" if found else "scratch"))
+            self._event(EventKind.TAKE_OVER, "no host agent runs a generation: starting "
+                        "again from " + (f"the checkpoint of iteration {found[0]}" if found
+                                         else "scratch"))
             self.config = replace(self.config, resume=found is not None)
             for proc in self.pool.start():
                 self.procs[proc.rank] = proc
@@ -695,9 +607,9 @@ class Agent:
             found = latest_checkpoint(self.run_dir)
             self.next_checkpoint = (max(d.restart, found[0] if found else -1) // every + 1) \
                 * every
-        self._event("take-over", f"took over generation {d.gen} from the lost coordinator: "
-                                 f"{len(adoption.workers)} workers kept running on hosts "
-                                 f"{attached}", gen=d.gen, hosts=attached)
+        self._event(EventKind.TAKE_OVER, f"took over generation {d.gen} from the lost "
+                    f"coordinator: {len(adoption.workers)} workers kept running on hosts "
+                    f"{attached}", gen=d.gen, hosts=attached)
         if d.action == "stop":
             self.phase, self.exit_started = Phase.STOPPING, time.time()
             return
@@ -741,12 +653,12 @@ class Agent:
             self.round.join_posted = True
             self.phase = Phase.GATHERING
             if self._joiners():
-                self._event("join", "restarted workers " + ", ".join(
+                self._event(EventKind.JOIN, "restarted workers " + ", ".join(
                     self._name(r) for r in self._joiners()) + " asked to join: switching at "
                     "an iteration boundary")
             else:
-                self._event("switch", f"generation {gen}: switching to the refined plan at an "
-                                      f"iteration boundary", gen=gen)
+                self._event(EventKind.SWITCH, f"generation {gen}: switching to the refined "
+                                              f"plan at an iteration boundary", gen=gen)
             return
         self._check_done()
 
@@ -774,8 +686,9 @@ class Agent:
             limit = self.config.pg_timeout + self.config.lease
             if self.round.aborted_at is not None and now - self.round.aborted_at > limit:
                 for rank in missing:
-                    self._event("hang", f"worker {self._name(rank)} did not leave generation "
-                                        f"{gen} within {limit:.1f} s: killing it", rank=rank)
+                    self._event(EventKind.HANG, f"worker {self._name(rank)} did not leave "
+                                                f"generation {gen} within {limit:.1f} s: "
+                                                f"killing it", rank=rank)
                     self._kill(self.procs[rank], f"did not leave generation {gen}")
                 self.round.aborted_at = now
             return
@@ -881,18 +794,18 @@ class Agent:
                 welcome = gen if decision.action == "run" or steps[rank] is not None else -1
                 self.mail.put(msg.Welcome(rank, proc.incarnation, welcome))
         if decision.action == "stop":
-            self._event("stop", f"generation {gen}: {decision.reason.splitlines()[0]}", gen=gen,
-                        restart=decision.restart)
+            self._event(EventKind.STOP, f"generation {gen}: {decision.reason.splitlines()[0]}",
+                        gen=gen, restart=decision.restart)
             self.phase, self.exit_started = Phase.STOPPING, time.time()
             self._dismiss_newcomers()
             return
         joined = [r for r, k in steps.items() if k is None]
         period = lib.lookup(decision.dead, decision.plan).entry.period
-        self._event("generation", f"generation {gen}: {len(decision.members)} live workers, "
-                                  f"dead {format_workers(decision.dead)}, plan {decision.plan} "
-                                  f"(predicted degradation "
-                                  f"{round(decision.degradation, 4) + 0.0:+.1%}), from "
-                                  f"iteration {decision.restart}"
+        self._event(EventKind.GENERATION,
+                    f"generation {gen}: {len(decision.members)} live workers, dead "
+                    f"{format_workers(decision.dead)}, plan {decision.plan} (predicted "
+                    f"degradation {round(decision.degradation, 4) + 0.0:+.1%}), from "
+                    f"iteration {decision.restart}"
                     + (f"; {', '.join(self._name(r) for r in joined)} joined" if joined and
                        not initial else ""),
                     gen=gen, dead=[list(w) for w in decision.dead], plan=decision.plan,
@@ -917,8 +830,9 @@ class Agent:
         entry = lib.add(plan, placement, ON_DEMAND)
         seconds = time.perf_counter() - t0
         what = f"dead {format_workers(dead)}" if dead else "the fault-free situation"
-        self._event("planned", f"the library has no plan for {what}: planned on demand in "
-                               f"{seconds:.3f} s ({entry.file}, period {entry.period:.4g} ms)",
+        self._event(EventKind.PLANNED,
+                    f"the library has no plan for {what}: planned on demand in {seconds:.3f} s "
+                    f"({entry.file}, period {entry.period:.4g} ms)",
                     counts=list(counts),
                     plan=entry.file, seconds=seconds, period=entry.period)
 
@@ -937,8 +851,8 @@ class Agent:
                 refine_command(self.lib.folder, counts, self.config.refine_budget, out),
                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         self.refinements[counts] = _Refinement(counts, popen, out, time.time())
-        self._event("refine", f"refining the plan for per-stage dead {list(counts)} in the "
-                              f"background (budget {self.config.refine_budget:g} s)",
+        self._event(EventKind.REFINE, f"refining the plan for per-stage dead {list(counts)} in the "
+                                      f"background (budget {self.config.refine_budget:g} s)",
                     counts=list(counts))
 
     def _refinements_done(self, now: float) -> None:
@@ -950,22 +864,22 @@ class Agent:
                 continue
             del self.refinements[counts]
             if code != 0 or not job.out.is_file():
-                self._event("warning", f"the refinement of {list(counts)} failed (exit "
-                                       f"status {code}; see logs/refine-*.log)")
+                self._event(EventKind.WARNING, f"the refinement of {list(counts)} failed (exit "
+                                               f"status {code}; see logs/refine-*.log)")
                 continue
             try:
                 plan = read_plan(job.out)
             except RecycleError as exc:
-                self._event("warning", f"the refinement of {list(counts)} wrote no usable "
-                                       f"plan: {exc}")
+                self._event(EventKind.WARNING, f"the refinement of {list(counts)} wrote no usable "
+                                               f"plan: {exc}")
                 continue
             current = self.lib.entry(counts)
             period = plan.metrics.period
             better = period < current.period * (1 - self.config.refine_margin)
-            self._event("refined", f"refined plan for {list(counts)} after "
-                                   f"{now - job.started:.1f} s: period {period:.4g} ms against "
-                                   f"{current.period:.4g} ms"
-                                   + ("" if better else " (kept the current plan)"),
+            self._event(EventKind.REFINED,
+                        f"refined plan for {list(counts)} after {now - job.started:.1f} s: "
+                        f"period {period:.4g} ms against {current.period:.4g} ms"
+                        + ("" if better else " (kept the current plan)"),
                         counts=list(counts), period=period, previous=current.period,
                         better=better)
             if not better:
@@ -990,7 +904,7 @@ class Agent:
         self.mail.put(msg.Abort(self.gen, reason))
         self.round.aborted_at = time.time()
         self.phase = Phase.GATHERING
-        self._event("abort", f"generation {self.gen} abandoned: {reason}", gen=self.gen)
+        self._event(EventKind.ABORT, f"generation {self.gen} abandoned: {reason}", gen=self.gen)
 
     def _member_inc(self) -> Mapping[int, int]:
         """The incarnation of each member the current decision counts on."""
@@ -1026,8 +940,8 @@ class Agent:
         members = set(self._live_members())
         for rank, proc in list(self.procs.items()):
             if rank not in members:
-                self._event("dismiss", f"restarted worker {self._name(rank)} arrived after the "
-                                       f"end: stopping it", rank=rank)
+                self._event(EventKind.DISMISS, f"restarted worker {self._name(rank)} arrived "
+                                               f"after the end: stopping it", rank=rank)
                 self._kill(proc, "arrived after the end")
 
     def _publish_progress(self, now: float) -> None:
@@ -1050,7 +964,8 @@ class Agent:
         if self.mail.present(msg.CheckpointWritten,
                        [{"iteration": k, "stage": s} for s in range(self.stages)]):
             if write_manifest(self.run_dir, k, self.stages) is not None:
-                self._event("checkpoint", f"checkpoint of iteration {k} complete", iteration=k)
+                self._event(EventKind.CHECKPOINT, f"checkpoint of iteration {k} complete",
+                            iteration=k)
             self.next_checkpoint += every
 
     # -- the end -----------------------------------------------------------------------------
@@ -1087,27 +1002,27 @@ class Agent:
         recoveries = []
         for death in self.deaths:
             after = [(i, e) for i, (e, g) in enumerate(zip(ends, gens))
-                     if e is not None and g > death["gen"]]
+                     if e is not None and g > death.gen]
             if after:
                 i, e = after[0]
-                formed = [ev["t"] for ev in self.events
-                          if ev["kind"] == "generation" and ev["gen"] > death["gen"]]
-                recoveries.append(Recovery(death["worker"], death["t"], i, e - death["t"],
-                                           formed[0] - death["t"] if formed else None).to_json())
+                formed = [ev.t for ev in self._events_of(EventKind.GENERATION)
+                          if ev.data["gen"] > death.gen]
+                recoveries.append(Recovery(death.worker, death.t, i, e - death.t,
+                                           formed[0] - death.t if formed else None))
         for fault in self.config.faults:
             if fault.point != "hold" and self.mail.get(msg.FaultFired, rank=fault.rank,
                                                  incarnation=0) is None:
-                self._event("warning", f"fault {fault} never fired (no such point in the "
-                                       f"plan, or training ended first)")
+                self._event(EventKind.WARNING, f"fault {fault} never fired (no such point in the "
+                                               f"plan, or training ended first)")
         op_times = {}
         for rank in range(world):
             times = self.mail.get(msg.OpTimes, rank=rank)
             if times is not None:
                 op_times[self._name(rank)] = times.times
-        self._event("end", message, status=status)
+        self._event(EventKind.END, message, status=status)
         found = latest_checkpoint(self.run_dir) if self.stages else None
         record = self.folder.record
-        generations = [g.to_json() for g in self._generation_records(ends, gens, op_times)]
+        generations = self._generation_records(ends, gens, op_times)
         result = LaunchResult(status, message, n, losses, ends, self.events, recoveries,
                               str(found[1]) if found else None, str(self.run_dir), per_mb,
                               spec.to_dict() if spec is not None else None, op_times,
@@ -1124,14 +1039,13 @@ class Agent:
             if gens[i] >= 0 and gens[i] == gens[i - 1] and None not in (ends[i], ends[i - 1]):
                 steps.setdefault(gens[i], []).append(1e3 * (ends[i] - ends[i - 1]))
         records = []
-        for event in self.events:
-            if event["kind"] != "generation":
-                continue
-            gen, dead = event["gen"], tuple(tuple(w) for w in event["dead"])
+        for event in self._events_of(EventKind.GENERATION):
+            data = event.data
+            gen, dead = data["gen"], tuple(tuple(w) for w in data["dead"])
             records.append(GenerationRecord(
-                gen, dead, event["plan"], event["period"], event["degradation"],
+                gen, dead, data["plan"], data["period"], data["degradation"],
                 sum(1 for g in gens if g == gen), _median(steps.get(gen, [])),
-                self._replayed(gen, dead, event["plan"], op_times)))
+                self._replayed(gen, dead, data["plan"], op_times)))
         return records
 
     def _replayed(self, gen: int, dead, plan: str, op_times: dict) -> float | None:
@@ -1197,12 +1111,15 @@ class Agent:
         d, s = P.worker_of(rank, self.stages)
         return f"{d}:{s}"
 
-    def _event(self, kind: str, message: str, **data: Any) -> None:
-        event = {"t": round(time.time() - self.t0, 4), "kind": kind, "message": message, **data}
+    def _event(self, kind: EventKind, message: str, **data: Any) -> None:
+        event = Event(round(time.time() - self.t0, 4), kind, message, data)
         self.events.append(event)
         log.info("%s", message)
         if self.on_event is not None:
             self.on_event(event)
+
+    def _events_of(self, kind: EventKind) -> list[Event]:
+        return [e for e in self.events if e.kind is kind]
 
 
 PHASES: dict[Phase, Callable[[Agent, float], None]] = {

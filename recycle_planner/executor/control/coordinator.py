@@ -31,9 +31,9 @@ host agents re-attach to it and it adopts the generation their workers run (`tak
 from __future__ import annotations
 
 from recycle_planner.errors import RecycleError
-from recycle_planner.executor.control.agent import (LaunchConfig, LaunchResult, preflight,
-                                                    run_agent)
+from recycle_planner.executor.control.agent import LaunchConfig, preflight, run_agent
 from recycle_planner.executor.control.pool import HostPool
+from recycle_planner.executor.control.result import LaunchResult
 
 
 def coordinate(config: LaunchConfig, nnodes: int, on_event=None) -> LaunchResult:

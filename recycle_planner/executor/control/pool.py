@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from recycle_planner.executor.config import CONFIG_ENV, CONFIG_KEY, STALLED
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.mail import Mail, RelayMail, StoreMail
+from recycle_planner.executor.control.result import EventKind
 
 if TYPE_CHECKING:
     from recycle_planner.executor.control.agent import Agent
@@ -195,8 +196,8 @@ class HostPool:
             host = None if node in self.hosts else a.mail.get(msg.HostUp, node=node)
             if host is not None:
                 self.hosts[node] = host
-                a._event("host", f"host {node} ({host.hostname}) runs ranks "
-                                 f"{list(host.ranks)}", node=node)
+                a._event(EventKind.HOST, f"host {node} ({host.hostname}) runs ranks "
+                                         f"{list(host.ranks)}", node=node)
         new = []
         for rank in range(a.config.nproc):
             inc = self.incarnation.get(rank, 0) + 1
@@ -204,8 +205,8 @@ class HostPool:
                                                   incarnation=inc) is not None:
                 self.incarnation[rank] = inc
                 new.append(Proc(rank, inc, None, a.log_dir, time.time()))
-                a._event("restart", f"worker {a._name(rank)} started again by its host agent "
-                                    f"(incarnation {inc})", rank=rank)
+                a._event(EventKind.RESTART, f"worker {a._name(rank)} started again by its "
+                                            f"host agent (incarnation {inc})", rank=rank)
         return new
 
     def exits(self, procs: dict[int, Proc]) -> list[Exit]:

@@ -1,0 +1,182 @@
+"""One contract for the launcher's two control planes (issue 22, item 5): a worker's `Link` and
+the launcher's (or coordinator's) `Mail` must agree on every rule, whichever pair carries them.
+
+- "store": one machine, `StoreLink` and `StoreMail` on the launcher's c10d store (the embedded
+  default: nothing to install, no network beyond loopback);
+- "relay": a cluster job, `HostLink` to a host agent's `Relay` and `RelayMail` on the
+  coordinator's store.
+
+Each case is written once and runs on both, on loopback against a real TCPStore. The relay
+carries records asynchronously (batched per host), so reads are awaited, bounded."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+pytestmark = pytest.mark.torch
+dist = pytest.importorskip("torch.distributed")
+
+from recycle_planner.executor.control import messages as msg  # noqa: E402
+from recycle_planner.executor.control.link import HostLink, StoreLink  # noqa: E402
+from recycle_planner.executor.control.mail import RelayMail, StoreMail  # noqa: E402
+from recycle_planner.executor.control.protocol import Decision  # noqa: E402
+from recycle_planner.executor.control.relay import Relay  # noqa: E402
+
+LEASE = 2.0
+
+
+class Plane:
+    """The launcher's side (`mail`, used under `lock`) and a way to connect workers."""
+
+    def __init__(self, kind: str, folder):
+        self.kind = kind
+        self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=10))
+        self.lock = threading.Lock()
+        self.links: list = []
+        self.stop = threading.Event()
+        self.thread = None
+        if kind == "store":
+            self.mail = StoreMail(self.server)
+            return
+        self.mail = RelayMail(self.server, nnodes=1, per_host=4, beat_every=LEASE / 4)
+        self.relay = Relay(self._client(10.0), self._client(LEASE), 0,
+                           str(folder / "relay.sock"), lease=LEASE, heartbeat=0.1, flush=0.02)
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _client(self, timeout: float):
+        return dist.TCPStore("127.0.0.1", self.server.port, is_master=False,
+                             timeout=timedelta(seconds=timeout))
+
+    def _loop(self) -> None:
+        """The host agent's passes and the coordinator's publishing, as their loops run."""
+        while not self.stop.is_set():
+            self.relay.step()
+            with self.lock:
+                self.mail.flush()
+            time.sleep(0.005)
+
+    def link(self, rank: int):
+        """A worker's link, watching generation 1; returns it and the aborts it heard."""
+        if self.kind == "store":
+            link = StoreLink("127.0.0.1", self.server.port, 10.0, LEASE, 0.1, 0.01)
+        else:
+            link = HostLink(self.relay.path, rank, 0, ("127.0.0.1", self.server.port), 10.0,
+                            0.1)
+        aborts: list = []
+        link.watch(lambda: msg.Heartbeat(rank, 0, time.time()), lambda: 1,
+                   lambda gen, reason: aborts.append((gen, reason)))
+        self.links.append(link)
+        return link, aborts
+
+    def read(self, what, seconds: float = 10.0):
+        """`what(mail)` once it is truthy, after taking in what arrived (bounded)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            with self.lock:
+                self.mail.refresh()
+                value = what(self.mail)
+            if value or time.monotonic() > deadline:
+                return value
+            time.sleep(0.01)
+
+    def tell(self, *messages, decision: Decision | None = None) -> None:
+        with self.lock:
+            for m in messages:
+                self.mail.put(m)
+            if decision is not None:
+                self.mail.post_decision(decision)
+            self.mail.flush()
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(5)
+            self.relay.close()
+
+
+@pytest.fixture(params=["store", "relay"])
+def plane(request, tmp_path):
+    p = Plane(request.param, tmp_path)
+    yield p
+    p.close()
+
+
+def test_a_set_record_is_read_as_last_sent_and_present_for_every_rank(plane):
+    a, _ = plane.link(0)
+    b, _ = plane.link(1)
+    a.send(msg.IterationDone(0, 0, 1, 1.0))
+    a.send(msg.IterationDone(0, 0, 1, 2.0))   # a later attempt of the same iteration
+    b.send(msg.Losses(0, 1, 1, ((0, 0, 0.5), (1, 0, 0.25))))
+    b.send(msg.IterationDone(0, 1, 1, 3.0))
+    ids = [{"iteration": 0, "rank": r} for r in (0, 1)]
+    assert plane.read(lambda m: m.present(msg.IterationDone, ids))
+    assert plane.read(lambda m: m.get(msg.IterationDone, iteration=0, rank=0).t == 2.0)
+    assert plane.read(lambda m: m.get(msg.Losses, iteration=0, rank=1)).losses == \
+        ((0, 0, 0.5), (1, 0, 0.25))
+    assert plane.mail.get(msg.Losses, iteration=0, rank=0) is None
+
+
+def test_the_first_report_wins(plane):
+    """A bug report: the launcher reads the first one sent. A proposal between workers (the
+    boundary where they leave a generation): the second proposer is told the first, and every
+    worker reads it."""
+    a, _ = plane.link(0)
+    b, _ = plane.link(1)
+    a.send(msg.Bug(1, 0, 4, "Traceback: first"))
+    assert plane.read(lambda m: m.get(msg.Bug, gen=1)).traceback == "Traceback: first"
+    b.send(msg.Bug(1, 1, 4, "Traceback: second"))
+    time.sleep(0.2)
+    assert plane.read(lambda m: m.get(msg.Bug, gen=1)).traceback == "Traceback: first"
+    first = msg.SwitchAt(1, 5)
+    assert a.send(first) == first
+    assert b.send(msg.SwitchAt(1, 7)) == first
+    assert b.peek(msg.SwitchAt, gen=1) == a.wait(msg.SwitchAt, gen=1) == first
+
+
+def test_counted_reports_add_up(plane):
+    links = [plane.link(r)[0] for r in range(3)]
+    for rank, link in enumerate(links):
+        link.send(msg.CommError(1, rank))
+    assert plane.read(lambda m: m.count(msg.CommError, gen=1) == 3)
+    assert plane.mail.count(msg.CommError, gen=2) == 0
+
+
+def test_a_welcome_a_decision_and_an_abort_reach_the_worker(plane):
+    link, aborts = plane.link(2)
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(
+        welcome=link.wait(msg.Welcome, rank=2, incarnation=0), decision=link.decision(1)))
+    waiter.start()
+    decision = Decision(gen=1, action="run", members=(0, 1, 2, 3), dead=(), restart=0)
+    plane.tell(msg.Welcome(2, 0, 1), decision=decision)
+    waiter.join(10)
+    assert got == {"welcome": msg.Welcome(2, 0, 1), "decision": decision}
+    plane.tell(msg.Abort(1, "worker 0:1 died"))
+    assert plane.read(lambda m: aborts) == [(1, "worker 0:1 died")]
+    stop = threading.Event()
+    stop.set()
+    assert link.wait(msg.Welcome, stop, rank=2, incarnation=1) is None  # given up when asked
+
+
+def test_a_live_worker_lease_is_renewed(plane):
+    plane.link(3)
+    first = plane.read(lambda m: m.beat(3, 0))
+    assert first is not None
+    assert plane.read(lambda m: m.beat(3, 0) != first)
+
+
+def test_the_groups_meet_in_a_store_the_plane_names(plane):
+    a, _ = plane.link(0)
+    b, _ = plane.link(1)
+    decision = Decision(gen=1, action="run", members=(0, 1), dead=(), restart=0)
+    sa, sb = a.group_store(decision), b.group_store(decision)
+    sa.add("gen1/test/arrived", 1)
+    assert sb.add("gen1/test/arrived", 1) == 2
