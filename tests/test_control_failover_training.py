@@ -1,13 +1,15 @@
-"""Coordinators that fail over with real training: a 3-member etcd and two `recycle-planner
+"""Coordinators that fail over with real training: a 3-member etcd and three `recycle-planner
 coordinator --rdzv-backend etcd` in the coordinator's network namespace, one `recycle-planner
-launch --rdzv-backend etcd` per training host (each a namespace joined by a veth pair). The
-leading coordinator (the wrapper that campaigns) is SIGKILLed mid-run, between checkpoints:
-its coordinator dies with it, the standby leads and takes over (`--take-over`), the host
-agents re-attach with their workers running (same processes, no checkpoint round trip), a
-worker killed at iteration 8 (while the coordinators change, or just after: the timing
-decides which, and both must end well) is re-routed by the new leader in a generation whose
-groups form in its store, and training ends with the parameters and every loss of the
-fault-free run."""
+launch --rdzv-backend etcd` per training host (each a namespace joined by a veth pair).
+
+The first leader is SIGKILLed (its wrapper: its coordinator dies with it) before any generation
+is decided: nothing runs to take over, so the host agents stop their workers, the next leader
+(`--take-over`) finds every host come back fresh and starts the run as a new attempt. That
+leader is SIGKILLed mid-run, between checkpoints: the third takes over live, the host agents
+re-attach with their workers running (same processes, no checkpoint round trip), a worker
+killed at iteration 8 (while the coordinators change, or just after: the timing decides which,
+and both must end well) is re-routed by the new leader in a generation whose groups form in its
+store, and training ends with the parameters and every loss of the fault-free run."""
 
 import json
 import os
@@ -45,11 +47,11 @@ def test_the_leading_coordinator_killed_mid_run_the_standby_takes_over_live(tmp_
     lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=2)
     ref = reference(["--iterations", str(ITERATIONS)], 2, 4)
     run = tmp_path / "run"
-    logs = {name: tmp_path / f"{name}.log" for name in ("c0", "c1", "h0", "h1")}
+    logs = {name: tmp_path / f"{name}.log" for name in ("c0", "c1", "c2", "h0", "h1")}
     with Hosts(2) as net, EtcdCluster(3, host=COORD_ADDR, wrap=(IP, "netns", "exec", net.coord),
                                       folder=tmp_path / "etcd") as etcd:
         wrappers = {}
-        for i in range(2):
+        for i in range(3):
             port = str(29400 + i)
             wrappers[f"c{i}"] = net.popen(net.coord, [
                 *CLI, "coordinator", "--nnodes", "2", "--nproc-per-node", "2", "--port", port,
@@ -70,12 +72,21 @@ def test_the_leading_coordinator_killed_mid_run_the_standby_takes_over_live(tmp_
         def text(name):
             return logs[name].read_text(errors="replace")
 
-        deadline = time.time() + 300  # a loaded machine: the first generation starts slowly
+        def leader():
+            return next(n for n in wrappers if wrappers[n].poll() is None
+                        and "coordinator for" in text(n))
+
+        deadline = time.time() + 300  # a loaded machine: the first workers start slowly
+        while not all(f"host {h} (" in "".join(text(n) for n in wrappers) for h in (0, 1)):
+            assert time.time() < deadline, "".join(text(n)[-2000:] for n in logs)
+            time.sleep(0.02)
+        first = leader()  # both hosts are there, their workers still starting
+        os.kill(wrappers[first].pid, signal.SIGKILL)
         while 2 not in read_losses(run):  # mid-run, between the checkpoints of 0 and 5
             assert time.time() < deadline, "".join(text(n)[-2000:] for n in logs)
             time.sleep(0.05)
-        leader = next(n for n in ("c0", "c1") if "coordinator for" in text(n))
-        os.kill(wrappers[leader].pid, signal.SIGKILL)  # its coordinator dies with it
+        second = leader()
+        os.kill(wrappers[second].pid, signal.SIGKILL)
         codes = []
         for proc in followers:
             try:
@@ -83,18 +94,18 @@ def test_the_leading_coordinator_killed_mid_run_the_standby_takes_over_live(tmp_
             except subprocess.TimeoutExpired:
                 raise AssertionError("".join(text(n)[-3000:] for n in logs)) from None
         assert codes == [0, 0], "".join(text(n)[-3000:] for n in logs)
-        other = "c1" if leader == "c0" else "c0"
-        assert wrappers[other].wait(60) == 0, text(other)[-3000:]
-    for host in ("h0", "h1"):  # re-attached, the workers never stopped
-        assert "re-attached" in text(host) and "write their checkpoint" not in text(host), \
-            text(host)
-    workers = sorted(p.name for p in (run / "logs").rglob("rank*.log"))
-    assert workers == [f"rank{r}.0.log" for r in range(4)], workers  # same processes
-    assert all(p.parent.name == "attempt-1" for p in (run / "logs").rglob("rank*.log"))
+        third = next(n for n in wrappers if n not in (first, second))
+        assert wrappers[third].wait(60) == 0, text(third)[-3000:]
+    for host in ("h0", "h1"):  # stopped once (nothing ran yet), then re-attached
+        assert text(host).count("before any generation ran here") == 1, text(host)
+        assert text(host).count("re-attached") == 1, text(host)
+    workers = sorted(str(p.relative_to(run / "logs")) for p in (run / "logs").rglob("rank*.log"))
+    assert workers == [f"attempt-{a}/rank{r}.0.log" for a in (1, 2) for r in range(4)], workers
     result = json.loads((run / "result.json").read_text())
     assert result["status"] == "completed" and result["iterations"] == ITERATIONS
-    assert result["attempt"] == 2  # the coordinator's: it took over
-    assert "take-over" in [e["kind"] for e in result["events"]]
+    assert result["attempt"] == 3  # the third coordinator's, which took over
+    assert "took over generation 0" in text(third)
+    assert "no host agent runs a generation" in text(second)
     generations = [(e["gen"], e["dead"]) for e in result["events"] if e["kind"] == "generation"]
     assert generations == [(1, [[1, 1]])], result["events"]  # only the re-routing
     assert sorted(read_losses(run)) == list(range(ITERATIONS))

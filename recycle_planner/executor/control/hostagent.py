@@ -424,10 +424,19 @@ class HostAgent:
                 pass
 
     def _coordinator_lost(self, reason: str) -> int:
-        """Workers notice the lost store within their lease, checkpoint and exit: wait."""
+        """Workers notice the lost store within their lease, checkpoint and exit: wait. If no
+        generation ran here yet, they have nothing to checkpoint (a worker still loading
+        would notice only once loaded): they are stopped at once."""
         self.loop_at = float("inf")  # said once, by whichever thread noticed first
-        self.on_event(f"host {self.node_rank}: lost the coordinator ({reason}); waiting for "
-                      f"the workers to write their checkpoint")
+        if self.relay is not None and not self.relay.decisions:
+            self.on_event(f"host {self.node_rank}: lost the coordinator ({reason}) before any "
+                          f"generation ran here: stopping the workers")
+            for w in self.workers.values():
+                if w.popen.poll() is None:
+                    os.kill(w.popen.pid, signal.SIGKILL)
+        else:
+            self.on_event(f"host {self.node_rank}: lost the coordinator ({reason}); waiting "
+                          f"for the workers to write their checkpoint")
         if self.relay is not None:
             self.relay.lose(reason)
         self._wait_for_workers(120.0)
