@@ -244,3 +244,54 @@ def test_the_host_agent_reports_a_local_death_and_a_silent_worker(coordinator, t
             agent.kill()
         out = agent.communicate()[0].decode(errors="replace")
     assert "worker rank 1 lost its lease" in out, out[-3000:]
+
+
+def test_a_relay_re_attached_to_a_new_coordinator_re_sends_and_moves_the_groups(tmp_path):
+    """The coordinator is lost (`detach`): the worker keeps reporting, its record for other
+    workers (`Shape`) and its question where to form groups wait; re-attached to a new
+    coordinator's store, the relay re-sends what the lost one had not made durable and its
+    `Attach`, then answers: the record lands in the new store, the groups form there."""
+    old, new = (dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=10)) for _ in range(2))
+    mails = [RelayMail(s, nnodes=1, per_host=1, beat_every=0.25) for s in (old, new)]
+    relay = Relay(_client(old.port), _client(old.port, 2.0), 0, str(tmp_path / "r.sock"),
+                  lease=1.0, heartbeat=0.2, flush=0.01, endpoint=f"127.0.0.1:{old.port}")
+    lock, stop = threading.Lock(), threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            with lock:
+                relay.step()
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    link = HostLink(relay.path, 0, 0, ("127.0.0.1", old.port), 10.0, 0.05)
+    link.watch(lambda: msg.Heartbeat(0, 0, time.time()), lambda: 0, lambda g, r: None)
+    try:
+        link.send(msg.Losses(0, 0, 0, ((0, 0, 0.5),)))
+        _until(lambda: mails[0].refresh() or mails[0].get(msg.Losses, iteration=0, rank=0))
+        with lock:
+            relay.detach()
+        link.send(msg.Losses(1, 0, 0, ((0, 0, 0.25),)))
+        link.send(msg.Shape(0, "layout"))              # for other workers: waits
+        formed = []
+        asking = threading.Thread(target=lambda: formed.append(link.group_store(None)))
+        asking.start()
+        time.sleep(0.3)
+        assert not formed and not new.check(["shape/0"])
+        with lock:
+            relay.attach(_client(new.port), _client(new.port, 2.0), f"127.0.0.1:{new.port}",
+                         ((0, 0),))
+        asking.join(10)
+        assert formed and link.master == ("127.0.0.1", new.port)
+        _until(lambda: mails[1].refresh() or mails[1].get(msg.Attach, node=0))
+        for i in (0, 1):  # nothing was made durable: both losses re-sent
+            assert mails[1].get(msg.Losses, iteration=i, rank=0) is not None
+        assert mails[1].get(msg.Attach, node=0).workers == ((0, 0),)
+        assert new.check(["shape/0"])
+    finally:
+        link.close()
+        stop.set()
+        thread.join()
+        relay.close()
