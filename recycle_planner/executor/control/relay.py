@@ -261,12 +261,14 @@ class Relay:
         self._closed = False
         self._stepped_at = time.monotonic()
         self._epoch = 0
+        self._threads: list[threading.Thread] = []  # one per store watched, the last current
         self._start_notices()
 
     def _start_notices(self) -> None:
         self._thread = threading.Thread(target=self._watch_notices,
                                         args=(self._epoch, self.notices),
                                         name="relay-notices", daemon=True)
+        self._threads.append(self._thread)
         self._thread.start()
 
     # the notice thread: the only place that blocks on the coordinator
@@ -597,7 +599,7 @@ class Relay:
             os.unlink(self.path)
         except OSError:
             pass
-        return not self._thread.is_alive()
+        return not any(t.is_alive() for t in self._threads)  # a lost store's too
 
 
 def relay_path(folder: str, node: int, pid: int | None = None) -> str:
