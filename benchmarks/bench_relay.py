@@ -16,8 +16,14 @@ their sizes are read).
 Counted: every call on a store client (the workers', the host agents' and the coordinator's),
 by a counting wrapper, over `--seconds` after a warm-up; and the coordinator's pass time.
 
+`--memory`: the coordinator's memory over a long run instead (`control/iterations.py`): the
+records its mail holds (on the store: the store's keys) and its process's resident memory at
+the start and the end of the window, the run's records kept to the end (before: `--linger`
+infinite, nothing retired) against retired a lease after their iteration's losses are saved.
+
     python bench_relay.py                          # 1,024 ranks, both modes
     python bench_relay.py --ranks 256 1024 --mode relay
+    python bench_relay.py --memory --ranks 128 --mode relay --iteration 0.05 --seconds 60
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import torch.distributed as dist  # noqa: E402
 
 from recycle_planner.executor.control import messages as msg  # noqa: E402
 from recycle_planner.executor.control.agent import Agent, LaunchConfig, Phase  # noqa: E402
+from recycle_planner.executor.control.iterations import IterationLog  # noqa: E402
 from recycle_planner.executor.control.link import HostLink, StoreLink  # noqa: E402
 from recycle_planner.executor.control.mail import StoreMail  # noqa: E402
 from recycle_planner.executor.control.pool import HostPool  # noqa: E402
@@ -56,6 +63,7 @@ PER_HOST = 8
 STAGES = 8
 MICROBATCHES = 16
 RESULTS = Path(__file__).resolve().parent / "results" / "relay.json"
+MEMORY_RESULTS = Path(__file__).resolve().parent / "results" / "relay-memory.json"
 
 
 class Counting:
@@ -106,7 +114,8 @@ class _StorePool(HostPool):
         return StoreMail(store)
 
 
-def _coordinator(ranks: int, mode: str, run_dir: str, counter: Counter, lease: float) -> Agent:
+def _coordinator(ranks: int, mode: str, run_dir: str, counter: Counter, lease: float,
+                 linger: float) -> Agent:
     config = LaunchConfig(nproc=ranks, run_dir=run_dir, checkpoint_every=0, lease=lease)
     folder = claim(run_dir, False, False)
     pool = _StorePool if mode == "store" else HostPool
@@ -119,7 +128,25 @@ def _coordinator(ranks: int, mode: str, run_dir: str, counter: Counter, lease: f
     agent.gen, agent.phase = 1, Phase.RUNNING
     agent.decision = Decision(gen=1, action="run", members=tuple(range(ranks)), dead=(),
                               restart=0, incarnations={r: 0 for r in range(ranks)})
+    agent.iterations = IterationLog(agent.mail, folder, pipelines, STAGES, MICROBATCHES, 0,
+                                    linger)
     return agent
+
+
+def _held(agent: Agent) -> int:
+    """The records the coordinator's mail holds (on the store: the store's keys)."""
+    mail = agent.mail
+    if isinstance(mail, StoreMail):
+        return mail.store.num_keys()
+    return len(mail.records) + len(mail.counts)
+
+
+def _rss_mb() -> float:
+    """This process's resident memory (MiB)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _client(port: int, timeout: float, counter):
@@ -206,10 +233,11 @@ def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: f
 
 
 def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: float,
-            procs: int, lease: float) -> dict:
+            procs: int, lease: float, linger: float | None = None) -> dict:
     counter = Counter()
     folder = tempfile.mkdtemp(prefix="bench-relay-")
-    agent = _coordinator(ranks, mode, f"{folder}/run", counter, lease)
+    linger = lease if linger is None else linger
+    agent = _coordinator(ranks, mode, f"{folder}/run", counter, lease, linger)
     context = mp.get_context("spawn")  # a forked child could inherit a lock held by c10d
     hosts = list(range(ranks // PER_HOST))
     children = []
@@ -240,12 +268,14 @@ def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: flo
         now = time.time()
         if start is None and now >= t_end - seconds:
             start, counts0, passes = now, read(), []
+            memory0 = (_held(agent), _rss_mb(), agent.iterations.next_loss)
         t0 = time.perf_counter()
         agent._pass(now)
         passes.append(time.perf_counter() - t0)
         time.sleep(agent.config.idle_poll)
     counts1 = read()
     elapsed = time.time() - start
+    memory1 = (_held(agent), _rss_mb(), agent.iterations.next_loss)
     for proc, conn in children:
         conn.send("stop")
         conn.recv()
@@ -259,7 +289,12 @@ def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: flo
             "coordinator_pass_ms": {"median": 1e3 * statistics.median(passes),
                                     "max": 1e3 * max(passes)},
             "passes_per_s": len(passes) / elapsed, "hellos_seen": hellos,
-            "deaths": len(agent.deaths)}
+            "deaths": len(agent.deaths), "linger": linger if linger < float("inf") else None,
+            "memory": {"records_start": memory0[0], "records_end": memory1[0],
+                       "rss_mb_start": memory0[1], "rss_mb_end": memory1[1],
+                       "iterations_saved_start": memory0[2],
+                       "iterations_saved_end": memory1[2],
+                       "iterations_held_end": memory1[2] - agent.iterations.retired}}
 
 
 def main() -> None:
@@ -276,17 +311,23 @@ def main() -> None:
                              "badly: 1,024 stand-ins on 2 shared cores)")
     parser.add_argument("--procs", type=int, default=4,
                         help="processes the stand-ins run in (the coordinator has its own)")
+    parser.add_argument("--memory", action="store_true",
+                        help="measure the coordinator's memory: each case twice, the run's "
+                             "records kept (before) and retired a lease after their "
+                             "iteration's losses are saved (results/relay-memory.json)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rows = []
     for ranks in args.ranks:
         for mode in (["store", "relay"] if args.mode == "both" else [args.mode]):
-            row = measure(ranks, mode, args.seconds, args.iteration, args.warmup, args.procs,
-                          args.lease)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
+            for linger in ([float("inf"), args.lease] if args.memory else [args.lease]):
+                row = measure(ranks, mode, args.seconds, args.iteration, args.warmup,
+                              args.procs, args.lease, linger)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    out = MEMORY_RESULTS if args.memory else RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

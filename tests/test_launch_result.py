@@ -26,7 +26,7 @@ def test_result_json_is_flat_and_reads_back_as_the_same_records():
     result = _result()
     text = json.dumps(result.to_dict())
     d = json.loads(text)
-    assert d["status"] == "completed" and d["version"] == 2
+    assert d["status"] == "completed" and d["version"] == 3
     assert d["events"][1] == {"t": 0.5, "kind": "generation", "message": "generation 1",
                               "gen": 1, "dead": [[1, 0]], "restart": 3}
     assert d["recoveries"][0]["worker"] == "1:0" and d["generations"][0]["dead"] == [[1, 0]]
@@ -39,7 +39,7 @@ def test_result_json_is_flat_and_reads_back_as_the_same_records():
 def test_another_layout_is_refused_in_one_line():
     d = _result().to_dict() | {"version": 1}
     with pytest.raises(RecycleError, match="layout version 1; this recycle-planner reads "
-                                           "version 2"):
+                                           "version 3"):
         LaunchResult.from_dict(d)
     with pytest.raises(ValueError):
         Event.from_json({"t": 0, "kind": "no such kind", "message": ""})

@@ -134,7 +134,7 @@ def test_start_over_trains_anew_and_the_result_names_its_run(tmp_path, lib):
     second = launch(TINY, LaunchConfig(nproc=4, run_dir=str(run), start_over=True), args)
     assert second.run_id and second.run_id != first.run_id
     saved = json.loads((run / "result.json").read_text())
-    assert saved["run_id"] == second.run_id and saved["version"] == 2
+    assert saved["run_id"] == second.run_id and saved["version"] == 3
     gen0 = saved["generations"][0]
     assert gen0["iterations"] == 3 and gen0["measured_ms"] > 0 and gen0["replayed_ms"] > 0
     assert (run / "logs" / "attempt-1").is_dir() and (run / "logs" / "attempt-2").is_dir()

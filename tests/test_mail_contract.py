@@ -180,3 +180,60 @@ def test_the_groups_meet_in_a_store_the_plane_names(plane):
     sa, sb = a.group_store(decision), b.group_store(decision)
     sa.add("gen1/test/arrived", 1)
     assert sb.add("gen1/test/arrived", 1) == 2
+
+
+def test_the_mail_holds_a_window_of_iterations_not_the_run(plane, tmp_path):
+    """The launcher's iteration log (`iterations.IterationLog`) saves each iteration's losses
+    once final and, a lease later, drops its records from the mail (and their keys from the
+    store): over 30 iterations of 2 stages x 2 pipelines (each rank's end, the last stage's
+    losses, a checkpoint every 5), what the mail holds does not grow, and every iteration's
+    loss and end are still there at the end."""
+    import json
+    import math
+
+    from recycle_planner.executor.control.iterations import IterationLog
+    from recycle_planner.executor.control.runfolder import LOSSES, claim
+
+    links = [plane.link(r)[0] for r in range(4)]
+    folder = claim(tmp_path / "run", False, False)
+    log = IterationLog(plane.mail, folder, pipelines=2, stages=2, microbatches=2, start=0,
+                       linger=1.0)
+
+    def held() -> int:
+        if plane.kind == "store":
+            return plane.server.num_keys()
+        return len(plane.mail.records) + len(plane.mail.counts)
+
+    def loss(i: int, p: int, m: int) -> float:
+        return 1.0 / (1 + i) + p + 0.5 * m
+
+    sizes = []
+    for i in range(30):
+        for rank, link in enumerate(links):
+            link.send(msg.IterationDone(i, rank, 1, 100.0 + i + 0.01 * rank))
+            if rank % 2 == 1:  # the last stage: every micro-batch's loss
+                link.send(msg.Losses(i, rank, 1, tuple((p, m, loss(i, p, m))
+                                                       for p in range(2) for m in range(2))))
+        if i % 5 == 0:
+            for s in range(2):
+                links[s].send(msg.CheckpointWritten(i, s))
+        ids = [{"iteration": i, "rank": r} for r in range(4)]
+        assert plane.read(lambda m: m.present(msg.IterationDone, ids)
+                          and m.present(msg.Losses, [ids[1], ids[3]]))
+        with plane.lock:
+            log.save(now=0.5 * i)
+            log.retire(now=0.5 * i)
+            sizes.append(held())
+    assert log.next_loss == 29 and log.retired == 27  # saved once final; a lease later gone
+    assert max(sizes[8:]) <= max(sizes[:8]), sizes   # a window: no more at 30 than at 8
+    assert plane.mail.get(msg.IterationDone, iteration=3, rank=0) is None
+    assert plane.mail.get(msg.IterationDone, iteration=29, rank=0) is not None
+    with plane.lock:
+        log.save(now=15.0, upto=30)
+        ends, gens = log.ends_upto(30)
+    rows = [json.loads(line) for line in (folder.run_dir / LOSSES).read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(30))
+    assert all(math.isclose(r["loss"], sum(loss(r["iteration"], p, m) for p in range(2)
+                                           for m in range(2)) / 4) for r in rows)
+    assert ends == [100.0 + i + 0.03 for i in range(30)] and gens == [1] * 30
+    folder.release()

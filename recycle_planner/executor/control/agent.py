@@ -46,6 +46,7 @@ import torch.distributed as dist
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control import protocol as P
+from recycle_planner.executor.control.iterations import IterationLog
 from recycle_planner.executor.control.mail import Mail
 from recycle_planner.executor.control.pool import LocalPool, Proc, WorkerPool, last_line
 from recycle_planner.executor.control.result import (Death, Event, EventKind, GenerationRecord,
@@ -336,10 +337,7 @@ class Agent:
         self.folder = folder
         self.run_dir = Path(config.run_dir)
         self.log_dir = folder.log_dir
-        # losses of the iterations before the checkpoint come from the earlier attempts
-        self.previous_losses = (folder.earlier_losses() if config.resume or config.take_over
-                                else {})
-        self.next_loss = 0                          # the next iteration to add to losses.jsonl
+        self.iterations: IterationLog | None = None   # from the first decision
         self.store = host_store(config.master_addr, config.master_port,
                                 config.startup_timeout, pool.PORT_OPTION)
         self.port = self.store.port
@@ -420,7 +418,9 @@ class Agent:
         self._restart_due(now)
         self._hellos()
         self._checkpoints()
-        self._save_losses()
+        if self.iterations is not None:
+            self.iterations.save(now)
+            self.iterations.retire(now)
         self._publish_progress(now)
         self._refinements_done(now)
         self._preemption(now)
@@ -601,7 +601,11 @@ class Agent:
         self._hellos()
         self.mail.post_decision(d)
         self.gen, self.decision, self.round = d.gen, d, _Round()
-        self.next_loss = adoption.saved if adoption.saved >= 0 else d.restart
+        spec = self.lib.spec
+        self.iterations = IterationLog(self.mail, self.folder, spec.pipelines, spec.stages,
+                                       spec.microbatches,
+                                       adoption.saved if adoption.saved >= 0 else d.restart,
+                                       self.config.lease)
         every = self.config.checkpoint_every
         if every:
             found = latest_checkpoint(self.run_dir)
@@ -780,8 +784,10 @@ class Agent:
                                 initial, bug, incs, pending, known)
             assert decision.action != "plan"
         self.mail.post_decision(decision)
-        if self.decision is None:  # this attempt's first iteration
-            self.next_loss = decision.restart
+        if self.iterations is None:  # this attempt's first iteration
+            self.iterations = IterationLog(self.mail, self.folder, lib.spec.pipelines,
+                                           lib.spec.stages, lib.spec.microbatches,
+                                           decision.restart, self.config.lease)
         self.gen, self.decision = gen, decision
         if self.config.checkpoint_every:  # the next one the workers will write
             every = self.config.checkpoint_every
@@ -948,10 +954,10 @@ class Agent:
         """Tell the host agents what is durable (`msg.Progress`: losses saved, the latest
         complete checkpoint), at most every quarter lease: they keep what they relayed from
         there on, for a coordinator that takes over (`relay.Journal`)."""
-        if self.decision is None or now < self.progress_at:
+        if self.iterations is None or now < self.progress_at:
             return
         found = latest_checkpoint(self.run_dir) if self.stages else None
-        progress = msg.Progress(self.next_loss, found[0] if found else -1)
+        progress = msg.Progress(self.iterations.next_loss, found[0] if found else -1)
         if progress != self.progress:
             self.mail.put(progress)
             self.progress, self.progress_at = progress, now + self.config.lease / 4
@@ -978,27 +984,15 @@ class Agent:
         self.mail.refresh()  # the reports of the last pass
         n = self.final_iterations
         world = self.config.nproc
-        losses: list[float | None] = []
-        ends: list[float | None] = []
-        per_mb: dict[str, float] = {}
         spec = self.lib.spec if self.lib else None
-        gens: list[int] = []
-        self._save_losses(upto=n)
-        for i in range(n):
-            end = None
-            gen = -1
-            for rank in range(world):
-                done = self.mail.get(msg.IterationDone, iteration=i, rank=rank)
-                if done is not None:
-                    end = max(end or 0.0, done.t - self.t0)
-                    gen = max(gen, done.gen)
-            values = self._iteration_losses(i, range(world))
-            ends.append(end)
-            gens.append(gen)
-            complete = spec is not None and len(values) == spec.pipelines * spec.microbatches
-            losses.append(sum(v for _, v in values.values()) / len(values) if complete else
-                          self.previous_losses.get(i))
-            per_mb.update({f"{i}/{p}/{m}": v for (p, m), (_, v) in values.items()})
+        ends: list[float | None] = [None] * n
+        gens: list[int] = [-1] * n
+        if self.iterations is not None:
+            self.iterations.save(time.time(), upto=n)
+            ends, gens = self.iterations.ends_upto(n)
+            ends = [e - self.t0 if e is not None else None for e in ends]
+        saved = self.folder.saved_losses()  # this attempt's and the earlier ones' (resume)
+        losses = [saved.get(i) for i in range(n)]
         recoveries = []
         for death in self.deaths:
             after = [(i, e) for i, (e, g) in enumerate(zip(ends, gens))
@@ -1024,7 +1018,7 @@ class Agent:
         record = self.folder.record
         generations = self._generation_records(ends, gens, op_times)
         result = LaunchResult(status, message, n, losses, ends, self.events, recoveries,
-                              str(found[1]) if found else None, str(self.run_dir), per_mb,
+                              str(found[1]) if found else None, str(self.run_dir),
                               spec.to_dict() if spec is not None else None, op_times,
                               record.run_id, record.attempt,
                               [g if g >= 0 else None for g in gens],
@@ -1059,49 +1053,6 @@ class Agent:
         except RecycleError as exc:
             log.warning("cannot replay generation %d's plan: %s", gen, exc)
             return None
-
-    def _iteration_losses(self, i: int, ranks, enough: int | None = None
-                          ) -> dict[tuple[int, int], tuple[int, float]]:
-        """Iteration i's micro-batch losses the `ranks` reported: (pipeline, micro-batch) ->
-        (generation, loss), the latest generation's report winning; stops reading once it
-        has `enough`."""
-        values: dict[tuple[int, int], tuple[int, float]] = {}
-        for rank in ranks:
-            if enough is not None and len(values) >= enough:
-                break
-            rec = self.mail.get(msg.Losses, iteration=i, rank=rank)
-            if rec is not None:
-                for p, m, v in rec.losses:
-                    if (p, m) not in values or values[(p, m)][0] <= rec.gen:
-                        values[(p, m)] = (rec.gen, v)
-        return values
-
-    def _save_losses(self, upto: int | None = None) -> None:
-        """Append to losses.jsonl every iteration whose D*M losses are final, as soon as they
-        are (a killed launcher or coordinator writes no result; the resumed run takes the
-        losses before its checkpoint from there). Every last-stage worker reports all of
-        them after the losses' all-reduce, so one report is usually enough. An iteration's
-        losses are final once the next iteration's are all known (its forwards ran after
-        every stage's step of it, which the step gate confirmed): an attempt abandoned after
-        its losses were known is redone, and its redo's report wins. At the end (`upto`):
-        every iteration the run completed."""
-        if self.decision is None:
-            return
-        spec = self.lib.spec
-        need = spec.pipelines * spec.microbatches
-        last = [d * spec.stages + spec.stages - 1 for d in range(spec.pipelines)]
-        rows = []
-        while upto is None or self.next_loss < upto:
-            values = self._iteration_losses(self.next_loss, last, need)
-            if len(values) < need or upto is None and len(
-                    self._iteration_losses(self.next_loss + 1, last, need)) < need:
-                break
-            rows.append({"iteration": self.next_loss,
-                         "loss": sum(v for _, v in values.values()) / len(values),
-                         "gen": max(g for g, _ in values.values()),
-                         "attempt": self.folder.record.attempt})
-            self.next_loss += 1
-        self.folder.add_losses(rows)
 
     # -- helpers -----------------------------------------------------------------------------
 

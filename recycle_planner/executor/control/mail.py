@@ -16,7 +16,7 @@ one interface, two implementations.
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Protocol, TypeVar
+from typing import Any, Mapping, Protocol, Sequence, TypeVar
 
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.protocol import Decision, decision_key
@@ -52,12 +52,37 @@ class Mail(Protocol):
     def flush(self) -> None:
         """Publish what was put in this pass."""
 
+    def forget(self, iteration: int, keys: Sequence[str]) -> None:
+        """Iteration `iteration` is over for good: drop its records (`keys`, every key they
+        can have), and ignore any of its records that arrive later
+        (`iterations.IterationLog` says when)."""
+
+
+PER_ITERATION = (msg.IterationDone, msg.Losses, msg.CheckpointWritten)
+"""The records of one iteration (every rank's end, the last stage's losses, each stage's
+checkpoint): `Mail.forget` drops them once the iteration is over for good."""
+
+
+def _old_generations(gen: int, decided: list[int]) -> tuple[list[int], tuple[str, ...]]:
+    """Of the generations `decided`, those older than the one before `gen`, and their keys'
+    prefixes (every record of a generation is under `gen{n}/`, its process groups too)."""
+    old = [g for g in decided if g < gen - 1]
+    return old, tuple(f"gen{g}/" for g in old)
+
+
+def _delete_prefixed(store: Any, prefixes: tuple[str, ...]) -> None:
+    if prefixes:
+        for key in store.list_keys():
+            if key.startswith(prefixes):
+                store.delete_key(key)
+
 
 class StoreMail:
     """Every record under its key in the launcher's store."""
 
     def __init__(self, store: Any):
         self.store = store
+        self.decided: list[int] = []
 
     def refresh(self) -> None:
         pass
@@ -78,10 +103,22 @@ class StoreMail:
         msg.put(self.store, message)
 
     def post_decision(self, decision: Decision) -> None:
+        """The decision under its key; the keys of generations older than the one before it
+        (its records, its process groups' rendezvous, its decision) leave the store."""
         self.store.set(decision_key(decision.gen), decision.to_json())
+        self.decided.append(decision.gen)
+        old, prefixes = _old_generations(decision.gen, self.decided)
+        _delete_prefixed(self.store, prefixes)
+        self.decided = [g for g in self.decided if g not in old]
 
     def flush(self) -> None:
         pass
+
+    def forget(self, iteration: int, keys: Sequence[str]) -> None:
+        """Delete the keys (the workers wrote them before the iteration was over for good:
+        a `StoreLink` write returns once the store has it)."""
+        for key in keys:
+            self.store.delete_key(key)
 
 
 class RelayMail:
@@ -102,6 +139,7 @@ class RelayMail:
         self.by_host: dict[int, dict[str, str]] = {n: {} for n in range(nnodes)}
         self.dirty: set[int | None] = set()               # None: the global bulletin
         self.decided: list[int] = []
+        self.floor = 0                                    # iterations before it: forgotten
         store.multi_set([GLOBAL_BULLETIN, *(host_bulletin(n) for n in range(nnodes))],
                         [Bulletin().to_json()] * (nnodes + 1))
 
@@ -117,6 +155,8 @@ class RelayMail:
                 self._take(message)
 
     def _take(self, message: msg.Message) -> None:
+        if isinstance(message, PER_ITERATION) and message.iteration < self.floor:
+            return  # a late report of a forgotten iteration (a stale worker's)
         key = message.key()
         if message.RULE == msg.COUNT:
             self.counts[key] = self.counts.get(key, 0) + 1
@@ -164,13 +204,13 @@ class RelayMail:
                          if g < 0 or g >= gen - 1}
         self.dirty.add(None)
         self.decided.append(gen)
-        old = [g for g in self.decided if g < gen - 1]
+        old, prefixes = _old_generations(gen, self.decided)
         if old:
-            prefixes = tuple(f"gen{g}/" for g in old)
-            for key in self.store.list_keys():
-                if key.startswith(prefixes):
-                    self.store.delete_key(key)
-            self.decided = [g for g in self.decided if g >= gen - 1]
+            _delete_prefixed(self.store, prefixes)
+            for held in (self.records, self.counts):  # their reports (ready, done, errors)
+                for key in [k for k in held if k.startswith(prefixes)]:
+                    del held[key]
+            self.decided = [g for g in self.decided if g not in old]
 
     def flush(self) -> None:
         """Publish the bulletins that changed, then the next notice key (also every
@@ -193,3 +233,8 @@ class RelayMail:
             self.store.delete_key(notice_key(self.version - 2))
         self.dirty.clear()
         self.published_at = now
+
+    def forget(self, iteration: int, keys: Sequence[str]) -> None:
+        for key in keys:
+            self.records.pop(key, None)
+        self.floor = max(self.floor, iteration + 1)

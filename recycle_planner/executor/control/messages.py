@@ -17,6 +17,7 @@ communication errors of a generation); `set` (the default) replaces the value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import typing
 from dataclasses import dataclass
@@ -47,9 +48,16 @@ class Message:
     @classmethod
     def from_json(cls: type[M], text: str | bytes) -> M:
         data = json.loads(text)
-        hints = typing.get_type_hints(cls)
-        return cls(**{f.name: _typed(data[f.name], hints[f.name])
-                      for f in dataclasses.fields(cls) if f.name in data})
+        return cls(**{name: _typed(data[name], hint) for name, hint in _fields(cls)
+                      if name in data})
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    """A record type's fields and their types, resolved once per type (resolving them took
+    0.2 ms, which every record read paid: the coordinator reads thousands a second)."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
 
 
 def _typed(value: Any, hint: Any) -> Any:

@@ -14,9 +14,10 @@ from typing import Any, Mapping
 
 from recycle_planner.errors import RecycleError
 
-RESULT_VERSION = 2
+RESULT_VERSION = 3
 """result.json's layout: 2 added the run id, the attempt, the generation of every iteration
-and the plans' predicted periods."""
+and the plans' predicted periods; 3 dropped the per-micro-batch losses (iterations x D x M
+values, which the coordinator no longer keeps: `losses.jsonl` has each iteration's mean)."""
 
 
 class Status(str, enum.Enum):
@@ -151,7 +152,6 @@ class LaunchResult:
     recoveries: list[Recovery]
     checkpoint: str | None
     run_dir: str
-    microbatch_losses: dict[str, float] = field(default_factory=dict)
     spec: dict | None = None             # the plan library's job spec
     op_times: dict[str, dict] = field(default_factory=dict)
     """Per worker that finished ("pipeline:stage"), per generation, per op kind: [count,

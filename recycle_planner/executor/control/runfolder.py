@@ -109,7 +109,7 @@ class RunFolder:
     def add_losses(self, rows: list[dict]) -> None:
         append_losses(self.run_dir, rows)
 
-    def earlier_losses(self) -> dict[int, float]:
+    def saved_losses(self) -> dict[int, float]:
         """Every iteration's loss written by this run's attempts so far (the latest wins)."""
         return read_losses(self.run_dir)
 

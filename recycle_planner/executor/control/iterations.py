@@ -1,0 +1,120 @@
+"""What the launcher (or coordinator) keeps of the iterations a run trains: a window, not the run.
+
+Every rank reports the end of every iteration (`IterationDone`) and every last-stage worker all
+of the iteration's micro-batch losses (`Losses`); kept for the whole run, that is iterations x
+ranks records (hundreds of millions at 8,192 ranks and 100,000 iterations). They are needed
+only until the iteration is over for good:
+
+- an iteration's losses are **final** once the next iteration's are all known (its forwards
+  ran after every stage's step of it, which the step gate confirmed, so it is never redone);
+  they are then appended to the run folder's `losses.jsonl` at once (a killed coordinator
+  writes no result; the resumed run and the result read them back from there);
+- every live member sent the iteration's end before its next forwards, so once its losses are
+  final its ends are on their way: they have arrived within a lease (a host reports at least
+  every heartbeat, and one silent for a lease is lost). Then the iteration is **retired**: its
+  end time and generation go into two compact arrays (what the result reports per
+  iteration: 12 bytes each) and its records leave the mail (`Mail.forget`: from memory, and
+  their keys from the launcher's store).
+
+So the records held cover the iterations of the last lease or so, whatever the run's length
+(`tests/test_iterations.py`; `benchmarks/bench_relay.py --iterations` measures it)."""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections import deque
+from typing import Sequence
+
+from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.mail import Mail
+from recycle_planner.executor.control.runfolder import RunFolder
+
+
+class IterationLog:
+    """The iterations of one attempt from `start` (its first decision's restart): their losses
+    saved as they become final, their records dropped a `linger` (the lease) later.
+    `pipelines` x `stages` workers, `microbatches` losses per pipeline."""
+
+    def __init__(self, mail: Mail, folder: RunFolder, pipelines: int, stages: int,
+                 microbatches: int, start: int, linger: float):
+        self.mail, self.folder = mail, folder
+        self.world, self.stages = pipelines * stages, stages
+        self.need = pipelines * microbatches
+        self.last = [d * stages + stages - 1 for d in range(pipelines)]
+        self.linger = linger
+        self.next_loss = start              # the next iteration to save to losses.jsonl
+        self.saved: deque[tuple[int, float]] = deque()   # (iteration, when saved), not retired
+        self.ends = array("d", [math.nan] * start)       # per retired iteration: its end
+        self.gens = array("i", [-1] * start)             # and the generation that ended it
+
+    @property
+    def retired(self) -> int:
+        """Iterations before this one hold no records any more."""
+        return len(self.ends)
+
+    def save(self, now: float, upto: int | None = None) -> None:
+        """Append to losses.jsonl every iteration whose D*M losses are final. Every last-stage
+        worker reports all of them after the losses' all-reduce, so one report is usually
+        enough; an attempt abandoned after its losses were known is redone, and its redo's
+        report replaces it. At the end (`upto`): every iteration the run completed."""
+        rows = []
+        while upto is None or self.next_loss < upto:
+            values = self.losses(self.next_loss)
+            if len(values) < self.need or upto is None and len(
+                    self.losses(self.next_loss + 1)) < self.need:
+                break
+            rows.append({"iteration": self.next_loss,
+                         "loss": sum(v for _, v in values.values()) / len(values),
+                         "gen": max(g for g, _ in values.values()),
+                         "attempt": self.folder.record.attempt})
+            self.saved.append((self.next_loss, now))
+            self.next_loss += 1
+        self.folder.add_losses(rows)
+
+    def retire(self, now: float) -> None:
+        """Drop the records of the iterations saved at least `linger` ago."""
+        while self.saved and now - self.saved[0][1] >= self.linger:
+            i, _ = self.saved.popleft()
+            self._take_end(i)
+            self.mail.forget(i, self._keys(i))
+
+    def losses(self, i: int) -> dict[tuple[int, int], tuple[int, float]]:
+        """Iteration i's micro-batch losses as the last stage reported them: (pipeline,
+        micro-batch) -> (generation, loss), the latest generation's report winning; stops
+        reading once it has them all."""
+        values: dict[tuple[int, int], tuple[int, float]] = {}
+        for rank in self.last:
+            if len(values) >= self.need:
+                break
+            rec = self.mail.get(msg.Losses, iteration=i, rank=rank)
+            if rec is not None:
+                for p, m, v in rec.losses:
+                    if (p, m) not in values or values[(p, m)][0] <= rec.gen:
+                        values[(p, m)] = (rec.gen, v)
+        return values
+
+    def ends_upto(self, n: int) -> tuple[list[float | None], list[int]]:
+        """The end time (None: not reported in this attempt) and the generation (-1: none)
+        of iterations 0..n-1: the retired ones' from the arrays, the others' from the mail."""
+        for i in range(self.retired, n):
+            self._take_end(i)
+        return ([None if math.isnan(t) else t for t in self.ends[:n]], list(self.gens[:n]))
+
+    def _take_end(self, i: int) -> None:
+        assert i == len(self.ends), (i, len(self.ends))
+        end, gen = math.nan, -1
+        for rank in range(self.world):
+            done = self.mail.get(msg.IterationDone, iteration=i, rank=rank)
+            if done is not None:
+                end = done.t if math.isnan(end) else max(end, done.t)
+                gen = max(gen, done.gen)
+        self.ends.append(end)
+        self.gens.append(gen)
+
+    def _keys(self, i: int) -> Sequence[str]:
+        """Every key iteration i's records can have."""
+        return ([msg.IterationDone.key_for(iteration=i, rank=r) for r in range(self.world)]
+                + [msg.Losses.key_for(iteration=i, rank=r) for r in self.last]
+                + [msg.CheckpointWritten.key_for(iteration=i, stage=s)
+                   for s in range(self.stages)])
