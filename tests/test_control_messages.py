@@ -40,6 +40,8 @@ SAMPLES = {
     "Spawned": msg.Spawned(3, 1),
     "Bye": msg.Bye(1),
     "Outcome": msg.Outcome("completed", "trained 8 iterations"),
+    "Attach": msg.Attach(1, 2, '{"gen":2}', ((2, 0), (3, 1)), "worker 1:0 died", True, 6),
+    "Progress": msg.Progress(7, 4),
 }
 
 
