@@ -952,8 +952,10 @@ class Agent:
 
     def _publish_progress(self, now: float) -> None:
         """Tell the host agents what is durable (`msg.Progress`: losses saved, the latest
-        complete checkpoint), at most every quarter lease: they keep what they relayed from
-        there on, for a coordinator that takes over (`relay.Journal`)."""
+        complete checkpoint), looked up at most every quarter lease: they keep what they
+        relayed from there on, for a coordinator that takes over (`relay.Journal`). It rides
+        on the bulletin's next publication (at the latest the coordinator's beat): no
+        control traffic of its own."""
         if self.iterations is None or now < self.progress_at:
             return
         found = latest_checkpoint(self.run_dir) if self.stages else None

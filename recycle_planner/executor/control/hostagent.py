@@ -11,8 +11,9 @@ the lease is killed, which makes it dead); the coordinator's notices (none for a
 its store failing: the coordinator is lost). With coordinators that fail over (`successor`,
 set by `failover.follow`), a lost coordinator is replaced live: the agent finds the next
 leader's store on etcd and re-attaches its relay there while its workers keep training
-(`_detach`, `_reattach_due`); only when no leader publishes within `rdzv_timeout`, or the
-workers joined no generation yet, do they stop with a checkpoint (`COORDINATOR_LOST`).
+(`_detach`, `_reattach_due`); only when no leader publishes within `rdzv_timeout` do they
+stop with a checkpoint (`COORDINATOR_LOST`), and workers that joined no generation yet are
+stopped at once (nothing to checkpoint).
 
 Placement: host `node_rank` runs global ranks `node_rank * nproc_per_node + local_rank`
 (consecutive ranks per host, as torchrun places them), and rank r plays worker

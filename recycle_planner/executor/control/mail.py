@@ -191,7 +191,8 @@ class RelayMail:
             self.dirty.add(node)
         else:
             self.everyone[key] = (getattr(message, "gen", -1), text)
-            self.dirty.add(None)
+            if not isinstance(message, msg.Progress):  # rides on the next publication
+                self.dirty.add(None)
 
     def post_decision(self, decision: Decision) -> None:
         """The decision under its key, its mark in the global bulletin; the records of
