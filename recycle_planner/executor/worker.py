@@ -547,7 +547,7 @@ class Worker:
                 time.sleep(0.01)
             if self.link.in_call is None:  # the training thread is stuck elsewhere
                 log.error("the training thread is not at a step boundary: no checkpoint")
-                _exit(COORDINATOR_LOST)
+                _exit(HOST_AGENT_LOST if self.link.orphaned else COORDINATOR_LOST)
             self._coordinator_lost(f"no answer for {silent:.1f} s (link cut or its host "
                                    f"gone)")
 
