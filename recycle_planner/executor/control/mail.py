@@ -53,9 +53,10 @@ class Mail(Protocol):
         """Publish what was put in this pass."""
 
     def forget(self, iteration: int, keys: Sequence[str]) -> None:
-        """Iteration `iteration` is over for good: drop its records (`keys`, every key they
-        can have), and ignore any of its records that arrive later
-        (`iterations.IterationLog` says when)."""
+        """Iteration `iteration` is over for good (`iterations.IterationLog` says when): drop
+        its records (`keys`, every key they can have). The relay's mail also ignores any of
+        them that arrive later (a stale worker's); on the launcher's store none can, since a
+        worker's write returns once the store holds it."""
 
 
 PER_ITERATION = (msg.IterationDone, msg.Losses, msg.CheckpointWritten)
@@ -115,8 +116,6 @@ class StoreMail:
         pass
 
     def forget(self, iteration: int, keys: Sequence[str]) -> None:
-        """Delete the keys (the workers wrote them before the iteration was over for good:
-        a `StoreLink` write returns once the store has it)."""
         for key in keys:
             self.store.delete_key(key)
 
