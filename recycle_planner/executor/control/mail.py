@@ -37,6 +37,9 @@ class Mail(Protocol):
     def present(self, kind: type[msg.Message], ids: list[Mapping[str, Any]]) -> bool:
         """Whether a record of `kind` is there for every set of `ids`."""
 
+    def get_many(self, kind: type[M], ids: list[Mapping[str, Any]]) -> list[M | None]:
+        """The records of `kind` for each set of `ids` (None where there is none)."""
+
     def count(self, kind: type[msg.Message], **ids: Any) -> int:
         """How many `count` records of `kind` arrived under `ids`."""
 
@@ -93,6 +96,14 @@ class StoreMail:
 
     def present(self, kind: type[msg.Message], ids: list[Mapping[str, Any]]) -> bool:
         return msg.present(self.store, kind, ids)
+
+    def get_many(self, kind: type[M], ids: list[Mapping[str, Any]]) -> list[M | None]:
+        """Two round trips when every record is there (the usual case: every rank's end of
+        an iteration), else one or two per record."""
+        if ids and msg.present(self.store, kind, ids):
+            return [kind.from_json(text) for text in
+                    self.store.multi_get([kind.key_for(**i) for i in ids])]
+        return [msg.get(self.store, kind, **i) for i in ids]
 
     def count(self, kind: type[msg.Message], **ids: Any) -> int:
         return msg.count(self.store, kind, **ids)
@@ -168,6 +179,9 @@ class RelayMail:
 
     def present(self, kind: type[msg.Message], ids: list[Mapping[str, Any]]) -> bool:
         return all(kind.key_for(**i) in self.records for i in ids)
+
+    def get_many(self, kind: type[M], ids: list[Mapping[str, Any]]) -> list[M | None]:
+        return [self.get(kind, **i) for i in ids]
 
     def count(self, kind: type[msg.Message], **ids: Any) -> int:
         return self.counts.get(kind.key_for(**ids), 0)
