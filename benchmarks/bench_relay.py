@@ -203,7 +203,7 @@ def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: f
 
         threading.Thread(target=step_relays, daemon=True).start()
         links = [HostLink(by_node[rank // PER_HOST].path, rank, 0, ("127.0.0.1", port), 60.0,
-                          0.2) for rank in ranks]
+                          0.2, lease) for rank in ranks]
     for rank, link in zip(ranks, links):
         link.watch(lambda r=rank: msg.Heartbeat(r, 0, time.time()), lambda: 1,
                    lambda gen, reason: None)

@@ -215,6 +215,58 @@ def test_a_returning_hosts_stale_workers_are_fenced(tmp_path, three_pipelines):
     assert_losses_equal(result["losses"], ref.losses)
 
 
+def _exited(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie too: its parent may be stopped)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_stopped_host_agents_workers_leave_within_the_lease(tmp_path, three_pipelines):
+    """Only host 2's agent is stopped (SIGSTOP), its workers run on: the coordinator hears no
+    report from the host for its lease and re-routes around it; the workers hear no beat from
+    their agent for the lease and leave (status 8) without writing anything, instead of
+    training on without control, blocked on their peers or not. Before, they kept running
+    until their agent came back. The agent, continued once the job went on, reaps them,
+    hears the job's end and leaves with status 0; the job ends with the fault-free
+    parameters and losses. (A slow data loader, 0.2 s a micro-batch, keeps training going
+    for longer than the lease after the stop.)"""
+    import signal
+
+    lib, ref = three_pipelines
+    run, out = tmp_path / "run", tmp_path / "out.log"
+    losses = run / "losses.jsonl"
+    with open(out, "wb") as log, Hosts(3) as net:
+        coord = _coordinator(net, run, log)
+        agents = _agents(net, lib, log, "--data-delay", "0.2", iterations=DRILL_ITERATIONS)
+        _until(lambda: losses.is_file() and losses.read_text(), 180, out, [coord])
+        workers = children(agents[2].pid)
+        assert len(workers) == 2
+        os.kill(agents[2].pid, signal.SIGSTOP)
+        t0 = time.time()
+        try:
+            _until(lambda: all(_exited(p) for p in workers), float(LEASE) + 8, out, [coord])
+            took = time.time() - t0
+            _until(lambda: "generation 1:" in out.read_text(errors="replace"), 60, out, [coord])
+        finally:
+            os.kill(agents[2].pid, signal.SIGCONT)
+        code = _wait(coord, 240, "the coordinator", out)
+        codes = [_wait(a, 60, "a host agent", out) for a in agents]
+    text = out.read_text(errors="replace")
+    assert code == 0 and codes == [0, 0, 0], text[-4000:]
+    assert took < float(LEASE) + 4, took
+    for rank in (4, 5):
+        assert "lost its host agent" in _worker_log(run, rank).read_text()
+    assert "worker rank 4 lost its host agent" in text
+    result = json.loads((run / "result.json").read_text())
+    gens = [g["dead"] for g in result["events"] if g["kind"] == "generation"]
+    assert gens == [[], [[2, 0], [2, 1]]]
+    _, params = checkpoint_params(run, 2)
+    assert_params_equal(params, ref.params)
+    assert_losses_equal(result["losses"], ref.losses)
+
+
 def test_a_rebooted_host_rejoins_at_an_iteration_boundary(tmp_path, three_pipelines):
     """Host 2's agent and workers are SIGKILLed mid-backward (a host that reboots); its lease
     expires and the job goes on. A host agent started again there with the same --node-rank

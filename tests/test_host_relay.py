@@ -186,6 +186,65 @@ def test_a_silent_worker_is_noticed_within_the_lease(coordinator, relay):
     loud.close()
 
 
+def test_a_worker_whose_host_agent_falls_silent_loses_its_link_within_the_lease(
+        coordinator, tmp_path):
+    """The host agent beats to its workers every quarter of the lease (0.5 s here) on every
+    pass of its loop. While it steps, its workers' links stay up over two leases; when its
+    passes stop (its process stopped or hung: the socket stays open), each link is lost
+    within the lease plus its check's period, `orphaned` (the worker then leaves without
+    writing anything) and its abort callback hears it. The agent's own word that the
+    coordinator is lost is not orphaned (that worker stops with a checkpoint)."""
+    from recycle_planner.executor.control.link import LOST, ControlLost
+
+    store, _ = coordinator
+    lease = 0.5
+    relay = Relay(_client(store.port), _client(store.port, 2.0), 0, str(tmp_path / "r.sock"),
+                  lease=lease, heartbeat=0.1, flush=0.05)
+    stepping, stop = threading.Event(), threading.Event()
+    stepping.set()
+
+    def loop():
+        while not stop.is_set():
+            if stepping.is_set():
+                relay.step()
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    links = []
+    for rank in (0, 1):
+        aborts = []
+        link = HostLink(relay.path, rank, 0, ("127.0.0.1", store.port), 10.0, 0.05, lease)
+        link.watch(lambda r=rank: msg.Heartbeat(r, 0, time.time()), lambda: 3,
+                   lambda gen, reason, a=aborts: a.append((gen, reason)))
+        links.append((link, aborts))
+    try:
+        time.sleep(2 * lease)
+        assert all(link.lost is None for link, _ in links)
+        stepping.clear()  # the host agent stopped
+        t0 = time.monotonic()
+        _until(lambda: all(link.lost for link, _ in links), seconds=5)
+        took = time.monotonic() - t0
+        assert 0.75 * lease < took < lease + 0.4, took  # from its last beat: a lease
+        for link, aborts in links:
+            assert link.orphaned and "nothing from it for" in link.lost
+            assert aborts == [(3, LOST)]
+            with pytest.raises(ControlLost):
+                link.send(msg.IterationDone(0, 0, 1, 1.0))
+        word, _ = _link(relay, 2, store.port)
+        stepping.set()
+        relay.lose("no notice from the coordinator for 4.1 s")
+        _until(lambda: word.lost is not None)
+        assert not word.orphaned and word.lost.startswith("no notice from the coordinator")
+        word.close()
+    finally:
+        stop.set()
+        thread.join()
+        for link, _ in links:
+            link.close()
+        relay.close()
+
+
 STAND_IN = """
 import os, signal, sys, time
 from recycle_planner.executor.config import WorkerConfig

@@ -122,6 +122,9 @@ def test_a_set_record_is_read_as_last_sent_and_present_for_every_rank(plane):
     assert plane.read(lambda m: m.get(msg.Losses, iteration=0, rank=1)).losses == \
         ((0, 0, 0.5), (1, 0, 0.25))
     assert plane.mail.get(msg.Losses, iteration=0, rank=0) is None
+    assert [d.t for d in plane.mail.get_many(msg.IterationDone, ids)] == [2.0, 3.0]
+    assert plane.mail.get_many(msg.IterationDone, [*ids, {"iteration": 0, "rank": 2}])[2:] \
+        == [None]
 
 
 def test_the_first_report_wins(plane):

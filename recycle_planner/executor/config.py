@@ -67,6 +67,10 @@ etcd (torchrun's `--rdzv-id`)."""
 COORDINATOR_LOST = 5
 """Exit status of a worker (and host agent) that lost the coordinator and stopped with a
 checkpoint; `--resume` continues from it."""
+HOST_AGENT_LOST = 8
+"""Exit status of a worker whose own host agent went silent for a lease (stopped, hung) or
+away: the coordinator declares that host lost and re-routes, so the worker leaves without
+writing anything (its stage's state lives in its peers)."""
 
 
 @dataclass

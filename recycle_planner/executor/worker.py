@@ -50,7 +50,7 @@ from recycle_planner.executor.control import protocol as P
 from recycle_planner.executor.control.link import LOST, ControlLost, Link, link_from_env
 from recycle_planner.executor.control.runfolder import append_losses
 from recycle_planner.executor.config import (CONFIG_ERROR, COORDINATOR_LOST, EXECUTOR_ERROR,
-                                             FENCED, STALLED, WorkerConfig)
+                                             FENCED, HOST_AGENT_LOST, STALLED, WorkerConfig)
 from recycle_planner.executor.data.boundary import Layout, call, layout_of
 from recycle_planner.executor.data.comm import PeerFailure, prepare, short_error
 from recycle_planner.executor.data.generation import Generation
@@ -366,10 +366,17 @@ class Worker:
         its current step count n and, when the latest step can be undone, after n - 1. Stages
         differ by at most one step, so every stage writes the least count among them and
         that checkpoint completes (whoever writes last adds the manifest); `--resume`
-        continues from the newest complete one."""
+        continues from the newest complete one. A worker that lost its own host agent
+        (`orphaned`) writes nothing: the coordinator re-routes around its host, and a stale
+        state or loss from it must not mix with what the survivors write."""
         if not self._lost_once.acquire(blocking=False):
             while True:  # the other thread stops the worker (and exits the process)
                 time.sleep(3600)
+        if self.link.orphaned:
+            log.error("lost its host agent (%s): the job goes on without this host; leaving "
+                      "without writing anything", reason)
+            self._stopped = True
+            _exit(HOST_AGENT_LOST)
         log.error("lost the coordinator (%s): stopping with a checkpoint", reason)
         self._stopped = True
         if self.runtime is not None:
@@ -540,7 +547,7 @@ class Worker:
                 time.sleep(0.01)
             if self.link.in_call is None:  # the training thread is stuck elsewhere
                 log.error("the training thread is not at a step boundary: no checkpoint")
-                _exit(COORDINATOR_LOST)
+                _exit(HOST_AGENT_LOST if self.link.orphaned else COORDINATOR_LOST)
             self._coordinator_lost(f"no answer for {silent:.1f} s (link cut or its host "
                                    f"gone)")
 

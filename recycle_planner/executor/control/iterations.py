@@ -104,8 +104,8 @@ class IterationLog:
     def _take_end(self, i: int) -> None:
         assert i == len(self.ends), (i, len(self.ends))
         end, gen = math.nan, -1
-        for rank in range(self.world):
-            done = self.mail.get(msg.IterationDone, iteration=i, rank=rank)
+        for done in self.mail.get_many(msg.IterationDone, [{"iteration": i, "rank": r}
+                                                           for r in range(self.world)]):
             if done is not None:
                 end = done.t if math.isnan(end) else max(end, done.t)
                 gen = max(gen, done.gen)

@@ -13,7 +13,9 @@ never delays a beat) and one that watches for the abort of the generation the wo
 hands it to `on_abort`, which must not block (the worker aborts on yet another thread). When
 the control plane cannot be reached within the lease, every call raises `ControlLost` and
 `on_abort` is called, so that a training thread blocked on a peer is released and the worker
-can stop with a checkpoint.
+can stop with a checkpoint. A worker whose own host agent is lost (`orphaned`: stopped, hung
+or dead, while the coordinator may well go on without this host) stops without writing
+anything instead: the survivors hold its stage's state.
 
 Two implementations:
 
@@ -39,6 +41,7 @@ from datetime import timedelta
 from typing import Any, Callable, Protocol, TypeVar
 
 from recycle_planner.errors import RecycleError
+from recycle_planner.executor.config import LEASE
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.protocol import Decision, decision_key
 
@@ -57,7 +60,10 @@ class ControlLost(RecycleError):
 
 
 class Link(Protocol):
-    """A worker's side of the control plane."""
+    """A worker's side of the control plane. `orphaned`: the control plane was lost because
+    this worker's own host agent went silent or away, not because the coordinator did."""
+
+    orphaned: bool
 
     def send(self, message: msg.Message) -> Any:
         """Report `message` (the `first`/`count` rule's result, see `messages.put`)."""
@@ -90,7 +96,10 @@ class StoreLink:
     """The link over a c10d `TCPStore` that the launcher (or coordinator) hosts: records are
     written under their keys; waiting is polling every `poll` seconds. The watch threads use
     their own connections whose timeout is the lease, so that a lost store is noticed within
-    the lease rather than at TCP's own give-up."""
+    the lease rather than at TCP's own give-up. The store is the launcher's own: there is no
+    host agent in between to lose (`orphaned` is always False)."""
+
+    orphaned = False
 
     def __init__(self, host: str, port: int, timeout: float, lease: float, heartbeat: float,
                  poll: float):
@@ -206,12 +215,15 @@ class HostLink:
     (`relay.Relay`): length-prefixed JSON frames of the records. One thread reads the socket
     (answers to the calls blocked in `wait`/`decision`, aborts pushed by the host agent,
     and its word that the coordinator is lost); one sends a heartbeat every `heartbeat`
-    seconds, which the host agent judges against the lease. The process groups are formed in
-    the current coordinator's store (`group_store`: the host agent names it; at first
-    torchrun's MASTER_ADDR and MASTER_PORT)."""
+    seconds, which the host agent judges against the lease; one judges the host agent's
+    silence by this process's clock: the agent sends a frame at least every quarter of the
+    `lease` (`relay.Relay`'s beat), so nothing for a lease means it is stopped, hung or gone
+    (its socket is not closed when it is stopped), and the link is lost, `orphaned`. The
+    process groups are formed in the current coordinator's store (`group_store`: the host
+    agent names it; at first torchrun's MASTER_ADDR and MASTER_PORT)."""
 
     def __init__(self, path: str, rank: int, incarnation: int, master: tuple[str, int],
-                 timeout: float, heartbeat: float):
+                 timeout: float, heartbeat: float, lease: float = LEASE):
         from recycle_planner.executor.control import relay
 
         self._relay = relay
@@ -219,7 +231,10 @@ class HostLink:
         self.heartbeat = heartbeat
         self.timeout = timeout
         self.master = master
+        self.lease = lease
         self.lost: str | None = None
+        self.orphaned = False
+        self._heard = time.monotonic()           # when the host agent last sent anything
         self._closed = False
         self._ids = itertools.count()
         self._answers: dict[int, list] = {}      # id -> [event, record JSON]
@@ -236,6 +251,7 @@ class HostLink:
             raise ControlLost(f"cannot reach the host agent at {path}: {exc}") from None
         self._put({"op": "hi", "rank": rank, "incarnation": incarnation})
         threading.Thread(target=self._read, name="recycle-relay", daemon=True).start()
+        threading.Thread(target=self._judge, name="recycle-relay-silence", daemon=True).start()
 
     @classmethod
     def from_env(cls, config) -> "HostLink":
@@ -244,7 +260,7 @@ class HostLink:
         return cls(os.environ[RELAY_ENV], int(os.environ["RANK"]),
                    int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                    (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
-                   config.pg_timeout, config.heartbeat)
+                   config.pg_timeout, config.heartbeat, config.lease)
 
     # the socket
     def _put(self, frame: dict) -> None:
@@ -268,8 +284,23 @@ class HostLink:
                 why = "it closed the connection"
             if not data:
                 return self._lose(f"host agent at {self.where}: {why}")
+            self._heard = time.monotonic()
             for frame in frames.feed(data):
                 self._dispatch(frame)
+
+    def _judge(self) -> None:
+        """The host agent's silence, by this process's clock (see the class)."""
+        checked = time.monotonic()
+        while not self._closed and self.lost is None:
+            time.sleep(min(0.1, self.lease / 8))
+            now = time.monotonic()
+            if now - checked > 1.0:  # this process was stopped: give the agent its chance
+                self._heard = max(self._heard, now)
+            checked = now
+            silent = now - self._heard
+            if silent > self.lease:
+                self._lose(f"host agent at {self.where}: nothing from it for {silent:.1f} s "
+                           f"(lease {self.lease:g} s): stopped, hung or gone")
 
     def _dispatch(self, frame: dict) -> None:
         push = frame.get("push")
@@ -280,8 +311,10 @@ class HostLink:
                     self._aborts.append((frame["gen"], frame["reason"]))
             if on_abort is not None:
                 on_abort(frame["gen"], frame["reason"])
-        elif push == "lost":
-            self._lose(frame["reason"])
+        elif push == "lost":  # the host agent's word: the coordinator is lost
+            self._lose(frame["reason"], orphaned=False)
+        elif push == "beat":  # the host agent is alive (`_read` noted when)
+            pass
         else:
             with self._lock:
                 slot = self._answers.get(frame["id"])
@@ -289,11 +322,14 @@ class HostLink:
                 slot[1] = frame["rec"]
                 slot[0].set()
 
-    def _lose(self, reason: str) -> None:
-        if self._closed or self.lost is not None:
-            return
-        self.lost = reason
-        with self._lock:
+    def _lose(self, reason: str, orphaned: bool = True) -> None:
+        """The control plane is lost: by the host agent's word that the coordinator is
+        (`orphaned` False), or because the host agent itself is silent or gone."""
+        with self._lock:  # one verdict: the first
+            if self._closed or self.lost is not None:
+                return
+            self.orphaned = orphaned
+            self.lost = reason
             slots = list(self._answers.values())
             on_abort = self._on_abort
         for slot in slots:

@@ -37,6 +37,9 @@ class Mail(Protocol):
     def present(self, kind: type[msg.Message], ids: list[Mapping[str, Any]]) -> bool:
         """Whether a record of `kind` is there for every set of `ids`."""
 
+    def get_many(self, kind: type[M], ids: list[Mapping[str, Any]]) -> list[M | None]:
+        """The records of `kind` for each set of `ids` (None where there is none)."""
+
     def count(self, kind: type[msg.Message], **ids: Any) -> int:
         """How many `count` records of `kind` arrived under `ids`."""
 
@@ -53,9 +56,10 @@ class Mail(Protocol):
         """Publish what was put in this pass."""
 
     def forget(self, iteration: int, keys: Sequence[str]) -> None:
-        """Iteration `iteration` is over for good: drop its records (`keys`, every key they
-        can have), and ignore any of its records that arrive later
-        (`iterations.IterationLog` says when)."""
+        """Iteration `iteration` is over for good (`iterations.IterationLog` says when): drop
+        its records (`keys`, every key they can have). The relay's mail also ignores any of
+        them that arrive later (a stale worker's); on the launcher's store none can, since a
+        worker's write returns once the store holds it."""
 
 
 PER_ITERATION = (msg.IterationDone, msg.Losses, msg.CheckpointWritten)
@@ -93,6 +97,14 @@ class StoreMail:
     def present(self, kind: type[msg.Message], ids: list[Mapping[str, Any]]) -> bool:
         return msg.present(self.store, kind, ids)
 
+    def get_many(self, kind: type[M], ids: list[Mapping[str, Any]]) -> list[M | None]:
+        """Two round trips when every record is there (the usual case: every rank's end of
+        an iteration), else one or two per record."""
+        if ids and msg.present(self.store, kind, ids):
+            return [kind.from_json(text) for text in
+                    self.store.multi_get([kind.key_for(**i) for i in ids])]
+        return [msg.get(self.store, kind, **i) for i in ids]
+
     def count(self, kind: type[msg.Message], **ids: Any) -> int:
         return msg.count(self.store, kind, **ids)
 
@@ -115,8 +127,6 @@ class StoreMail:
         pass
 
     def forget(self, iteration: int, keys: Sequence[str]) -> None:
-        """Delete the keys (the workers wrote them before the iteration was over for good:
-        a `StoreLink` write returns once the store has it)."""
         for key in keys:
             self.store.delete_key(key)
 
@@ -169,6 +179,9 @@ class RelayMail:
 
     def present(self, kind: type[msg.Message], ids: list[Mapping[str, Any]]) -> bool:
         return all(kind.key_for(**i) in self.records for i in ids)
+
+    def get_many(self, kind: type[M], ids: list[Mapping[str, Any]]) -> list[M | None]:
+        return [self.get(kind, **i) for i in ids]
 
     def count(self, kind: type[msg.Message], **ids: Any) -> int:
         return self.counts.get(kind.key_for(**ids), 0)

@@ -261,7 +261,7 @@ PoolFactory = Callable[..., WorkerPool]
 
 def exit_how(code: int, lease: float) -> str:
     """How a worker process ended, from its exit status, in words for the events."""
-    from recycle_planner.executor.config import EXECUTOR_ERROR, FENCED
+    from recycle_planner.executor.config import EXECUTOR_ERROR, FENCED, HOST_AGENT_LOST
 
     if code == 0:
         return "exited with status 0 before the end"
@@ -271,6 +271,8 @@ def exit_how(code: int, lease: float) -> str:
         return "was fenced (it read a decision that excludes it, and left)"
     if code == EXECUTOR_ERROR:
         return "failed inside the executor (not in user code; see its log)"
+    if code == HOST_AGENT_LOST:
+        return "lost its host agent (silent for the lease, or gone) and left"
     return f"killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
 
 

@@ -16,7 +16,11 @@ carry the typed records of `messages.py`. The host agent's `Relay`:
   workers and answers the calls they are blocked in (nothing is polled);
 - notices a local worker's silence: no heartbeat over the socket for a lease (the host agent
   kills it; its exit is reported like any other, its death by process exit is the host
-  agent's own, since it spawns the workers).
+  agent's own, since it spawns the workers);
+- beats to its workers: a frame to each at least every quarter of the lease (on every pass
+  of its loop), so that a worker whose host agent is stopped, hung or gone hears nothing for
+  a lease and leaves (`link.HostLink`): the coordinator declares such a host lost and
+  re-routes, and its workers must not go on without control.
 
 - keeps what it relayed until the coordinator made it durable (`Journal`): when the coordinator
   is lost and another takes over (`detach`, then `attach` to the new one's store), it re-sends
@@ -260,6 +264,7 @@ class Relay:
         self._wake_w.setblocking(False)
         self._closed = False
         self._stepped_at = time.monotonic()
+        self._beaten_at = 0.0                      # when its workers were last sent a beat
         self._epoch = 0
         self._threads: list[threading.Thread] = []  # one per store watched, the last current
         self._start_notices()
@@ -347,6 +352,7 @@ class Relay:
                 self._push_aborts(conn)
         for conn in list(self.conns.values()):
             self._answer(conn)
+        self._beat_workers(now)
         try:
             self._flush(now)
         except Detached:
@@ -364,6 +370,15 @@ class Relay:
             self.lost = self.lost or (f"the coordinator's store failed: "
                                       f"{text[0] if text else type(exc).__name__}")
             raise Detached() from None
+
+    def _beat_workers(self, now: float) -> None:
+        """A beat to every worker every quarter of the lease (see the module): what it hears
+        from this agent, answers and pushes included, tells it the agent is alive."""
+        if now - self._beaten_at < self.lease / 4:
+            return
+        self._beaten_at = now
+        for conn in list(self.conns.values()):
+            self._send(conn, {"push": "beat"})
 
     def _drain_wake(self) -> None:
         try:
