@@ -17,7 +17,8 @@ only until the iteration is over for good:
   their keys from the launcher's store).
 
 So the records held cover the iterations of the last lease or so, whatever the run's length
-(`tests/test_iterations.py`; `benchmarks/bench_relay.py --iterations` measures it)."""
+(`tests/test_mail_contract.py`, on both mails; `benchmarks/bench_relay.py --memory` measures
+it)."""
 
 from __future__ import annotations
 
