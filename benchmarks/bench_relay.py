@@ -201,7 +201,8 @@ def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: f
                     relay.step()
                 time.sleep(0.02)  # the host agent's poll
 
-        threading.Thread(target=step_relays, daemon=True).start()
+        stepper = threading.Thread(target=step_relays, daemon=True)
+        stepper.start()
         links = [HostLink(by_node[rank // PER_HOST].path, rank, 0, ("127.0.0.1", port), 60.0,
                           0.2, lease) for rank in ranks]
     for rank, link in zip(ranks, links):
@@ -227,6 +228,8 @@ def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: f
     stop.set()
     for link in links:
         link.close()
+    if relays:
+        stepper.join(30)  # a relay closed under a step would raise in it
     for relay in relays:
         relay.close()
     conn.send("stopped")
@@ -327,7 +330,20 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     out = MEMORY_RESULTS if args.memory else RESULTS
     out.parent.mkdir(parents=True, exist_ok=True)
+    rows = _merged(out, rows, args.memory)
     out.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
+
+
+def _merged(out: Path, rows: list[dict], memory: bool) -> list[dict]:
+    """The rows already in `out` that this run did not measure again (another size or
+    mode; in the memory file also another linger), then this run's: a run at 1,024 ranks
+    keeps the table's 256-rank rows."""
+    def key(row):
+        return row["mode"], row["ranks"], row.get("linger") if memory else None
+
+    new = {key(row) for row in rows}
+    old = json.loads(out.read_text())["rows"] if out.is_file() else []
+    return [row for row in old if key(row) not in new] + rows
 
 
 if __name__ == "__main__":
