@@ -1,6 +1,7 @@
 """Election, membership and decisions on both control stores (in one process; the real-process
 failover on a 3-member etcd is in test_control_failover.py)."""
 
+import sys
 import threading
 import time
 
@@ -150,13 +151,14 @@ def test_lead_then_publishes_the_leaders_store_and_stops_a_deposed_leader(store,
     from recycle_planner.executor.control.failover import (DEPOSED, lead_then,
                                                            published_coordinator)
 
-    release, deposed, results = threading.Event(), [], {}
+    release = {name: threading.Event() for name in "ab"}
+    deposed, results = [], {}
 
     def coordinator(name):
         results[name] = lead_then(store, keys, name, 1, f"{name}.example:29400",
-                                  lambda previous: (release.wait(10), (name, previous))[1],
+                                  lambda previous: (release[name].wait(10), (name, previous))[1],
                                   on_deposed=lambda code: (deposed.append((name, code)),
-                                                           release.set()))
+                                                           release[name].set()))
 
     first = threading.Thread(target=coordinator, args=("a",))
     first.start()
@@ -169,8 +171,41 @@ def test_lead_then_publishes_the_leaders_store_and_stops_a_deposed_leader(store,
     store.revoke(leader.lease)            # a's lease ran out: it must stop coordinating
     first.join(5)
     assert deposed == [("a", DEPOSED)]
-    assert wait_for(lambda: store.get(keys.coordinator).value == "b.example:29400", 15)
-    release.set()
+    assert wait_for(lambda: _value(store, keys.coordinator) == "b.example:29400", 15)
+    release["b"].set()
     second.join(5)
     assert results == {"a": ("a", None), "b": ("b", "a.example:29400")}
     assert store.get_prefix(keys.election)[0] == []
+    # the publication ends with the leadership: no host agent dials a lost leader's store
+    assert store.get(keys.coordinator) is None
+    assert _value(store, keys.led) == "b.example:29400"
+
+
+def _value(store, key):
+    entry = store.get(key)
+    return None if entry is None else entry.value
+
+
+def test_a_standby_leaves_with_the_leaders_status_when_the_job_ends(store, keys, tmp_path):
+    """The leader's coordinator ends by itself (here: status 7): its end is published and
+    the standby leaves with the same status instead of taking over a finished run."""
+    from recycle_planner.executor.control.failover import Outcome, coordinate
+
+    told = tmp_path / "told"
+    command = [sys.executable, "-c", "import sys; word = sys.stdin.readline().strip(); "
+               "open(sys.argv[1], 'a').write(word + '\\n') if word else None; "
+               "sys.exit(7 if word else 0)", str(told)]
+    results = {}
+
+    def coordinator(name):
+        results[name] = coordinate(store, keys, name, 2, f"{name}.example:29400", command)
+
+    threads = [threading.Thread(target=coordinator, args=(n,)) for n in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert results == {"a": 7, "b": 7}
+    assert told.read_text().split() == ["lead"]  # one coordinator led; none took over
+    outcome = Outcome.from_json(store.get(keys.outcome).value)
+    assert outcome.code == 7 and _value(store, keys.led) == f"{outcome.by}.example:29400"

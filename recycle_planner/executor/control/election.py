@@ -69,6 +69,13 @@ class Election:
         self._keeper: LeaseKeeper | None = None
         self.leadership: Leadership | None = None
 
+    @property
+    def lease(self) -> int:
+        """This candidate's lease (from its campaign on): a leader's record that must vanish
+        with its leadership is written under it."""
+        assert self._keeper is not None, "campaign first"
+        return self._keeper.lease
+
     def _lost(self, reason: str) -> None:
         self.reason = reason
         self.deposed.set()

@@ -58,18 +58,26 @@ T = TypeVar("T")
 
 def lead_then(store: ControlStore, keys: Keys, identity: str, ttl: float, endpoint: str,
               run: Callable[[str | None], T], stop: threading.Event | None = None,
-              on_deposed: Callable[[int], None] = os._exit) -> T | None:
+              on_deposed: Callable[[int], None] = os._exit,
+              ended: Callable[[T], "Outcome | None"] = lambda result: None,
+              since: int | None = None) -> T | None:
     """Stand by until this coordinator leads (None if `stop` is set first), publish `endpoint`
-    (HOST:PORT of the store it is about to host) under the fence, then return
+    (HOST:PORT of the store it is about to host) under the fence and its lease, then return
     `run(previous)`, `previous` being the endpoint a former leader published (None for the
-    job's first leader: the others continue its run). When the leadership is lost meanwhile,
-    `on_deposed(DEPOSED)` is called from a watchdog thread (by default the process exits at
-    once: the next leader takes over from the checkpoint)."""
-    election = Election(store, keys.election, identity, ttl)
-    if election.campaign(stop) is None:
+    job's first leader: the others continue its run). `ended(result)`: how the job ended, if
+    it did (`Outcome`, published for the standbys); `since`: a revision, from which on an
+    `Outcome` published by another leader means there is nothing left to lead. When the
+    leadership is lost meanwhile, `on_deposed(DEPOSED)` is called from a watchdog thread (by
+    default the process exits at once: the next leader takes over)."""
+    election = _candidate(store, keys, identity, ttl, stop)
+    if election is None:
         return None
-    before = store.get(keys.coordinator)
-    if not election.write([(keys.coordinator, endpoint, 0)]):
+    if since is not None and ended_since(store, keys, since) is not None:
+        election.resign()  # won as the finished job's leader resigned
+        return None
+    before = store.get(keys.led)
+    if not election.write([(keys.coordinator, endpoint, election.lease),
+                           (keys.led, endpoint, 0)]):
         raise Deposed(f"{identity} lost the election before publishing its endpoint")
     log.info("%s leads; its store is at %s", identity, endpoint)
     done = threading.Event()
@@ -83,10 +91,82 @@ def lead_then(store: ControlStore, keys: Keys, identity: str, ttl: float, endpoi
 
     threading.Thread(target=watchdog, name="leadership-watchdog", daemon=True).start()
     try:
-        return run(before.value if before is not None else None)
+        result = run(before.value if before is not None else None)
+        outcome = ended(result)
+        if outcome is not None:
+            _publish(election, keys, outcome)
+        return result
     finally:
         done.set()
         election.resign()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a job ended under its leader (`Keys.outcome`): `code`, the exit status of the
+    leader's coordinator, which ended by itself (completed, failed, or stopped with a
+    checkpoint); `by`, the leader. Its standbys leave with the same status instead of taking
+    over a finished run."""
+
+    code: int
+    by: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Outcome":
+        d = json.loads(text)
+        return cls(int(d["code"]), str(d["by"]))
+
+
+def _publish(election: Election, keys: Keys, outcome: Outcome) -> None:
+    try:
+        election.write([(keys.outcome, outcome.to_json(), 0)])
+    except (Deposed, StoreUnavailable) as exc:  # the standbys then take over, and stop
+        log.warning("the job's end was not published (%s)", exc)
+
+
+def ended_since(store: ControlStore, keys: Keys, since: int) -> Outcome | None:
+    """The job's `Outcome` if a leader published one after revision `since`."""
+    entry = store.get(keys.outcome)
+    if entry is None or entry.mod_revision <= since:
+        return None
+    return Outcome.from_json(entry.value)
+
+
+def _watch_outcome(store: ControlStore, keys: Keys, since: int,
+                   stop: threading.Event) -> None:
+    """A standby's thread: an `Outcome` published after revision `since` (the job ended under
+    another leader) sets `stop`."""
+    try:
+        watch = store.watch(keys.outcome, since + 1)
+    except StoreUnavailable:
+        return  # the campaign says so
+    try:
+        while not stop.is_set():
+            event = watch.get(0.5)
+            if event is not None and event.kind == "put" and event.key == keys.outcome:
+                stop.set()
+    except StoreUnavailable:
+        return
+    finally:
+        watch.cancel()
+
+
+def _candidate(store: ControlStore, keys: Keys, identity: str, ttl: float,
+               stop: threading.Event | None) -> Election | None:
+    """Campaign until this candidate leads (its election), or `stop` (None). A candidate
+    whose lease ended while it stood by (its process was stopped) campaigns again; one that
+    cannot reach the store raises `StoreUnavailable` (etcd lost its quorum: nobody leads)."""
+    while True:
+        election = Election(store, keys.election, identity, ttl)
+        try:
+            return election if election.campaign(stop) is not None else None
+        except Deposed as exc:
+            if exc.unreachable:
+                raise StoreUnavailable(str(exc)) from None
+            log.warning("%s lost its candidacy (%s); campaigning again", identity, exc)
 
 
 def published_coordinator(store: ControlStore, keys: Keys, timeout: float,
@@ -176,7 +256,11 @@ def coordinate(store: ControlStore, keys: Keys, identity: str, ttl: float, endpo
     told when this process leads: `LEAD`, or `TAKE_OVER` for a leader that follows another,
     so that it adopts the generation its predecessor's workers still run (`--take-over`).
     Deposed: the command's processes are killed at once and this process exits with
-    `DEPOSED`. Returns the command's exit status (None: stopped before leading)."""
+    `DEPOSED`. Returns the command's exit status, or the leader's when the job ended under
+    another (`Outcome`; None: stopped before leading)."""
+    stop, since = stop or threading.Event(), store.revision()
+    threading.Thread(target=_watch_outcome, args=(store, keys, since, stop),
+                     name="job-outcome", daemon=True).start()
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True,
                             preexec_fn=_die_with_parent, env={**os.environ, STANDBY_ENV: "1"})
 
@@ -193,7 +277,14 @@ def coordinate(store: ControlStore, keys: Keys, identity: str, ttl: float, endpo
         os._exit(code)
 
     try:
-        return lead_then(store, keys, identity, ttl, endpoint, run, stop, on_deposed=deposed)
+        code = lead_then(store, keys, identity, ttl, endpoint, run, stop, on_deposed=deposed,
+                         ended=lambda code: Outcome(code, identity) if code >= 0 else None,
+                         since=since)
+        if code is None and (outcome := ended_since(store, keys, since)) is not None:
+            log.info("the job ended under %s (exit status %d): standing down", outcome.by,
+                     outcome.code)
+            return outcome.code
+        return code
     finally:
         if not proc.stdin.closed:  # never led: the standby leaves
             proc.stdin.close()

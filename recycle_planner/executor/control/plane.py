@@ -10,7 +10,10 @@ generation change, one decision for everyone. Everything lives under `/recycle/{
 - `to-hosts/abort` (`AbortNotice`), by the leader: generation `gen` is abandoned;
 - `to-hosts/decision` (`protocol.Decision`, deflated: `encode_decision`), by the leader: the
   current generation;
-- `to-hosts/coordinator`, by the leader: where its c10d store listens (`failover.lead_then`);
+- `to-hosts/coordinator`, by the leader, under its lease: where its c10d store listens
+  (`failover.lead_then`); `led`, the same without a lease: a leader ran (the next takes over);
+- `outcome` (`failover.Outcome`), by the leader whose coordinator ended the job: its
+  standbys leave;
 - `ready/{gen}/{node}` (`HostReady`), by a host agent, under its lease: deleted with the
   decision it led to;
 
@@ -102,8 +105,20 @@ class Keys:
 
     @property
     def coordinator(self) -> str:
-        """Where the leading coordinator's c10d store listens (HOST:PORT)."""
+        """Where the leading coordinator's c10d store listens (HOST:PORT), under the leader's
+        lease: gone with its leadership, so that a host agent never dials a lost one."""
         return self.to_hosts + "coordinator"
+
+    @property
+    def led(self) -> str:
+        """The store a leader of this job last published (kept when its leadership ends:
+        the next leader takes over from it)."""
+        return self.root + "led"
+
+    @property
+    def outcome(self) -> str:
+        """How the job ended under its leader (`failover.Outcome`): its standbys leave."""
+        return self.root + "outcome"
 
     def ready(self, gen: int) -> str:
         return f"{self.root}ready/{gen}/"
