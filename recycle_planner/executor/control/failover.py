@@ -273,8 +273,12 @@ def coordinate(store: ControlStore, keys: Keys, identity: str, ttl: float, endpo
         return _wait(proc, stop)
 
     def deposed(code: int) -> None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        os._exit(code)
+        ended = proc.poll()  # it had ended by itself (its run is decided): its own status
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # nothing of it is left
+            pass
+        os._exit(code if ended is None or ended < 0 else ended)
 
     try:
         code = lead_then(store, keys, identity, ttl, endpoint, run, stop, on_deposed=deposed,
