@@ -30,7 +30,7 @@ from helpers.netns import COORD_ADDR, IP, Hosts, unavailable  # noqa: E402
 WHY = unavailable() or etcd_missing()
 pytestmark = [pytestmark, pytest.mark.skipif(WHY is not None, reason=f"{WHY}")]
 
-ITERATIONS = 16
+ITERATIONS = 18
 CLI = [sys.executable, "-m", "recycle_planner.cli"]
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ def _start(net: Hosts, etcd: EtcdCluster, run: Path, lib: Path, logs: dict, *ext
     coords = [net.popen(net.coord, [
         *CLI, "coordinator", "--nnodes", "2", "--nproc-per-node", "2", "--port", str(29400 + i),
         "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--rdzv-id", "train",
-        "--advertise", COORD_ADDR, "--run-dir", str(run), "--lease", "2", "--heartbeat", "0.1",
+        "--advertise", COORD_ADDR, "--run-dir", str(run), "--lease", "3", "--heartbeat", "0.1",
         "--checkpoint-every", "2", *extra], open(logs[f"c{i}"], "ab"), env=_env())
         for i in range(2)]
     hosts = [net.popen(ns, [
