@@ -1,15 +1,19 @@
-"""etcd's members lost under real training (issue 22, item 3): a 3-member etcd and two
-`recycle-planner coordinator --rdzv-backend etcd` in the coordinator's network namespace, one
-`recycle-planner launch --rdzv-backend etcd` per training host (each a namespace joined by a
-veth pair). One etcd member is SIGKILLed mid-run, which changes nothing; then a second, and
-the quorum is lost: nobody can lead, so the leader steps down (its coordinator dies with its
-leadership), the standby cannot take over, and the host agents stop their workers with a
-checkpoint and leave. etcd comes back, the coordinators
-and host agents are started again with `--resume`, and the run ends with the fault-free
-parameters and every iteration's loss, no iteration trained twice into the result."""
+"""etcd's members and a host lost under real training while the coordinators fail over (issue
+22, item 3): a 3-member etcd and two `recycle-planner coordinator --rdzv-backend etcd` in the
+coordinator's network namespace, one `recycle-planner launch --rdzv-backend etcd` per training
+host (3 hosts x 2 workers, 3 pipelines of 2 stages, each a namespace joined by a veth pair).
+
+One run, in turn: one etcd member SIGKILLed changes nothing (nobody is deposed); the leading
+coordinator's wrapper SIGKILLed together with every process of host 2: the standby takes over
+live from the two hosts that re-attach, and re-routes host 2's workers in generation 1; a
+second etcd member SIGKILLed takes the quorum away: nobody can lead, the leader is deposed and
+the host agents stop their workers with a checkpoint and leave. With etcd back, the same
+commands with `--resume` (host 2 repaired) end the run with the fault-free parameters and
+every iteration's loss once, and the standby coordinator leaves when the job is done."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,14 +45,15 @@ def _env(**more: str) -> dict:
 
 def _start(net: Hosts, etcd: EtcdCluster, run: Path, lib: Path, logs: dict, *extra: str):
     """Two campaigning coordinators and one host agent per host; `extra`: for both."""
+    n = str(len(net.hosts))
     coords = [net.popen(net.coord, [
-        *CLI, "coordinator", "--nnodes", "2", "--nproc-per-node", "2", "--port", str(29400 + i),
+        *CLI, "coordinator", "--nnodes", n, "--nproc-per-node", "2", "--port", str(29400 + i),
         "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--rdzv-id", "train",
         "--advertise", COORD_ADDR, "--run-dir", str(run), "--lease", "3", "--heartbeat", "0.1",
         "--checkpoint-every", "2", *extra], open(logs[f"c{i}"], "ab"), env=_env())
         for i in range(2)]
     hosts = [net.popen(ns, [
-        *CLI, "launch", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(i),
+        *CLI, "launch", "--nnodes", n, "--nproc-per-node", "2", "--node-rank", str(i),
         "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--rdzv-id", "train",
         "--rdzv-timeout", "60", TINY, "--", "--library", str(lib), "--iterations",
         str(ITERATIONS), "--data-delay", "0.25"], open(logs[f"h{i}"], "ab"),
@@ -80,34 +85,46 @@ def _tails(logs: dict) -> str:
                    for n, p in logs.items() if p.exists())
 
 
-def test_one_etcd_member_lost_changes_nothing_the_quorum_lost_stops_and_resume_continues(
-        tmp_path):
-    lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=2)
-    ref = reference(["--iterations", str(ITERATIONS)], 2, 4)
+def _leader(coords, logs) -> int:
+    return next(i for i, c in enumerate(coords) if c.poll() is None
+                and "coordinator for" in logs[f"c{i}"].read_text())
+
+
+def test_etcd_members_and_a_host_lost_while_the_coordinators_fail_over(tmp_path):
+    lib = library(tmp_path / "lib", stages=2, pipelines=3, microbatches=2, max_failures=2)
+    ref = reference(["--iterations", str(ITERATIONS)], 3, 2)
     run = tmp_path / "run"
-    logs = {name: tmp_path / f"{name}.log" for name in ("c0", "c1", "h0", "h1")}
-    with Hosts(2) as net, EtcdCluster(3, host=COORD_ADDR, wrap=(IP, "netns", "exec", net.coord),
+    logs = {name: tmp_path / f"{name}.log" for name in ("c0", "c1", "h0", "h1", "h2")}
+    with Hosts(3) as net, EtcdCluster(3, host=COORD_ADDR, wrap=(IP, "netns", "exec", net.coord),
                                       folder=tmp_path / "etcd") as etcd:
         coords, hosts = _start(net, etcd, run, lib, logs)
         _until(lambda: 2 in read_losses(run), hosts, logs)
         etcd.kill(0)  # one member (the first endpoint every client tries) changes nothing
-        _until(lambda: 5 in read_losses(run), hosts, logs)
-        assert "leads" in logs["c0"].read_text() + logs["c1"].read_text()
-        assert "lost its leadership" not in logs["c0"].read_text() + logs["c1"].read_text()
-        etcd.kill(1)  # mid-run, past the checkpoint of iteration 4: the quorum is lost
-        codes = _wait_all(hosts + coords, 180, logs)
-        # the host agents and the standby cannot reach etcd (3); the leader was deposed (4)
-        assert codes[:2] == [3, 3] and sorted(codes[2:]) == [3, 4], (codes, _tails(logs))
+        _until(lambda: 4 in read_losses(run), hosts, logs)
+        text = logs["c0"].read_text() + logs["c1"].read_text()
+        assert "leads" in text and "lost its leadership" not in text
+        first = _leader(coords, logs)
+        coords[first].kill()  # the leader, and host 2 with it (every process of that host)
+        net.signal(net.hosts[2], signal.SIGKILL)
+        second = logs[f"c{1 - first}"]
+        _until(lambda: "generation 1:" in second.read_text(), hosts[:2], logs)
+        assert "took over generation 0" in second.read_text()
+        gen1 = max(read_losses(run))
+        _until(lambda: gen1 + 2 in read_losses(run), hosts[:2], logs)
+        etcd.kill(1)  # the quorum is lost: nobody can lead
+        codes = _wait_all(hosts[:2] + [coords[1 - first]], 180, logs)
+        # the host agents cannot reach etcd (3); the leader was deposed (4)
+        assert codes == [3, 3, 4], (codes, _tails(logs))
         assert all("workers stopped (exit status {" in logs[h].read_text() for h in ("h0", "h1"))
         stopped_at, _ = checkpoint_params(run, 2)
-        assert 2 <= stopped_at < ITERATIONS, stopped_at
+        assert gen1 <= stopped_at < ITERATIONS, stopped_at
 
         etcd.start(0)
         etcd.start(1)
         etcd.wait_ready(60)
-        coords, hosts = _start(net, etcd, run, lib, logs, "--resume")
+        coords, hosts = _start(net, etcd, run, lib, logs, "--resume")  # host 2 repaired
         codes = _wait_all(hosts, 240, logs)
-        assert codes == [0, 0], (codes, _tails(logs))
+        assert codes == [0, 0, 0], (codes, _tails(logs))
         # the leader completed; its standby left with the same status, not taking over
         assert [c.wait(60) for c in coords] == [0, 0], _tails(logs)
         assert "standing down" in logs["c0"].read_text() + logs["c1"].read_text()
