@@ -218,12 +218,17 @@ def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
                                "coordinator's HOST:PORT)")
         check_target(target)
         if rdzv_backend == "etcd":
+            import socket
+
             from recycle_planner.executor.control import failover
 
             child = own_command(click.get_current_context(), drop=("rdzv_backend",),
                                 rdzv_endpoint=failover.COORDINATOR)
-            sys.exit(_in_etcd(lambda: failover.follow_leader(rdzv_endpoint, rdzv_id,
-                                                    settings["lease"], child, rdzv_timeout)))
+            host = None if node_rank is None else failover.HostRecord(
+                node_rank, socket.gethostname(),
+                tuple(range(node_rank * nproc, (node_rank + 1) * nproc)))
+            sys.exit(_in_etcd(lambda: failover.follow_leader(
+                rdzv_endpoint, rdzv_id, settings["lease"], child, rdzv_timeout, host)))
         host = HostAgent(worker_command(target, args), HostConfig(
             nnodes=nnodes, nproc_per_node=nproc, endpoint=rdzv_endpoint, node_rank=node_rank,
             rdzv_id=rdzv_id, max_restarts=max_restarts if restart_delay is not None else 0,

@@ -3,6 +3,7 @@ campaigns, one that follows the leader) whose child is the same command with eve
 was given. The wrappers themselves run on a real etcd in tests/test_control_failover_training.py;
 here, what they are asked to run."""
 
+import socket
 import sys
 
 import pytest
@@ -49,7 +50,7 @@ def test_a_host_agent_on_etcd_follows_the_leader_with_its_own_options(calls):
     assert calls == [("follow", "e1:2379", "recycle", 4.0, [
         *CHILD, "launch", "-n", "2", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
         failover.COORDINATOR, "--rdzv-timeout", "60.0", TINY, "--", "--iterations", "8"],
-        60.0)]
+        60.0, failover.HostRecord(1, socket.gethostname(), (2, 3)))]  # its lease on etcd
 
 
 def test_etcd_without_its_endpoints_is_one_line(calls):

@@ -209,3 +209,23 @@ def test_a_standby_leaves_with_the_leaders_status_when_the_job_ends(store, keys,
     assert told.read_text().split() == ["lead"]  # one coordinator led; none took over
     outcome = Outcome.from_json(store.get(keys.outcome).value)
     assert outcome.code == 7 and _value(store, keys.led) == f"{outcome.by}.example:29400"
+
+
+def test_host_leases_are_held_while_their_hosts_live(store, keys):
+    from recycle_planner.executor.control.failover import HostLeases
+    from recycle_planner.executor.control.plane import HostRecord
+
+    first = HostLeases.hold(store, keys, HostRecord(0, "h0", (0, 1)), 1)
+    second = HostLeases.hold(store, keys, HostRecord(1, "h1", (2, 3)), 1)
+
+    def held():
+        return {HostRecord.from_json(e.value).node
+                for e in store.get_prefix(keys.hosts)[0]}
+
+    assert held() == {0, 1}
+    second.close(revoke=False)  # host 1 vanishes: nothing renews its lease
+    assert wait_for(lambda: held() == {0}, 10)
+    time.sleep(1.5)  # a lease longer than its TTL: still held while renewed
+    assert held() == {0}
+    first.close()  # a host that leaves: its key goes at once
+    assert held() == set()

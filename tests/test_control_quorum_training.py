@@ -109,6 +109,7 @@ def test_etcd_members_and_a_host_lost_while_the_coordinators_fail_over(tmp_path)
         second = logs[f"c{1 - first}"]
         _until(lambda: "generation 1:" in second.read_text(), hosts[:2], logs)
         assert "took over generation 0" in second.read_text()
+        assert "hosts [2] hold no lease on etcd (lost), not waited for" in second.read_text()
         gen1 = max(read_losses(run))
         _until(lambda: gen1 + 2 in read_losses(run), hosts[:2], logs)
         etcd.kill(1)  # the quorum is lost: nobody can lead

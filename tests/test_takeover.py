@@ -5,7 +5,7 @@ from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.mail import RelayMail
 from recycle_planner.executor.control.protocol import Decision
 from recycle_planner.executor.control.relay import HostReport, Journal, keeps
-from recycle_planner.executor.control.takeover import Adoption
+from recycle_planner.executor.control.takeover import Adoption, awaited
 
 
 class _Store:
@@ -95,3 +95,13 @@ def test_members_no_host_runs_are_lost_and_nothing_held_is_nothing_to_adopt():
     assert Adoption.of(attaches).lost_members() == [0, 2, 3]
     assert Adoption.of([msg.Attach(0, -1, "", ((0, 0),))]) is None
     assert Adoption.of([]) is None
+
+
+def test_a_coordinator_taking_over_waits_for_the_hosts_etcd_holds_only():
+    nodes = range(4)
+    assert awaited(nodes, [0, 2], {0, 1, 2}) == [1]  # host 3's lease is gone: lost
+    assert awaited(nodes, [0, 2], {0, 1, 2, 3}) == [1, 3]
+    assert awaited(nodes, [0, 1, 2, 3], {0}) == []
+    # etcd cannot say, or no host holds a lease there (no node ranks): wait for every one
+    assert awaited(nodes, [0, 2], None) == [1, 3]
+    assert awaited(nodes, [0, 2], set()) == [1, 3]

@@ -52,7 +52,7 @@ from recycle_planner.executor.control.pool import LocalPool, Proc, WorkerPool, l
 from recycle_planner.executor.control.result import (Death, Event, EventKind, GenerationRecord,
                                                      LaunchResult, Recovery, Status)
 from recycle_planner.executor.control.runfolder import RunFolder, claim
-from recycle_planner.executor.control.takeover import Adoption
+from recycle_planner.executor.control.takeover import Adoption, awaited
 from recycle_planner.executor.faults import Fault
 from recycle_planner.executor.job import Job, load_job
 from recycle_planner.executor.data.state import latest_checkpoint, write_manifest
@@ -563,14 +563,16 @@ class Agent:
 
     def _phase_adopting(self, now: float) -> None:
         """Taking over from a lost coordinator: wait until every host agent re-attached (or
-        came back fresh, its workers stopped with a checkpoint), at most three leases; then
-        adopt the generation the workers run, or, when no host runs one, start again from
-        the latest checkpoint as --resume does."""
+        came back fresh, its workers stopped with a checkpoint) but those etcd knows are lost
+        (`takeover.awaited`), at most three leases; then adopt the generation the workers
+        run, or, when no host runs one, start again from the latest checkpoint as --resume
+        does."""
         nodes = range(self.pool.nnodes)
         attaches = {n: a for n in nodes if (a := self.mail.get(msg.Attach, node=n)) is not None}
         fresh = [n for n in nodes if n not in attaches
                  and self.mail.get(msg.HostUp, node=n) is not None]
-        if len(attaches) + len(fresh) < len(nodes) and now - self.t0 < 3 * self.config.lease:
+        held = self.pool.held(now)
+        if awaited(nodes, [*attaches, *fresh], held) and now - self.t0 < 3 * self.config.lease:
             return
         adoption = Adoption.of(attaches.values())
         if adoption is None:
@@ -586,9 +588,11 @@ class Agent:
         if not any(self.mail.get(msg.Hello, rank=r, incarnation=i) is not None
                    for r, i in adoption.workers.items()):
             return  # the hellos come in the same reports: not there yet
-        self._adopt(adoption, sorted(attaches), now)
+        unheld = sorted(set(nodes) - set(attaches) - set(fresh) - (held or set(nodes)))
+        self._adopt(adoption, sorted(attaches), now, unheld)
 
-    def _adopt(self, adoption: Adoption, attached: list[int], now: float) -> None:
+    def _adopt(self, adoption: Adoption, attached: list[int], now: float,
+               unheld: list[int]) -> None:
         """Continue generation `adoption.decision` with the workers the hosts run: its
         decision posted again (a host may not have fetched it), the losses saved from the
         mark the hosts were told, the next checkpoint after the latest complete one; members
@@ -613,7 +617,9 @@ class Agent:
                 * every
         self._event(EventKind.TAKE_OVER, f"took over generation {d.gen} from the lost "
                     f"coordinator: {len(adoption.workers)} workers kept running on hosts "
-                    f"{attached}", gen=d.gen, hosts=attached)
+                    f"{attached}" + (f"; hosts {unheld} hold no lease on etcd (lost), not "
+                                     f"waited for" if unheld else ""),
+                    gen=d.gen, hosts=attached)
         if d.action == "stop":
             self.phase, self.exit_started = Phase.STOPPING, time.time()
             return

@@ -35,15 +35,16 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, TypeVar
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.config import RDZV_ID, WorkerConfig
 from recycle_planner.executor.control.election import Deposed, Election
-from recycle_planner.executor.control.plane import Keys, Leader, Lookup
+from recycle_planner.executor.control.plane import HostRecord, Keys, Leader, Lookup
 from recycle_planner.executor.control.protocol import Decision
-from recycle_planner.executor.control.store import ControlStore, StoreUnavailable
+from recycle_planner.executor.control.store import ControlStore, LeaseKeeper, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +233,52 @@ class Successor:
                                      self.revision)
 
 
+HOSTS_ENV = "RECYCLE_HOSTS"
+"""The environment variable by which `coordinate` tells its coordinator where the job's host
+leases are (a `HostLeases` as JSON)."""
+
+
+@dataclass(frozen=True)
+class HostLeases:
+    """The job's host leases on etcd (`Keys.host`): each host's `follow` wrapper holds one for
+    its node (`hold`), deleted by etcd when the host is lost (nothing renews it); a
+    coordinator that takes over asks which are held (`held`), so that it waits for the hosts
+    that are alive only, not three leases for one etcd knows is gone."""
+
+    etcd: str
+    job: str
+    lease: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> "HostLeases | None":
+        raw = os.environ.get(HOSTS_ENV)
+        if not raw:
+            return None
+        d = json.loads(raw)
+        return cls(str(d["etcd"]), str(d["job"]), float(d["lease"]))
+
+    @cached_property
+    def _store(self) -> ControlStore:
+        return _etcd(self.etcd, self.lease)
+
+    def held(self) -> set[int]:
+        """The nodes whose host lease is held now; `StoreUnavailable` if etcd cannot say."""
+        entries, _ = self._store.get_prefix(Keys(self.job).hosts)
+        return {HostRecord.from_json(e.value).node for e in entries}
+
+    @staticmethod
+    def hold(store: ControlStore, keys: Keys, record: HostRecord, ttl: float) -> LeaseKeeper:
+        """Hold `record`'s host key under a lease of its own (close the keeper to leave)."""
+        keeper = LeaseKeeper(store, ttl, lambda reason: log.warning(
+            "host %d's lease on etcd was lost (%s): a coordinator that takes over waits for "
+            "it as long as for a host it cannot see", record.node, reason))
+        store.put(keys.host(record.node), record.to_json(), lease=keeper.lease)
+        return keeper
+
+
 STANDBY_ENV = "RECYCLE_STANDBY"
 """Set by `coordinate` for its command, which it starts before campaigning (a hot standby:
 Python and torch load in seconds, which a takeover should not wait for): the command loads,
@@ -250,19 +297,24 @@ def standby_word() -> str | None:
 
 
 def coordinate(store: ControlStore, keys: Keys, identity: str, ttl: float, endpoint: str,
-               command: list[str], stop: threading.Event | None = None) -> int | None:
+               command: list[str], stop: threading.Event | None = None,
+               hosts: HostLeases | None = None) -> int | None:
     """Run `command` (`recycle-planner coordinator ...`, hosting its store at `endpoint`)
     while this process leads. It starts at once, as a hot standby (`STANDBY_ENV`), and is
     told when this process leads: `LEAD`, or `TAKE_OVER` for a leader that follows another,
     so that it adopts the generation its predecessor's workers still run (`--take-over`).
     Deposed: the command's processes are killed at once and this process exits with
-    `DEPOSED`. Returns the command's exit status, or the leader's when the job ended under
-    another (`Outcome`; None: stopped before leading)."""
+    `DEPOSED`. `hosts`: where it reads the host leases (`HOSTS_ENV`). Returns the command's
+    exit status, or the leader's when the job ended under another (`Outcome`; None: stopped
+    before leading)."""
     stop, since = stop or threading.Event(), store.revision()
     threading.Thread(target=_watch_outcome, args=(store, keys, since, stop),
                      name="job-outcome", daemon=True).start()
+    env = {**os.environ, STANDBY_ENV: "1"}
+    if hosts is not None:
+        env[HOSTS_ENV] = hosts.to_json()
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=_die_with_parent, env={**os.environ, STANDBY_ENV: "1"})
+                            preexec_fn=_die_with_parent, env=env)
 
     def run(previous: str | None) -> int:
         try:
@@ -318,24 +370,32 @@ def _die_with_parent() -> None:
 
 def follow(store: ControlStore, keys: Keys, command: list[str], timeout: float,
            stop: threading.Event | None = None,
-           successor: Callable[[int], Successor] | None = None) -> int:
+           successor: Callable[[int], Successor] | None = None,
+           host: HostRecord | None = None, ttl: float = WorkerConfig.lease) -> int:
     """Run a host agent's `command` (`recycle-planner launch --nnodes ... --rdzv-endpoint
     {coordinator} ...`) against the leading coordinator, and again against the next leader
     each time it stops because it lost its coordinator (`COORDINATOR_LOST`: its workers wrote
     a checkpoint). `successor(revision)`: what the host agent is told (`FOLLOW_ENV`) to find
-    the next leader itself, its workers running. Returns the host agent's last exit status."""
+    the next leader itself, its workers running. `host`: this host's record, held under a
+    lease of `ttl` seconds meanwhile (`HostLeases`). Returns the host agent's last exit
+    status."""
     from recycle_planner.executor.config import COORDINATOR_LOST
 
+    keeper = None if host is None else HostLeases.hold(store, keys, host, ttl)
     after = 0
-    while True:
-        endpoint, after = published_coordinator(store, keys, timeout, after)
-        log.info("host agent follows the coordinator at %s", endpoint)
-        env = None if successor is None else \
-            {**os.environ, FOLLOW_ENV: successor(after).to_json()}
-        code = _wait(subprocess.Popen([a.replace(COORDINATOR, endpoint) for a in command],
-                                      env=env), stop)
-        if code != COORDINATOR_LOST or (stop is not None and stop.is_set()):
-            return code
+    try:
+        while True:
+            endpoint, after = published_coordinator(store, keys, timeout, after)
+            log.info("host agent follows the coordinator at %s", endpoint)
+            env = None if successor is None else \
+                {**os.environ, FOLLOW_ENV: successor(after).to_json()}
+            code = _wait(subprocess.Popen([a.replace(COORDINATOR, endpoint) for a in command],
+                                          env=env), stop)
+            if code != COORDINATOR_LOST or (stop is not None and stop.is_set()):
+                return code
+    finally:
+        if keeper is not None:
+            keeper.close()  # left: its key goes at once
 
 
 def stand_by_or_lead(store: ControlStore, keys: Keys, identity: str, ttl: float,
@@ -385,18 +445,19 @@ def campaign_and_coordinate(endpoints: str, job: str, lease: float, endpoint: st
     stop = _stop_on_signals()
     store = _etcd(endpoints, lease)
     code = coordinate(store, Keys(job), name or f"{socket.gethostname()}:{os.getpid()}",
-                      lease, endpoint, command, stop)
+                      lease, endpoint, command, stop, HostLeases(endpoints, job, lease))
     return 0 if code is None else code
 
 
 def follow_leader(endpoints: str, job: str, lease: float, command: list[str],
-                  timeout: float) -> int:
+                  timeout: float, host: HostRecord | None = None) -> int:
     """`recycle-planner launch --rdzv-backend etcd`: run this host's agent (`command`, with
     `COORDINATOR` for the coordinator's HOST:PORT) against the leading coordinator; it
-    re-attaches to the next leader itself, and is run again if it stopped. Returns the host
+    re-attaches to the next leader itself, and is run again if it stopped. `host` (known
+    when the node rank is given): held on etcd under the lease meanwhile. Returns the host
     agent's last exit status."""
     return follow(_etcd(endpoints, lease), Keys(job), command, timeout, _stop_on_signals(),
-                  lambda revision: Successor(endpoints, job, revision, lease))
+                  lambda revision: Successor(endpoints, job, revision, lease), host, lease)
 
 
 def _etcd(endpoints: str, lease: float) -> ControlStore:

@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from recycle_planner.executor.config import CONFIG_ENV, CONFIG_KEY, STALLED
 from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.failover import HostLeases
 from recycle_planner.executor.control.mail import Mail, RelayMail, StoreMail
 from recycle_planner.executor.control.result import EventKind
+from recycle_planner.executor.control.store import StoreUnavailable
 
 if TYPE_CHECKING:
     from recycle_planner.executor.control.agent import Agent
@@ -86,6 +88,10 @@ class WorkerPool(Protocol):
     def adopt(self, procs: list[Proc]) -> None:
         """A coordinator taking over found `procs` running (only `HostPool`)."""
 
+    def held(self, now: float) -> set[int] | None:
+        """The hosts whose lease the control store holds now (None: not known), for a
+        coordinator taking over (only `HostPool`, with etcd)."""
+
     def close(self, procs: dict[int, Proc], outcome: tuple[str, str] | None) -> None:
         """Training is over (`outcome`: status and message, None if the launcher failed):
         end or release every worker."""
@@ -118,6 +124,9 @@ class LocalPool:
 
     def adopt(self, procs: list[Proc]) -> None:
         raise NotImplementedError("the launcher's own workers die with it: nothing to adopt")
+
+    def held(self, now: float) -> set[int] | None:
+        return None  # one machine: no host leases
 
     def _spawn(self, rank: int, incarnation: int) -> Proc:
         a, c = self.agent, self.agent.config
@@ -179,6 +188,8 @@ class HostPool:
         self.nnodes = nnodes
         self.hosts: dict[int, msg.HostUp] = {}
         self.incarnation: dict[int, int] = {}
+        self.leases = HostLeases.from_env()  # the hosts' leases on etcd (`failover.py`)
+        self._held: tuple[float, set[int] | None] = (float("-inf"), None)
 
     def mail(self, store: Any) -> Mail:
         c = self.agent.config
@@ -232,6 +243,20 @@ class HostPool:
         for proc in procs:
             self.incarnation[proc.rank] = proc.incarnation
 
+
+    def held(self, now: float) -> set[int] | None:
+        """Read from etcd at most every quarter lease; None without etcd or when it cannot
+        answer (the coordinator then waits as if it knew nothing)."""
+        if self.leases is None:
+            return None
+        at, held = self._held
+        if now - at >= self.agent.config.lease / 4:
+            try:
+                held = self.leases.held()
+            except StoreUnavailable:
+                held = None
+            self._held = (now, held)
+        return held
     def close(self, procs: dict[int, Proc], outcome) -> None:
         """Tell the host agents the job is over and give them a moment to read it."""
         mail = self.agent.mail

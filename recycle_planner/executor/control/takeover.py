@@ -58,3 +58,12 @@ class Adoption:
         they died while the coordinators changed, or their host did not re-attach."""
         d = self.decision
         return [r for r in d.members if self.workers.get(r) != d.incarnations.get(r, 0)]
+
+
+def awaited(nodes: Iterable[int], answered: Iterable[int], held: set[int] | None) -> list[int]:
+    """The hosts a coordinator taking over still waits for: those that neither re-attached
+    nor came back fresh (`answered`), less those whose lease the control store no longer
+    holds (`held`: etcd deleted a lost host's key). Every one when the store cannot say
+    (`held` None, or empty: no host holds a lease there, as when no node rank was given)."""
+    done = set(answered)
+    return [n for n in nodes if n not in done and (not held or n in held)]
