@@ -239,4 +239,5 @@ def test_the_mail_holds_a_window_of_iterations_not_the_run(plane, tmp_path):
     assert all(math.isclose(r["loss"], sum(loss(r["iteration"], p, m) for p in range(2)
                                            for m in range(2)) / 4) for r in rows)
     assert ends == [100.0 + i + 0.03 for i in range(30)] and gens == [1] * 30
+    assert [r["end"] for r in rows] == ends  # each row holds its iteration's end
     folder.release()

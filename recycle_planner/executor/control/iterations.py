@@ -7,14 +7,19 @@ only until the iteration is over for good:
 
 - an iteration's losses are **final** once the next iteration's are all known (its forwards
   ran after every stage's step of it, which the step gate confirmed, so it is never redone);
-  they are then appended to the run folder's `losses.jsonl` at once (a killed coordinator
-  writes no result; the resumed run and the result read them back from there);
+  they are then appended to the run folder's `losses.jsonl` at once, with the iteration's end
+  as far as its ranks reported it (a killed coordinator writes no result; the resumed run, a
+  coordinator taking over and the result read them back from there: `runfolder.LossRow`);
 - every live member sent the iteration's end before its next forwards, so once its losses are
   final its ends are on their way: they have arrived within a lease (a host reports at least
   every heartbeat, and one silent for a lease is lost). Then the iteration is **retired**: its
   end time and generation go into two compact arrays (what the result reports per
-  iteration: 12 bytes each) and its records leave the mail (`Mail.forget`: from memory, and
-  their keys from the launcher's store).
+  iteration: 12 bytes each), its row is written again if a late report moved its end, and
+  its records leave the mail (`Mail.forget`: from memory, and their keys from the
+  launcher's store).
+
+The iterations before the attempt's start (a resumed run's, or those a lost coordinator had
+saved) take their end from their rows, so that every run's result has every iteration's end.
 
 So the records held cover the iterations of the last lease or so, whatever the run's length
 (`tests/test_mail_contract.py`, on both mails; `benchmarks/bench_relay.py --memory` measures
@@ -25,11 +30,12 @@ from __future__ import annotations
 import math
 from array import array
 from collections import deque
+from dataclasses import replace
 from typing import Sequence
 
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.mail import Mail
-from recycle_planner.executor.control.runfolder import RunFolder
+from recycle_planner.executor.control.runfolder import LossRow, RunFolder
 
 
 class IterationLog:
@@ -46,7 +52,10 @@ class IterationLog:
         self.linger = linger
         self.next_loss = start              # the next iteration to save to losses.jsonl
         self.saved: deque[tuple[int, float]] = deque()   # (iteration, when saved), not retired
-        self.ends = array("d", [math.nan] * start)       # per retired iteration: its end
+        self.rows: dict[int, LossRow] = {}               # their rows as saved
+        rows = folder.saved_rows()                       # the iterations before `start`
+        self.ends = array("d", [_nan(rows[i].end if i in rows else None)
+                                for i in range(start)])  # per retired iteration: its end
         self.gens = array("i", [-1] * start)             # and the generation that ended it
 
     @property
@@ -65,20 +74,24 @@ class IterationLog:
             if len(values) < self.need or upto is None and len(
                     self.losses(self.next_loss + 1)) < self.need:
                 break
-            rows.append({"iteration": self.next_loss,
-                         "loss": sum(v for _, v in values.values()) / len(values),
-                         "gen": max(g for g, _ in values.values()),
-                         "attempt": self.folder.record.attempt})
+            end, _ = self._end(self.next_loss)
+            row = LossRow(self.next_loss, sum(v for _, v in values.values()) / len(values),
+                          max(g for g, _ in values.values()), self.folder.record.attempt,
+                          None if math.isnan(end) else end)
+            rows.append(row)
+            self.rows[row.iteration] = row
             self.saved.append((self.next_loss, now))
             self.next_loss += 1
         self.folder.add_losses(rows)
 
     def retire(self, now: float) -> None:
         """Drop the records of the iterations saved at least `linger` ago."""
+        moved = []
         while self.saved and now - self.saved[0][1] >= self.linger:
             i, _ = self.saved.popleft()
-            self._take_end(i)
+            moved += self._take_end(i)
             self.mail.forget(i, self._keys(i))
+        self.folder.add_losses(moved)
 
     def losses(self, i: int) -> dict[tuple[int, int], tuple[int, float]]:
         """Iteration i's micro-batch losses as the last stage reported them: (pipeline,
@@ -98,20 +111,34 @@ class IterationLog:
     def ends_upto(self, n: int) -> tuple[list[float | None], list[int]]:
         """The end time (None: not reported in this attempt) and the generation (-1: none)
         of iterations 0..n-1: the retired ones' from the arrays, the others' from the mail."""
+        moved = []
         for i in range(self.retired, n):
-            self._take_end(i)
+            moved += self._take_end(i)
+        self.folder.add_losses(moved)
         return ([None if math.isnan(t) else t for t in self.ends[:n]], list(self.gens[:n]))
 
-    def _take_end(self, i: int) -> None:
+    def _take_end(self, i: int) -> list[LossRow]:
+        """Move iteration i's end into the arrays; its row again (to append) if the end
+        moved since the row was saved (a rank's report came after the losses were final)."""
         assert i == len(self.ends), (i, len(self.ends))
+        end, gen = self._end(i)
+        self.ends.append(end)
+        self.gens.append(gen)
+        row = self.rows.pop(i, None)
+        if row is None or math.isnan(end) or row.end == end:
+            return []
+        return [replace(row, end=end)]
+
+    def _end(self, i: int) -> tuple[float, int]:
+        """Iteration i's end as its ranks reported it so far (the latest; NaN: none) and the
+        generation that ended it (-1: none)."""
         end, gen = math.nan, -1
         for done in self.mail.get_many(msg.IterationDone, [{"iteration": i, "rank": r}
                                                            for r in range(self.world)]):
             if done is not None:
                 end = done.t if math.isnan(end) else max(end, done.t)
                 gen = max(gen, done.gen)
-        self.ends.append(end)
-        self.gens.append(gen)
+        return end, gen
 
     def _keys(self, i: int) -> Sequence[str]:
         """Every key iteration i's records can have."""
@@ -119,3 +146,7 @@ class IterationLog:
                 + [msg.Losses.key_for(iteration=i, rank=r) for r in self.last]
                 + [msg.CheckpointWritten.key_for(iteration=i, stage=s)
                    for s in range(self.stages)])
+
+
+def _nan(end: float | None) -> float:
+    return math.nan if end is None else end
