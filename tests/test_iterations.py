@@ -115,3 +115,22 @@ def test_an_iteration_never_reported_has_no_end(folder):
     ends, gens = log.ends_upto(2)
     assert ends == [None, None] and gens == [-1, -1]
     assert math.isnan(log.ends[1])
+
+
+def test_a_pass_waiting_for_the_next_iteration_reads_only_its_losses(folder):
+    """Iteration 0's losses all arrived; while iteration 1's have not, each pass reads only
+    iteration 1's (what the first pass learned of 0 is kept); once 1's are there, 0 is read
+    again to be saved (a redo's report could be newer) and saved once."""
+    mail = DictMail()
+    log = IterationLog(mail, folder, D, S, M, start=0, linger=1.0)
+    report(mail, 0, 100.0)
+    for now in range(3):
+        log.save(now=float(now))
+    losses_of = [i for kind, i in mail.reads if kind == "Losses"]
+    assert losses_of.count(0) == 1 and losses_of.count(1) == 3 * len(LAST)
+    assert log.next_loss == 0
+    report(mail, 1, 101.0)
+    mail.reads.clear()
+    log.save(now=3.0)
+    assert log.next_loss == 1 and read_losses(folder.run_dir) == {0: mean(0)}
+    assert [i for kind, i in mail.reads if kind == "Losses"].count(0) == 1

@@ -51,6 +51,7 @@ class IterationLog:
         self.last = [d * stages + stages - 1 for d in range(pipelines)]
         self.linger = linger
         self.next_loss = start              # the next iteration to save to losses.jsonl
+        self.complete: set[int] = set()     # iterations from it on whose losses all arrived
         self.saved: deque[tuple[int, float]] = deque()   # (iteration, when saved), not retired
         self.rows: dict[int, LossRow] = {}               # their rows as saved
         rows = folder.saved_rows()                       # the iterations before `start`
@@ -67,22 +68,40 @@ class IterationLog:
         """Append to losses.jsonl every iteration whose D*M losses are final. Every last-stage
         worker reports all of them after the losses' all-reduce, so one report is usually
         enough; an attempt abandoned after its losses were known is redone, and its redo's
-        report replaces it. At the end (`upto`): every iteration the run completed."""
+        report replaces it (so they are read again when saved). What a pass learned (that an
+        iteration's losses all arrived) is kept for the next, so that a pass waiting for the
+        next iteration reads only its losses. At the end (`upto`): every iteration the run
+        completed."""
         rows = []
+        fresh: dict[int, dict] = {}         # the losses read in this pass
         while upto is None or self.next_loss < upto:
-            values = self.losses(self.next_loss)
-            if len(values) < self.need or upto is None and len(
-                    self.losses(self.next_loss + 1)) < self.need:
+            i = self.next_loss
+            if not self._complete(i, fresh) or upto is None and not self._complete(i + 1,
+                                                                                  fresh):
                 break
-            end, _ = self._end(self.next_loss)
-            row = LossRow(self.next_loss, sum(v for _, v in values.values()) / len(values),
+            values = fresh[i] if i in fresh else self.losses(i)  # a redo's report may be newer
+            if len(values) < self.need:
+                self.complete.discard(i)
+                break
+            end, _ = self._end(i)
+            row = LossRow(i, sum(v for _, v in values.values()) / len(values),
                           max(g for g, _ in values.values()), self.folder.record.attempt,
                           None if math.isnan(end) else end)
             rows.append(row)
-            self.rows[row.iteration] = row
-            self.saved.append((self.next_loss, now))
+            self.rows[i] = row
+            self.saved.append((i, now))
+            self.complete.discard(i)
             self.next_loss += 1
         self.folder.add_losses(rows)
+
+    def _complete(self, i: int, fresh: dict[int, dict]) -> bool:
+        """Whether every loss of iteration i arrived (in this pass or an earlier one: once
+        they all have, the next iteration's forwards ran, which stays true)."""
+        if i not in self.complete:
+            fresh[i] = self.losses(i)
+            if len(fresh[i]) >= self.need:
+                self.complete.add(i)
+        return i in self.complete
 
     def retire(self, now: float) -> None:
         """Drop the records of the iterations saved at least `linger` ago."""
