@@ -134,3 +134,26 @@ def test_a_pass_waiting_for_the_next_iteration_reads_only_its_losses(folder):
     log.save(now=3.0)
     assert log.next_loss == 1 and read_losses(folder.run_dir) == {0: mean(0)}
     assert [i for kind, i in mail.reads if kind == "Losses"].count(0) == 1
+
+
+def test_the_steps_a_fault_waits_for_are_retired_with_their_iteration(folder):
+    """`stepped/{i}/{rank}` is written only where an injected fault of iteration i waits for
+    rank's step (`faults.step_reports`): it leaves the mail with iteration i's records."""
+    from recycle_planner.executor.control.mail import ON_STORE
+    from recycle_planner.executor.control.relay import DIRECT
+    from recycle_planner.executor.faults import parse_fault, step_reports
+
+    assert set(ON_STORE) <= set(DIRECT)   # records on the store itself: deleted there
+    faults = [parse_fault("3:1:optimizer:kill:after-step=1,2"),
+              parse_fault("0:1:F0:kill:after-step=2")]
+    assert step_reports(faults) == {1: (1, 2)}
+    mail = DictMail()
+    log = IterationLog(mail, folder, D, S, M, start=0, linger=0.0, stepped=step_reports(faults))
+    for r in (1, 2):
+        mail.send(msg.Stepped(1, r))
+    for i in range(3):
+        report(mail, i, 100.0 + i)
+    log.save(now=0.0)
+    log.retire(now=0.0)
+    assert log.retired == 2
+    assert not any(key.startswith("stepped/") for key in mail.records)

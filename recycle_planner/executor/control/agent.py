@@ -53,7 +53,7 @@ from recycle_planner.executor.control.result import (Death, Event, EventKind, Ge
                                                      LaunchResult, Recovery, Status)
 from recycle_planner.executor.control.runfolder import RunFolder, claim
 from recycle_planner.executor.control.takeover import Adoption
-from recycle_planner.executor.faults import Fault
+from recycle_planner.executor.faults import Fault, step_reports
 from recycle_planner.executor.job import Job, load_job
 from recycle_planner.executor.data.state import latest_checkpoint, write_manifest
 from recycle_planner.executor.config import (BACKEND, BUCKET_MB, CHECKPOINT_EVERY,
@@ -613,7 +613,7 @@ class Agent:
         self.iterations = IterationLog(self.mail, self.folder, spec.pipelines, spec.stages,
                                        spec.microbatches,
                                        adoption.saved if adoption.saved >= 0 else d.restart,
-                                       self.config.lease)
+                                       self.config.lease, step_reports(self.config.faults))
         self.checkpointed = _on_disk(self.run_dir)  # stopped workers may have written one
         every = self.config.checkpoint_every
         if every:
@@ -793,7 +793,8 @@ class Agent:
         if self.iterations is None:  # this attempt's first iteration
             self.iterations = IterationLog(self.mail, self.folder, lib.spec.pipelines,
                                            lib.spec.stages, lib.spec.microbatches,
-                                           decision.restart, self.config.lease)
+                                           decision.restart, self.config.lease,
+                                           step_reports(self.config.faults))
         self.gen, self.decision = gen, decision
         if self.config.checkpoint_every:  # the next one the workers will write
             every = self.config.checkpoint_every

@@ -31,7 +31,7 @@ import math
 from array import array
 from collections import deque
 from dataclasses import replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.mail import Mail
@@ -41,15 +41,19 @@ from recycle_planner.executor.control.runfolder import LossRow, RunFolder
 class IterationLog:
     """The iterations of one attempt from `start` (its first decision's restart): their losses
     saved as they become final, their records dropped a `linger` (the lease) later.
-    `pipelines` x `stages` workers, `microbatches` losses per pipeline."""
+    `pipelines` x `stages` workers, `microbatches` losses per pipeline; `stepped`: the ranks
+    that record their step of an iteration for an injected fault (`faults.step_reports`),
+    whose records are retired with the iteration's."""
 
     def __init__(self, mail: Mail, folder: RunFolder, pipelines: int, stages: int,
-                 microbatches: int, start: int, linger: float):
+                 microbatches: int, start: int, linger: float,
+                 stepped: Mapping[int, Sequence[int]] | None = None):
         self.mail, self.folder = mail, folder
         self.world, self.stages = pipelines * stages, stages
         self.need = pipelines * microbatches
         self.last = [d * stages + stages - 1 for d in range(pipelines)]
         self.linger = linger
+        self.stepped = dict(stepped or {})
         self.next_loss = start              # the next iteration to save to losses.jsonl
         self.complete: set[int] = set()     # iterations from it on whose losses all arrived
         self.saved: deque[tuple[int, float]] = deque()   # (iteration, when saved), not retired
@@ -164,7 +168,8 @@ class IterationLog:
         return ([msg.IterationDone.key_for(iteration=i, rank=r) for r in range(self.world)]
                 + [msg.Losses.key_for(iteration=i, rank=r) for r in self.last]
                 + [msg.CheckpointWritten.key_for(iteration=i, stage=s)
-                   for s in range(self.stages)])
+                   for s in range(self.stages)]
+                + [msg.Stepped.key_for(iteration=i, rank=r) for r in self.stepped.get(i, ())])
 
 
 def _nan(end: float | None) -> float:
