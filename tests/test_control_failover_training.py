@@ -104,6 +104,7 @@ def test_the_leading_coordinator_killed_mid_run_the_standby_takes_over_live(tmp_
     result = json.loads((run / "result.json").read_text())
     assert result["status"] == "completed" and result["iterations"] == ITERATIONS
     assert result["attempt"] == 3  # the third coordinator's, which took over
+    assert None not in result["iteration_end"]  # those before the take-over from losses.jsonl
     assert "took over generation 0" in text(third)
     assert "no host agent runs a generation" in text(second)
     generations = [(e["gen"], e["dead"]) for e in result["events"] if e["kind"] == "generation"]

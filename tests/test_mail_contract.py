@@ -189,8 +189,9 @@ def test_the_mail_holds_a_window_of_iterations_not_the_run(plane, tmp_path):
     """The launcher's iteration log (`iterations.IterationLog`) saves each iteration's losses
     once final and, a lease later, drops its records from the mail (and their keys from the
     store): over 30 iterations of 2 stages x 2 pipelines (each rank's end, the last stage's
-    losses, a checkpoint every 5), what the mail holds does not grow, and every iteration's
-    loss and end are still there at the end."""
+    losses, a checkpoint every 5, the step an injected fault of iteration 3 waits for), what the
+    mail holds does not grow, every iteration's loss and end are still there at the end, and
+    the step record left the store with its iteration."""
     import json
     import math
 
@@ -200,7 +201,8 @@ def test_the_mail_holds_a_window_of_iterations_not_the_run(plane, tmp_path):
     links = [plane.link(r)[0] for r in range(4)]
     folder = claim(tmp_path / "run", False, False)
     log = IterationLog(plane.mail, folder, pipelines=2, stages=2, microbatches=2, start=0,
-                       linger=1.0)
+                       linger=1.0, stepped={3: (0,)})
+    stepped = msg.Stepped.key_for(iteration=3, rank=0)
 
     def held() -> int:
         if plane.kind == "store":
@@ -212,6 +214,8 @@ def test_the_mail_holds_a_window_of_iterations_not_the_run(plane, tmp_path):
 
     sizes = []
     for i in range(30):
+        if i == 3:  # before its end: on the store once the end is in the mail
+            links[0].send(msg.Stepped(3, 0))
         for rank, link in enumerate(links):
             link.send(msg.IterationDone(i, rank, 1, 100.0 + i + 0.01 * rank))
             if rank % 2 == 1:  # the last stage: every micro-batch's loss
@@ -223,6 +227,7 @@ def test_the_mail_holds_a_window_of_iterations_not_the_run(plane, tmp_path):
         ids = [{"iteration": i, "rank": r} for r in range(4)]
         assert plane.read(lambda m: m.present(msg.IterationDone, ids)
                           and m.present(msg.Losses, [ids[1], ids[3]]))
+        assert plane.server.check([stepped]) or i != 3  # on the store until 3 is retired
         with plane.lock:
             log.save(now=0.5 * i)
             log.retire(now=0.5 * i)
@@ -230,6 +235,7 @@ def test_the_mail_holds_a_window_of_iterations_not_the_run(plane, tmp_path):
     assert log.next_loss == 29 and log.retired == 27  # saved once final; a lease later gone
     assert max(sizes[8:]) <= max(sizes[:8]), sizes   # a window: no more at 30 than at 8
     assert plane.mail.get(msg.IterationDone, iteration=3, rank=0) is None
+    assert not plane.server.check([stepped])
     assert plane.mail.get(msg.IterationDone, iteration=29, rank=0) is not None
     with plane.lock:
         log.save(now=15.0, upto=30)
@@ -239,4 +245,5 @@ def test_the_mail_holds_a_window_of_iterations_not_the_run(plane, tmp_path):
     assert all(math.isclose(r["loss"], sum(loss(r["iteration"], p, m) for p in range(2)
                                            for m in range(2)) / 4) for r in rows)
     assert ends == [100.0 + i + 0.03 for i in range(30)] and gens == [1] * 30
+    assert [r["end"] for r in rows] == ends  # each row holds its iteration's end
     folder.release()

@@ -114,6 +114,16 @@ def parse_fault(text: str) -> Fault:
     return Fault(int(parts[0]), int(parts[1]), point, action, after)
 
 
+def step_reports(faults: Iterable[Fault]) -> dict[int, tuple[int, ...]]:
+    """Which ranks record their step of which iteration (`msg.Stepped`): those a fault of
+    that iteration waits for (`after-step`); the control plane retires the records with the
+    iteration."""
+    reports: dict[int, set[int]] = {}
+    for f in faults:
+        reports.setdefault(f.iteration, set()).update(f.after_step)
+    return {i: tuple(sorted(ranks)) for i, ranks in reports.items() if ranks}
+
+
 class FaultInjector:
     """The faults of one worker process. `trigger(iteration, point)` is called at each point;
     it is a dict lookup, so a worker without faults pays nothing measurable. `stepped` and
@@ -131,7 +141,7 @@ class FaultInjector:
         self._at = {(f.iteration, f.point): f for f in mine if f.point != "recovery"}
         self._recovery = sorted((f for f in mine if f.point == "recovery"),
                                 key=lambda f: f.iteration)
-        self._watched = {f.iteration for f in faults if rank in f.after_step}
+        self._watched = {i for i, ranks in step_reports(faults).items() if rank in ranks}
         if (stepped is None or have_stepped is None) and any(f.after_step for f in faults):
             raise RecycleError("faults with after-step need a store to record steps in")
         self._announce = announce

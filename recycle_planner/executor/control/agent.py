@@ -53,7 +53,7 @@ from recycle_planner.executor.control.result import (Death, Event, EventKind, Ge
                                                      LaunchResult, Recovery, Status)
 from recycle_planner.executor.control.runfolder import RunFolder, claim
 from recycle_planner.executor.control.takeover import Adoption, awaited
-from recycle_planner.executor.faults import Fault
+from recycle_planner.executor.faults import Fault, step_reports
 from recycle_planner.executor.job import Job, load_job
 from recycle_planner.executor.data.state import latest_checkpoint, write_manifest
 from recycle_planner.executor.config import (BACKEND, BUCKET_MB, CHECKPOINT_EVERY,
@@ -170,6 +170,12 @@ class LaunchConfig:
                             threads=self.threads, bucket_mb=self.bucket_mb,
                             undo_copy=self.undo_copy, grace=self.grace,
                             faults=[f.to_dict() for f in self.faults])
+
+
+def _on_disk(run_dir: Path) -> int:
+    """The iteration of the run folder's latest complete checkpoint (-1: none)."""
+    found = latest_checkpoint(run_dir)
+    return found[0] if found else -1
 
 
 def _median(values: list[float]) -> float | None:
@@ -338,6 +344,8 @@ class Agent:
         self.run_dir = Path(config.run_dir)
         self.log_dir = folder.log_dir
         self.iterations: IterationLog | None = None   # from the first decision
+        self.checkpointed = _on_disk(self.run_dir)   # the latest complete checkpoint (-1:
+                                                     # none), kept as this process marks them
         self.store = host_store(config.master_addr, config.master_port,
                                 config.startup_timeout, pool.PORT_OPTION)
         self.port = self.store.port
@@ -609,12 +617,11 @@ class Agent:
         self.iterations = IterationLog(self.mail, self.folder, spec.pipelines, spec.stages,
                                        spec.microbatches,
                                        adoption.saved if adoption.saved >= 0 else d.restart,
-                                       self.config.lease)
+                                       self.config.lease, step_reports(self.config.faults))
+        self.checkpointed = _on_disk(self.run_dir)  # stopped workers may have written one
         every = self.config.checkpoint_every
         if every:
-            found = latest_checkpoint(self.run_dir)
-            self.next_checkpoint = (max(d.restart, found[0] if found else -1) // every + 1) \
-                * every
+            self.next_checkpoint = (max(d.restart, self.checkpointed) // every + 1) * every
         self._event(EventKind.TAKE_OVER, f"took over generation {d.gen} from the lost "
                     f"coordinator: {len(adoption.workers)} workers kept running on hosts "
                     f"{attached}" + (f"; hosts {unheld} hold no lease on etcd (lost), not "
@@ -730,8 +737,7 @@ class Agent:
         if waiting and now - self.exit_started < 60:
             return
         restart = self.decision.restart
-        folder = write_manifest(self.run_dir, restart, self.stages,
-                                {"reason": self.decision.reason})
+        folder = self._mark_checkpoint(restart, {"reason": self.decision.reason})
         if folder is not None:
             where = f"checkpoint of iteration {restart} (every stage) in {folder}"
         else:
@@ -793,7 +799,8 @@ class Agent:
         if self.iterations is None:  # this attempt's first iteration
             self.iterations = IterationLog(self.mail, self.folder, lib.spec.pipelines,
                                            lib.spec.stages, lib.spec.microbatches,
-                                           decision.restart, self.config.lease)
+                                           decision.restart, self.config.lease,
+                                           step_reports(self.config.faults))
         self.gen, self.decision = gen, decision
         if self.config.checkpoint_every:  # the next one the workers will write
             every = self.config.checkpoint_every
@@ -940,7 +947,7 @@ class Agent:
             return False
         done = self.mail.get(msg.Done, gen=self.gen, rank=members[0])
         self.final_iterations = done.steps
-        write_manifest(self.run_dir, self.final_iterations, self.stages)
+        self._mark_checkpoint(self.final_iterations)
         self.mail.put(msg.Finish(self.gen))
         self.phase, self.exit_started = Phase.EXITING, time.time()
         self._dismiss_newcomers()
@@ -958,14 +965,13 @@ class Agent:
 
     def _publish_progress(self, now: float) -> None:
         """Tell the host agents what is durable (`msg.Progress`: losses saved, the latest
-        complete checkpoint), looked up at most every quarter lease: they keep what they
-        relayed from there on, for a coordinator that takes over (`relay.Journal`). It rides
-        on the bulletin's next publication (at the latest the coordinator's beat): no
-        control traffic of its own."""
+        complete checkpoint, both known in memory), at most every quarter lease: they keep
+        what they relayed from there on, for a coordinator that takes over
+        (`relay.Journal`). It rides on the bulletin's next publication (at the latest the
+        coordinator's beat): no control traffic of its own."""
         if self.iterations is None or now < self.progress_at:
             return
-        found = latest_checkpoint(self.run_dir) if self.stages else None
-        progress = msg.Progress(self.iterations.next_loss, found[0] if found else -1)
+        progress = msg.Progress(self.iterations.next_loss, self.checkpointed)
         if progress != self.progress:
             self.mail.put(progress)
             self.progress, self.progress_at = progress, now + self.config.lease / 4
@@ -977,10 +983,18 @@ class Agent:
         k = self.next_checkpoint
         if self.mail.present(msg.CheckpointWritten,
                        [{"iteration": k, "stage": s} for s in range(self.stages)]):
-            if write_manifest(self.run_dir, k, self.stages) is not None:
+            if self._mark_checkpoint(k) is not None:
                 self._event(EventKind.CHECKPOINT, f"checkpoint of iteration {k} complete",
                             iteration=k)
             self.next_checkpoint += every
+
+    def _mark_checkpoint(self, iteration: int, extra: dict | None = None) -> Path | None:
+        """Mark the checkpoint of `iteration` complete if every stage wrote it (its folder,
+        else None), and remember it as the latest if it is."""
+        folder = write_manifest(self.run_dir, iteration, self.stages, extra)
+        if folder is not None:
+            self.checkpointed = max(self.checkpointed, iteration)
+        return folder
 
     # -- the end -----------------------------------------------------------------------------
 
@@ -999,7 +1013,7 @@ class Agent:
             self.iterations.save(time.time(), upto=n)
             ends, gens = self.iterations.ends_upto(n)
             ends = [e - self.t0 if e is not None else None for e in ends]
-        saved = self.folder.saved_losses()  # this attempt's and the earlier ones' (resume)
+        saved = self.folder.saved_losses()  # this attempt's and the earlier ones'
         losses = [saved.get(i) for i in range(n)]
         recoveries = []
         for death in self.deaths:

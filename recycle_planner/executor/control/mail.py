@@ -59,12 +59,18 @@ class Mail(Protocol):
         """Iteration `iteration` is over for good (`iterations.IterationLog` says when): drop
         its records (`keys`, every key they can have). The relay's mail also ignores any of
         them that arrive later (a stale worker's); on the launcher's store none can, since a
-        worker's write returns once the store holds it."""
+        worker's write returns once the store holds it. Records workers exchange through the
+        store (`ON_STORE`: the steps an injected fault waits for) leave it too."""
 
 
 PER_ITERATION = (msg.IterationDone, msg.Losses, msg.CheckpointWritten)
 """The records of one iteration (every rank's end, the last stage's losses, each stage's
 checkpoint): `Mail.forget` drops them once the iteration is over for good."""
+
+ON_STORE = (msg.Stepped,)
+"""The per-iteration records workers exchange on the coordinator's store itself
+(`relay.DIRECT`): `Mail.forget` deletes their keys there."""
+_ON_STORE_KEYS = tuple(kind.KEY.split("{")[0] for kind in ON_STORE)
 
 
 def _old_generations(gen: int, decided: list[int]) -> tuple[list[int], tuple[str, ...]]:
@@ -250,5 +256,8 @@ class RelayMail:
 
     def forget(self, iteration: int, keys: Sequence[str]) -> None:
         for key in keys:
-            self.records.pop(key, None)
+            if key.startswith(_ON_STORE_KEYS):
+                self.store.delete_key(key)
+            else:
+                self.records.pop(key, None)
         self.floor = max(self.floor, iteration + 1)

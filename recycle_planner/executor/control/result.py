@@ -138,7 +138,9 @@ class GenerationRecord:
 @dataclass
 class LaunchResult:
     """What a run did. `losses[i]`: mean loss of iteration i over all D*M micro-batches;
-    `iteration_end[i]`: seconds from launch to the end of iteration i everywhere;
+    `iteration_end[i]`: seconds from this attempt's launch to the end of iteration i
+    everywhere (negative for an iteration an earlier attempt or a lost coordinator finished:
+    every iteration's loss and end are in losses.jsonl, `runfolder.LossRow`);
     `recoveries`: per death, the seconds until the next generation was formed
     (`replanned_after`) and until the first iteration it completed (`seconds`);
     `events`: what happened, in order."""

@@ -16,9 +16,10 @@ While the run lives it holds `RUN/.run.lock` (flock: the kernel releases it when
 dies), so that a second launcher on the same folder is refused in one line too.
 
 Each attempt writes its processes' logs into `logs/attempt-N/`, so a resumed run never
-overwrites the failed attempt's logs. The launcher appends each iteration's losses to
-`losses.jsonl` as soon as they are known (a killed coordinator writes no result.json), and a
-resumed run's result takes the iterations before its checkpoint from there.
+overwrites the failed attempt's logs. The launcher appends each iteration's loss and end time
+to `losses.jsonl` as soon as they are final (`LossRow`; a killed coordinator writes no
+result.json), and the result of a resumed or taken-over run takes the iterations before its
+own start from there.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from recycle_planner.errors import RecycleError
@@ -106,17 +107,46 @@ class RunFolder:
             os.close(self._fd)
             self._fd = None
 
-    def add_losses(self, rows: list[dict]) -> None:
-        append_losses(self.run_dir, rows)
+    def add_losses(self, rows: list[LossRow]) -> None:
+        append_losses(self.run_dir, [r.to_json() for r in rows])
+
+    def saved_rows(self) -> dict[int, LossRow]:
+        """Every iteration written by this run's attempts so far (see `read_rows`)."""
+        return read_rows(self.run_dir)
 
     def saved_losses(self) -> dict[int, float]:
         """Every iteration's loss written by this run's attempts so far (the latest wins)."""
         return read_losses(self.run_dir)
 
 
+@dataclass(frozen=True)
+class LossRow:
+    """One line of `losses.jsonl`: iteration `iteration`'s mean loss over its D*M
+    micro-batches, the generation and attempt that made it final, and when it ended
+    everywhere (`end`: wall-clock seconds, the latest rank's report; None where the writer
+    did not know it, as a last-stage worker that lost its coordinator)."""
+
+    iteration: int
+    loss: float
+    gen: int | None = None
+    attempt: int | None = None
+    end: float | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "LossRow":
+        gen, attempt, end = data.get("gen"), data.get("attempt"), data.get("end")
+        return cls(int(data["iteration"]), float(data["loss"]),
+                   None if gen is None else int(gen), None if attempt is None else int(attempt),
+                   None if end is None else float(end))
+
+
 def append_losses(run_dir: str | Path, rows: list[dict]) -> None:
-    """Append iterations' losses (`{"iteration", "loss", "gen", "attempt"}`) to losses.jsonl
-    (by the launcher as they complete; by last-stage workers that lost the control plane)."""
+    """Append iterations' rows (`LossRow.to_json()`; a worker's may lack `end`) to
+    losses.jsonl (by the launcher as they become final; by last-stage workers that lost the
+    control plane)."""
     if rows:
         with open(Path(run_dir) / LOSSES, "a") as out:
             out.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
@@ -124,18 +154,29 @@ def append_losses(run_dir: str | Path, rows: list[dict]) -> None:
             os.fsync(out.fileno())
 
 
-def read_losses(run_dir: str | Path) -> dict[int, float]:
+def read_rows(run_dir: str | Path) -> dict[int, LossRow]:
+    """Each iteration's row in losses.jsonl: the latest wins, except that a row without an
+    end keeps the end an earlier row of that iteration gave (an iteration is saved once it is
+    final, so every row of it is of the same iteration's run)."""
     path = Path(run_dir) / LOSSES
-    losses: dict[int, float] = {}
+    rows: dict[int, LossRow] = {}
     if not path.is_file():
-        return losses
+        return rows
     for line in path.read_text().splitlines():
         try:
-            row = json.loads(line)
-            losses[int(row["iteration"])] = float(row["loss"])
-        except (ValueError, KeyError, TypeError):
+            row = LossRow.from_json(json.loads(line))
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue  # a line cut short by a crash
-    return losses
+        before = rows.get(row.iteration)
+        if row.end is None and before is not None and before.end is not None:
+            row = replace(row, end=before.end)
+        rows[row.iteration] = row
+    return rows
+
+
+def read_losses(run_dir: str | Path) -> dict[int, float]:
+    """Each iteration's loss in losses.jsonl (the latest row wins)."""
+    return {i: row.loss for i, row in read_rows(run_dir).items()}
 
 
 def claim(run_dir: str | Path, resume: bool, start_over: bool,
