@@ -300,9 +300,9 @@ class HostAgent:
             if outcome is not None:
                 self.loop_at = float("inf")  # the job is over: no more store calls to watch
                 self._wait_for_workers(30.0)
-                relay.close()  # its notice thread leaves at the coordinator's next beat
                 relay.report(msg.Bye(self.node_rank))
-                relay.flush()
+                relay.flush(wait=self.lease)
+                relay.close()  # its notice thread leaves at the coordinator's next beat
                 self.on_event(f"host {self.node_rank}: job {outcome.status}")
                 return EXIT_STATUS.get(outcome.status, 1)
             now = time.time()

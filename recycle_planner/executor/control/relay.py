@@ -22,6 +22,10 @@ carry the typed records of `messages.py`. The host agent's `Relay`:
   a lease and leaves (`link.HostLink`): the coordinator declares such a host lost and
   re-routes, and its workers must not go on without control.
 
+- never waits on the coordinator's store in its loop: the reports it pushes and the records it
+  reads go through a thread of their own (`StoreCalls`), so that a coordinator whose link is
+  cut (every call then blocks, for minutes) leaves the loop beating and judging its workers,
+  and the agent follows the next leader while they train on;
 - keeps what it relayed until the coordinator made it durable (`Journal`): when the coordinator
   is lost and another takes over (`detach`, then `attach` to the new one's store), it re-sends
   those records and an `Attach` naming the generation its workers run, which keep training
@@ -37,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import select
 import socket
 import struct
@@ -221,6 +226,89 @@ class _Conn:
     waits: list[dict] = field(default_factory=list)  # calls it is blocked in
 
 
+PENDING = object()
+"""`StoreCalls.read`'s answer while the store thread has not read the record yet."""
+
+
+class StoreCalls:
+    """The relay's calls on one coordinator's store, made on a thread of their own: the host
+    agent's loop hands it the reports to push (`push`) and the records to read (`read`: None
+    until the answer came, asked once per key at a time), and never waits on the store. The
+    first failure calls `on_failure(reason)` and ends the thread; a relay that moves to
+    another coordinator `abandon`s it (a call stuck on a cut link ends whenever it does, and
+    says nothing)."""
+
+    def __init__(self, store: Any, on_failure: Any):
+        self.store, self.on_failure = store, on_failure
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._answers: dict[str, str | None] = {}
+        self._asked: set[str] = set()
+        self._abandoned = False
+        self.thread = threading.Thread(target=self._run, name="relay-store", daemon=True)
+        self.thread.start()
+
+    def push(self, text: str, wait: float = 0.0) -> None:
+        """Push a report; with `wait`, return once it is pushed, or after `wait` seconds."""
+        pushed = threading.Event()
+        self._todo.put(("push", (text, pushed)))
+        if wait:
+            pushed.wait(wait)
+
+    def read(self, key: str) -> str | None | object:
+        """The record under `key` once read (None: absent; each answer is given once), else
+        `PENDING` (asked now, or still being read)."""
+        if key in self._answers:
+            return self._answers.pop(key)
+        if key not in self._asked:
+            self._asked.add(key)
+            self._todo.put(("read", key))
+        return PENDING
+
+    def apply(self, fn: Any, done: Any, undone: Any) -> None:
+        """`done(fn(store))` on the thread; `undone()` if the call fails or never runs."""
+        self._todo.put(("apply", (fn, done, undone)))
+
+    def abandon(self) -> None:
+        self._abandoned = True
+        self._todo.put(("stop", ""))
+
+    def _run(self) -> None:
+        while True:
+            op, arg = self._todo.get()
+            if op == "stop" or self._abandoned:
+                return self._drop(op, arg)
+            try:
+                self._do(op, arg)
+            except (RuntimeError, OSError) as exc:  # DistError is a RuntimeError
+                if not self._abandoned:
+                    text = str(exc).strip().splitlines()
+                    self.on_failure(f"the coordinator's store failed: "
+                                    f"{text[0] if text else type(exc).__name__}")
+                return self._drop(op, arg)
+
+    def _do(self, op: str, arg: Any) -> None:
+        if op == "push":
+            self.store.queue_push(UP_QUEUE, arg[0])
+            arg[1].set()
+        elif op == "apply":
+            fn, done, _ = arg
+            done(fn(self.store))
+        else:
+            self._answers[arg] = self.store.get(arg).decode() if self.store.check([arg]) \
+                else None
+            self._asked.discard(arg)
+
+    def _drop(self, op: str, arg: Any) -> None:
+        """This store is done with: what waits for an answer is given back (`undone`)."""
+        while True:
+            if op == "apply":
+                arg[2]()
+            try:
+                op, arg = self._todo.get_nowait()
+            except queue.Empty:
+                return
+
+
 class Relay:
     """The host agent's relay (see the module). The host agent calls `step` on every pass of
     its loop (and whenever one of `fds()` is readable); `report` batches its own records;
@@ -238,6 +326,7 @@ class Relay:
         self.attached = True            # False between a lost coordinator and the next
         self.journal = Journal()
         self.deferred: list[tuple[_Conn, dict]] = []  # worker records for the next store
+        self._direct: list[tuple[_Conn, dict]] = []   # answers of the store thread to send
         self.node, self.path = node, path
         self.lease, self.heartbeat, self.flush_after = lease, heartbeat, flush
         if os.path.exists(path):
@@ -268,6 +357,19 @@ class Relay:
         self._epoch = 0
         self._threads: list[threading.Thread] = []  # one per store watched, the last current
         self._start_notices()
+        self.calls = self._calls(store)
+
+    def _calls(self, store: Any) -> StoreCalls:
+        epoch = self._epoch
+
+        def failed(reason: str) -> None:
+            if self._epoch == epoch and not self._closed:
+                self.lost = self.lost or reason
+                self._wake()
+
+        calls = StoreCalls(store, failed)
+        self._threads.append(calls.thread)
+        return calls
 
     def _start_notices(self) -> None:
         self._thread = threading.Thread(target=self._watch_notices,
@@ -352,24 +454,19 @@ class Relay:
                 self._push_aborts(conn)
         for conn in list(self.conns.values()):
             self._answer(conn)
+        self._answer_direct()
+        self._redo_deferred()
         self._beat_workers(now)
         try:
             self._flush(now)
         except Detached:
             pass  # the batch waits for the next coordinator
 
-    def _call(self, fn: Any) -> Any:
-        """A call on the coordinator's store; `Detached` when there is none (the first
-        failure says the coordinator is lost)."""
+    def _ready(self) -> StoreCalls:
+        """The current coordinator's store calls; `Detached` when there is none."""
         if not self.attached or self.lost is not None:
             raise Detached()
-        try:
-            return fn()
-        except (RuntimeError, OSError) as exc:  # DistError is a RuntimeError
-            text = str(exc).strip().splitlines()
-            self.lost = self.lost or (f"the coordinator's store failed: "
-                                      f"{text[0] if text else type(exc).__name__}")
-            raise Detached() from None
+        return self.calls
 
     def _beat_workers(self, now: float) -> None:
         """A beat to every worker every quarter of the lease (see the module): what it hears
@@ -424,12 +521,8 @@ class Relay:
             message = frame_record(frame)
             result = None
             if isinstance(message, DIRECT):
-                try:
-                    result = self._call(lambda: msg.put(self.store, message))
-                except Detached:
-                    self.deferred.append((conn, frame))  # answered once re-attached
-                    return
-                result = result.to_json() if isinstance(result, msg.Message) else result
+                self._put_direct(conn, frame, message)
+                return
             else:
                 self.report(message)
                 if isinstance(message, URGENT):
@@ -438,6 +531,36 @@ class Relay:
                 self._send(conn, {"id": frame["id"], "rec": result})
         elif op in ("get", "decision", "where"):
             conn.waits.append(frame)
+
+    def _put_direct(self, conn: _Conn, frame: dict, message: msg.Message) -> None:
+        """A record between workers of different hosts, on the store itself (its answer, a
+        count, goes back to the worker once the store thread has it)."""
+        def done(result: Any) -> None:
+            text = result.to_json() if isinstance(result, msg.Message) else result
+            self._direct.append((conn, {"id": frame.get("id"), "rec": text}))
+            self._wake()
+
+        try:
+            self._ready().apply(lambda store: msg.put(store, message), done,
+                                lambda: self.deferred.append((conn, frame)))
+        except Detached:
+            self.deferred.append((conn, frame))  # answered once re-attached
+
+    def _redo_deferred(self) -> None:
+        """The workers' records that waited for a store (one may come back from an abandoned
+        store's thread at any time): sent to the current one."""
+        if not self.attached or self.lost is not None:
+            return
+        while self.deferred:
+            conn, frame = self.deferred.pop(0)
+            if self.conns.get(conn.sock.fileno()) is conn:
+                self._handle(conn, frame)
+
+    def _answer_direct(self) -> None:
+        while self._direct:
+            conn, answer = self._direct.pop(0)
+            if answer["id"] is not None and self.conns.get(conn.sock.fileno()) is conn:
+                self._send(conn, answer)
 
     def _answer(self, conn: _Conn) -> None:
         """Answer the calls `conn` is blocked in whose record is there now; a peek is answered
@@ -450,32 +573,32 @@ class Relay:
                 text = self.endpoint if self.attached and self.lost is None else None
             else:
                 text = self._record(KINDS[frame["kind"]], frame["ids"])
-            if text is None and frame.get("block", True):
+            if text is PENDING or text is None and frame.get("block", True):
                 left.append(frame)
             else:
                 self._send(conn, {"id": frame["id"], "rec": text})
         conn.waits = left
 
-    def _record(self, kind: type[msg.Message], ids: Mapping[str, Any]) -> str | None:
+    def _record(self, kind: type[msg.Message], ids: Mapping[str, Any]) -> str | None | object:
         key = kind.key_for(**ids)
         if issubclass(kind, DOWN):
             return (self.mine if issubclass(kind, PER_HOST) else self.bulletin).records.get(key)
         try:
-            if self._call(lambda: self.store.check([key])):
-                return self._call(lambda: self.store.get(key)).decode()
+            return self._ready().read(key)
         except Detached:
-            pass
-        return None
+            return None
 
     def _decision(self, gen: int) -> str | None:
         if gen not in self.decisions:
             if decision_key(gen) not in self.bulletin.records:
                 return None
             try:
-                self.decisions[gen] = self._call(
-                    lambda: self.store.get(decision_key(gen))).decode()
+                text = self._ready().read(decision_key(gen))
             except Detached:
                 return None
+            if text is PENDING or text is None:
+                return None  # asked: a later pass answers
+            self.decisions[gen] = text
             for old in [g for g in self.decisions if g < gen - 1]:
                 del self.decisions[old]
         return self.decisions[gen]
@@ -509,20 +632,21 @@ class Relay:
         if not isinstance(message, msg.Attach):
             self.journal.add(message)
 
-    def _flush(self, now: float, force: bool = False) -> None:
+    def _flush(self, now: float, force: bool = False, wait: float = 0.0) -> None:
         due = self.pending_since is not None and now - self.pending_since >= self.flush_after
         if not (force or due or now - self.sent_at >= self.heartbeat):
             return
         report = HostReport(self.node, self.seq, tuple(self.pending))
-        self._call(lambda: self.store.queue_push(UP_QUEUE, report.to_json()))
+        self._ready().push(report.to_json(), wait)
         self.seq += 1
         self.sent_at = now
         self.pending, self.pending_since = [], None
 
-    def flush(self) -> None:
-        """Send what is batched now (the host agent's goodbye)."""
+    def flush(self, wait: float = 0.0) -> None:
+        """Send what is batched now; with `wait` (the host agent's goodbye), return once it
+        is pushed, or after `wait` seconds."""
         try:
-            self._flush(time.monotonic(), force=True)
+            self._flush(time.monotonic(), force=True, wait=wait)
         except Detached:
             pass
 
@@ -539,7 +663,7 @@ class Relay:
     # what the host agent asks
     def notice(self, kind: type[msg.Message], **ids: Any) -> msg.Message | None:
         text = self._record(kind, ids)
-        return kind.from_json(text) if text is not None else None
+        return kind.from_json(text) if isinstance(text, str) else None
 
     def silent(self) -> list[tuple[int, int, float]]:
         """(rank, incarnation, seconds) of the local workers that sent no heartbeat for longer
@@ -559,8 +683,9 @@ class Relay:
         needs one waits; the workers keep training). Returns why it was lost."""
         why = self.lost or "the coordinator is gone"
         with self._lock:
-            self._epoch += 1            # the notice thread of the lost store says nothing more
+            self._epoch += 1            # the lost store's threads say nothing more
             self._fresh = None
+        self.calls.abandon()
         self.attached, self.lost = False, None
         return why
 
@@ -576,10 +701,8 @@ class Relay:
         self.attached, self.lost = True, None
         self.noticed_at = time.monotonic()
         self._start_notices()
-        deferred, self.deferred = self.deferred, []
-        for conn, frame in deferred:
-            if self.conns.get(conn.sock.fileno()) is conn:
-                self._handle(conn, frame)
+        self.calls = self._calls(store)
+        self._redo_deferred()
         try:
             self._flush(time.monotonic(), force=True)
         except Detached:
@@ -606,6 +729,8 @@ class Relay:
         self._closed = True
         if self._thread is not threading.current_thread():
             self._thread.join(self.lease + 1.0)
+        self.calls.abandon()
+        self.calls.thread.join(1.0)  # inside a store call only on a cut link
         for conn in list(self.conns.values()):
             self._drop(conn)
         for sock in (self.listener, self._wake_r, self._wake_w):
