@@ -113,3 +113,63 @@ def test_the_leading_coordinator_killed_mid_run_the_standby_takes_over_live(tmp_
     _, params = checkpoint_params(run, 2)
     assert_params_equal(params, ref.params)
     assert_losses_equal(result["losses"], ref.losses)
+
+
+def test_the_leaders_link_cut_mid_run_the_standby_takes_over_live(tmp_path):
+    """Each coordinator in a namespace of its own; the leader's link is set down mid-run
+    (nothing is closed: its store calls hang, as with a host that vanished). The host agents
+    notice within the lease (their loops never wait on the store), follow the standby that
+    leads once the cut leader's etcd lease ran out, and re-attach with the same workers; the
+    cut leader, deposed, has its coordinator killed; the run ends with every loss once and
+    the fault-free parameters."""
+    lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=2)
+    ref = reference(["--iterations", str(ITERATIONS)], 2, 4)
+    run = tmp_path / "run"
+    logs = {name: tmp_path / f"{name}.log" for name in ("c0", "c1", "h0", "h1")}
+    with Hosts(4) as net, EtcdCluster(3, host=COORD_ADDR, wrap=(IP, "netns", "exec", net.coord),
+                                      folder=tmp_path / "etcd") as etcd:
+        wrappers = {f"c{i}": net.popen(net.hosts[2 + i], [
+            *CLI, "coordinator", "--nnodes", "2", "--nproc-per-node", "2", "--port", "29400",
+            "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--rdzv-id", "train",
+            "--advertise", Hosts.address(2 + i), "--run-dir", str(run), "--lease", "2",
+            "--heartbeat", "0.1", "--checkpoint-every", "5"], open(logs[f"c{i}"], "wb"),
+            env=_env()) for i in range(2)}
+        followers = [net.popen(net.hosts[i], [
+            *CLI, "launch", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(i),
+            "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--rdzv-id", "train",
+            "--rdzv-timeout", "120", TINY, "--", "--library", str(lib),
+            "--iterations", str(ITERATIONS), "--data-delay", "0.1"], open(logs[f"h{i}"], "wb"),
+            env=_env(GLOO_SOCKET_IFNAME="eth0")) for i in range(2)]
+
+        def text(name):
+            return logs[name].read_text(errors="replace")
+
+        deadline = time.time() + 300  # a loaded machine: the first workers start slowly
+        while 2 not in read_losses(run):  # mid-run, between the checkpoints of 0 and 5
+            assert time.time() < deadline, "".join(text(n)[-2000:] for n in logs)
+            time.sleep(0.05)
+        first = next(n for n in wrappers if "coordinator for" in text(n))
+        second = "c1" if first == "c0" else "c0"
+        subprocess.run([IP, "-n", net.coord, "link", "set", f"vh{2 + int(first[1])}", "down"],
+                       check=True)
+        codes = []
+        for proc in followers:
+            try:
+                codes.append(proc.wait(240))
+            except subprocess.TimeoutExpired:
+                raise AssertionError("".join(text(n)[-3000:] for n in logs)) from None
+        assert codes == [0, 0], "".join(text(n)[-3000:] for n in logs)
+        assert wrappers[second].wait(60) == 0, text(second)[-3000:]
+        assert wrappers[first].wait(60) != 0, text(first)[-3000:]  # deposed
+    assert "lost its leadership" in text(first)
+    for host in ("h0", "h1"):
+        assert text(host).count("re-attached") == 1, text(host)
+    workers = sorted(str(p.relative_to(run / "logs")) for p in (run / "logs").rglob("rank*.log"))
+    assert workers == [f"attempt-1/rank{r}.0.log" for r in range(4)], workers  # the same ones
+    result = json.loads((run / "result.json").read_text())
+    assert result["status"] == "completed" and result["iterations"] == ITERATIONS
+    assert "took over generation 0" in text(second)
+    assert sorted(read_losses(run)) == list(range(ITERATIONS))
+    _, params = checkpoint_params(run, 2)
+    assert_params_equal(params, ref.params)
+    assert_losses_equal(result["losses"], ref.losses)

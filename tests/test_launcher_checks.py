@@ -203,3 +203,29 @@ def test_sigterm_stops_with_a_checkpoint_that_resumes_with_every_loss(tmp_path, 
     assert_losses_equal(resumed.losses, ref.losses)
     assert resumed.attempt == 2 and (run / "logs" / "attempt-1" / "rank0.0.log").is_file()
     assert (run / "logs" / "attempt-2" / "rank0.0.log").is_file()
+
+
+def test_a_coordinator_taking_over_waits_for_the_deposed_one_to_leave_the_folder(tmp_path):
+    """A deposed coordinator whose link was cut holds the run folder until its watchdog
+    kills it: the one taking over waits for the folder (bounded), where a new run is refused
+    at once."""
+    from recycle_planner.errors import RecycleError
+    from recycle_planner.executor.control.runfolder import claim
+
+    run = tmp_path / "run"
+    claim(run, False, False).release()  # the run being taken over
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from recycle_planner.executor.control.runfolder import claim; "
+        "claim(sys.argv[1], False, False, take_over=True); print('held', flush=True); "
+        "time.sleep(1.0)"), str(run)], stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RecycleError, match="in use by another run"):
+            claim(run, False, False, take_over=True)
+        folder = claim(run, False, False, take_over=True, wait=30)
+        assert holder.poll() is not None and folder.record.attempt == 3
+        folder.release()
+    finally:
+        holder.kill()
+        holder.wait()

@@ -218,7 +218,10 @@ def run_agent(config: LaunchConfig, on_event, pool: type, *pool_args: Any) -> La
     """Claim the run folder, prepare the library and hold its lock for the run's life (the
     run adds the plans it makes on demand), then run an `Agent` over the workers of `pool`
     (`LocalPool`, or `HostPool` for a coordinator)."""
-    folder = claim(config.run_dir, config.resume, config.start_over, config.take_over)
+    # taking over: the deposed coordinator may hold the folder until it finds out (its
+    # watchdog kills it once its lease is found lost, a lease or so)
+    folder = claim(config.run_dir, config.resume, config.start_over, config.take_over,
+                   wait=3 * config.lease if config.take_over else 0.0)
     try:
         config = prepare_library(config)
         with contextlib.ExitStack() as stack:

@@ -180,11 +180,12 @@ def read_losses(run_dir: str | Path) -> dict[int, float]:
 
 
 def claim(run_dir: str | Path, resume: bool, start_over: bool,
-          take_over: bool = False) -> RunFolder:
+          take_over: bool = False, wait: float = 0.0) -> RunFolder:
     """Take the folder for this run (see the module's docstring); a `RecycleError` in one line
     if it holds another run, is in use, or has nothing to resume. `take_over`: a coordinator
     that takes over from a lost one continues its run as the next attempt (its logs apart),
-    whether or not a checkpoint exists yet."""
+    whether or not a checkpoint exists yet. `wait`: seconds to wait for a process that still
+    holds the folder (a deposed coordinator whose link was cut lives until it finds out)."""
     from recycle_planner.executor.data.state import latest_checkpoint
 
     if resume and start_over:
@@ -192,7 +193,7 @@ def claim(run_dir: str | Path, resume: bool, start_over: bool,
                            "discards it: give one")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = _lock(run_dir)
+    fd = _lock(run_dir, wait)
     try:
         previous = read_record(run_dir)
         checkpoints = _checkpoints(run_dir)
@@ -242,11 +243,20 @@ def _discard(run_dir: Path, who: str, said: bool) -> None:
                     run_dir)
 
 
-def _lock(run_dir: Path) -> int:
+def _lock(run_dir: Path, wait: float = 0.0) -> int:
+    """The run folder's lock; held by another process, waited for up to `wait` seconds."""
     path = run_dir / RUN_LOCK
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    deadline = time.monotonic() + wait
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
     except BlockingIOError:
         holder = os.read(fd, 200).decode(errors="replace").strip()
         os.close(fd)
