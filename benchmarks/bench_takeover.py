@@ -1,8 +1,8 @@
-"""A live takeover: from the leading coordinator's SIGKILL to the next leader's first pass with
-every host re-attached, and whether the workers paused meanwhile.
+"""A live takeover: from the leading coordinator's SIGKILL (or its link cut) to the next
+leader's first pass with every host re-attached, and whether the workers paused meanwhile.
 
-Usage: python benchmarks/bench_takeover.py [--lease SECONDS] [--repeat N] [--logs DIR]
-(results in benchmarks/results/takeover-leaseL.json)
+Usage: python benchmarks/bench_takeover.py [--lease SECONDS] [--repeat N] [--fault kill|cut]
+[--logs DIR] (results in benchmarks/results/takeover-leaseL.json, -cut.json for --fault cut)
 (root, etcd installed: hosts are network namespaces joined by veth pairs, a real 3-member etcd
 and two `recycle-planner coordinator --rdzv-backend etcd` in the coordinator's namespace, as in
 tests/test_control_failover_training.py).
@@ -10,7 +10,9 @@ tests/test_control_failover_training.py).
 2 hosts x 2 workers (2 stages x 2 pipelines), the tiny MLP of examples/tiny_mlp.py with 2 ms
 of emulated device time per pass and a 25 ms data loader per micro-batch (about 0.1 s an
 iteration), 150 iterations. At iteration 20 the leading coordinator's wrapper is SIGKILLed
-(its coordinator dies with it). Every output line is stamped on arrival here, so the times
+(its coordinator dies with it), or with `--fault cut` (each coordinator then in a namespace of
+its own) the leader's link is set down: nothing is closed, its calls hang, and it is deposed
+once it finds its etcd lease lost. Every output line is stamped on arrival here, so the times
 are on one clock: when each host agent noticed the loss, when the standby published its
 store, when each host agent re-attached, and when the new coordinator adopted the generation
 (its first pass with every host there). Whether the workers paused: the iterations they
@@ -72,23 +74,25 @@ class Stamped:
         return next((t for t, line in list(self.lines) if text in line), None)
 
 
-def run_once(lib: Path, work: Path, lease: float) -> dict:
+def run_once(lib: Path, work: Path, lease: float, fault: str = "kill") -> dict:
     run = work / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    with Hosts(2) as net, EtcdCluster(3, host=COORD_ADDR, wrap=(IP, "netns", "exec", net.coord),
-                                      folder=work / "etcd") as etcd:
-        coords = {f"c{i}": Stamped(net, net.coord, [
+    cut = fault == "cut"
+    with Hosts(4 if cut else 2) as net, EtcdCluster(
+            3, host=COORD_ADDR, wrap=(IP, "netns", "exec", net.coord),
+            folder=work / "etcd") as etcd:
+        coords = {f"c{i}": Stamped(net, net.hosts[2 + i] if cut else net.coord, [
             *CLI, "coordinator", "--nnodes", "2", "--nproc-per-node", "2", "--port",
             str(29400 + i), "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints,
-            "--rdzv-id", "bench", "--advertise", COORD_ADDR, "--run-dir", str(run),
-            "--lease", str(lease), "--checkpoint-every", "50"], work / f"c{i}.log", env)
-            for i in range(2)}
+            "--rdzv-id", "bench", "--advertise", Hosts.address(2 + i) if cut else COORD_ADDR,
+            "--run-dir", str(run), "--lease", str(lease), "--checkpoint-every", "50"],
+            work / f"c{i}.log", env) for i in range(2)}
         hosts = [Stamped(net, ns, [
             *CLI, "launch", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(i),
             "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--rdzv-id", "bench",
             "--rdzv-timeout", "120", TINY, "--", "--library", str(lib), *JOB],
             work / f"h{i}.log", dict(env, GLOO_SOCKET_IFNAME="eth0"))
-            for i, ns in enumerate(net.hosts)]
+            for i, ns in enumerate(net.hosts[:2])]
         deadline = time.time() + 300
         while KILL_AT not in read_losses(run):
             if time.time() > deadline:
@@ -97,7 +101,11 @@ def run_once(lib: Path, work: Path, lease: float) -> dict:
         leader = next(n for n, c in coords.items() if c.first("coordinator for") is not None)
         standby = coords["c1" if leader == "c0" else "c0"]
         killed = time.time()
-        os.kill(coords[leader].proc.pid, signal.SIGKILL)
+        if cut:
+            subprocess.run([IP, "-n", net.coord, "link", "set", f"vh{2 + int(leader[1])}",
+                            "down"], check=True)
+        else:
+            os.kill(coords[leader].proc.pid, signal.SIGKILL)
         codes = [h.proc.wait(600) for h in hosts]
         standby.proc.wait(60)
     if codes != [0, 0]:
@@ -126,6 +134,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lease", type=float, default=4.0)
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--fault", choices=("kill", "cut"), default="kill",
+                        help="SIGKILL the leader's wrapper, or set its link down")
     parser.add_argument("--logs", type=Path, default=None, help="keep the logs here")
     opts = parser.parse_args()
     why = unavailable() or etcd_missing()
@@ -139,11 +149,12 @@ def main() -> None:
         for n in range(opts.repeat):
             folder = work / f"run{n}"
             folder.mkdir(parents=True)
-            runs.append(run_once(lib, folder, opts.lease))
+            runs.append(run_once(lib, folder, opts.lease, opts.fault))
             print(json.dumps(runs[-1]), flush=True)
-    out = Path(__file__).parent / "results" / f"takeover-lease{opts.lease:g}.json"
-    out.write_text(json.dumps({"machine": machine(), "lease": opts.lease, "runs": runs},
-                              indent=2) + "\n")
+    cut = "-cut" if opts.fault == "cut" else ""
+    out = Path(__file__).parent / "results" / f"takeover-lease{opts.lease:g}{cut}.json"
+    out.write_text(json.dumps({"machine": machine(), "lease": opts.lease,
+                               "fault": opts.fault, "runs": runs}, indent=2) + "\n")
     print(f"written {out}")
 
 

@@ -76,6 +76,11 @@ class Election:
         assert self._keeper is not None, "campaign first"
         return self._keeper.lease
 
+    def overdue(self) -> bool:
+        """Its lease's renewal is overdue (`LeaseKeeper.overdue`): a leader must stop now,
+        even before the renewal that hangs says so."""
+        return self._keeper is not None and self._keeper.overdue()
+
     def _lost(self, reason: str) -> None:
         self.reason = reason
         self.deposed.set()

@@ -85,9 +85,10 @@ def lead_then(store: ControlStore, keys: Keys, identity: str, ttl: float, endpoi
 
     def watchdog() -> None:
         while not done.wait(0.05):
-            if election.deposed.is_set():
+            if election.deposed.is_set() or election.overdue():
                 log.error("%s lost its leadership (%s): stopping at once", identity,
-                          election.reason)
+                          election.reason or f"no renewal of its lease confirmed for {ttl:g} "
+                                             f"s: its link to etcd is cut, or etcd is gone")
                 return on_deposed(DEPOSED)
 
     threading.Thread(target=watchdog, name="leadership-watchdog", daemon=True).start()

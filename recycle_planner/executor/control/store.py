@@ -625,21 +625,26 @@ class LeaseKeeper:
         self.ttl = ttl
         self.on_lost = on_lost
         self.lease = store.grant(ttl)
+        self.confirmed = time.monotonic()   # the latest renewal the store confirmed
         self.lost: str | None = None
         self.unreachable = False  # lost because the store did not answer (not an expiry)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
         self._thread.start()
 
+    def overdue(self) -> bool:
+        """No renewal confirmed for the TTL (judged by this process's clock, also while a
+        renewal hangs on a cut link): the store has let the lease go, or is about to."""
+        return time.monotonic() - self.confirmed >= self.ttl
+
     def _run(self) -> None:
-        confirmed = time.monotonic()
         while not self._stop.wait(self.ttl / 3):
             try:
                 if self.store.keep_alive(self.lease) <= 0:
                     return self._lose(f"lease {self.lease:x} expired")
-                confirmed = time.monotonic()
+                self.confirmed = time.monotonic()
             except StoreUnavailable as exc:
-                if time.monotonic() - confirmed >= self.ttl:
+                if self.overdue():
                     self.unreachable = True
                     return self._lose(f"lease {self.lease:x} not renewed for {self.ttl:g} s: "
                                       f"{exc}")
