@@ -15,13 +15,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_missing
+from recycle_planner.executor.control.etcd_local import EtcdCluster
 from recycle_planner.executor.control.runfolder import read_losses
 
 pytestmark = pytest.mark.torch
@@ -29,18 +27,13 @@ torch = pytest.importorskip("torch")
 
 from helpers.executor_checks import (TINY, assert_losses_equal,  # noqa: E402
                                      assert_params_equal, checkpoint_params, library, reference)
-from helpers.netns import COORD_ADDR, IP, Hosts, unavailable  # noqa: E402
+from helpers.etcd_training import CLI, WHY, wait_all  # noqa: E402
+from helpers.etcd_training import env as _env  # noqa: E402
+from helpers.netns import COORD_ADDR, IP, Hosts  # noqa: E402
 
-WHY = unavailable() or etcd_missing()
 pytestmark = [pytestmark, pytest.mark.skipif(WHY is not None, reason=f"{WHY}")]
 
 ITERATIONS = 12
-CLI = [sys.executable, "-m", "recycle_planner.cli"]
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _env(**more: str) -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **more)
 
 
 def test_the_leading_coordinator_killed_mid_run_the_standby_takes_over_live(tmp_path):
@@ -87,12 +80,7 @@ def test_the_leading_coordinator_killed_mid_run_the_standby_takes_over_live(tmp_
             time.sleep(0.05)
         second = leader()
         os.kill(wrappers[second].pid, signal.SIGKILL)
-        codes = []
-        for proc in followers:
-            try:
-                codes.append(proc.wait(240))
-            except subprocess.TimeoutExpired:
-                raise AssertionError("".join(text(n)[-3000:] for n in logs)) from None
+        codes = wait_all(followers, 480, logs)
         assert codes == [0, 0], "".join(text(n)[-3000:] for n in logs)
         third = next(n for n in wrappers if n not in (first, second))
         assert wrappers[third].wait(60) == 0, text(third)[-3000:]
@@ -152,12 +140,7 @@ def test_the_leaders_link_cut_mid_run_the_standby_takes_over_live(tmp_path):
         second = "c1" if first == "c0" else "c0"
         subprocess.run([IP, "-n", net.coord, "link", "set", f"vh{2 + int(first[1])}", "down"],
                        check=True)
-        codes = []
-        for proc in followers:
-            try:
-                codes.append(proc.wait(240))
-            except subprocess.TimeoutExpired:
-                raise AssertionError("".join(text(n)[-3000:] for n in logs)) from None
+        codes = wait_all(followers, 480, logs)
         assert codes == [0, 0], "".join(text(n)[-3000:] for n in logs)
         assert wrappers[second].wait(60) == 0, text(second)[-3000:]
         assert wrappers[first].wait(60) != 0, text(first)[-3000:]  # deposed

@@ -12,35 +12,27 @@ commands with `--resume` (host 2 repaired) end the run with the fault-free param
 every iteration's loss once, and the standby coordinator leaves when the job is done."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_missing
+from recycle_planner.executor.control.etcd_local import EtcdCluster
 from recycle_planner.executor.control.runfolder import read_losses
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 
+from helpers.etcd_training import CLI, WHY, tails, wait_all  # noqa: E402
+from helpers.etcd_training import env as _env  # noqa: E402
 from helpers.executor_checks import (TINY, assert_losses_equal,  # noqa: E402
                                      assert_params_equal, checkpoint_params, library, reference)
-from helpers.netns import COORD_ADDR, IP, Hosts, unavailable  # noqa: E402
+from helpers.netns import COORD_ADDR, IP, Hosts  # noqa: E402
 
-WHY = unavailable() or etcd_missing()
 pytestmark = [pytestmark, pytest.mark.skipif(WHY is not None, reason=f"{WHY}")]
 
 ITERATIONS = 18
-CLI = [sys.executable, "-m", "recycle_planner.cli"]
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _env(**more: str) -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **more)
 
 
 def _start(net: Hosts, etcd: EtcdCluster, run: Path, lib: Path, logs: dict, *extra: str):
@@ -65,24 +57,8 @@ def _until(what, hosts, logs: dict, seconds: float = 240) -> None:
     """Until `what()`, the host agents running (a loaded machine starts workers slowly)."""
     deadline = time.time() + seconds
     while not what():
-        assert time.time() < deadline and all(p.poll() is None for p in hosts), _tails(logs)
+        assert time.time() < deadline and all(p.poll() is None for p in hosts), tails(logs)
         time.sleep(0.05)
-
-
-def _wait_all(procs, seconds: float, logs: dict) -> list[int]:
-    deadline = time.time() + seconds
-    codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(max(1.0, deadline - time.time())))
-        except subprocess.TimeoutExpired:
-            raise AssertionError(_tails(logs)) from None
-    return codes
-
-
-def _tails(logs: dict) -> str:
-    return "".join(f"\n== {n}\n" + p.read_text(errors="replace")[-2500:]
-                   for n, p in logs.items() if p.exists())
 
 
 def _leader(coords, logs) -> int:
@@ -113,9 +89,9 @@ def test_etcd_members_and_a_host_lost_while_the_coordinators_fail_over(tmp_path)
         gen1 = max(read_losses(run))
         _until(lambda: gen1 + 2 in read_losses(run), hosts[:2], logs)
         etcd.kill(1)  # the quorum is lost: nobody can lead
-        codes = _wait_all(hosts[:2] + [coords[1 - first]], 180, logs)
+        codes = wait_all(hosts[:2] + [coords[1 - first]], 180, logs)
         # the host agents cannot reach etcd (3); the leader was deposed (4)
-        assert codes == [3, 3, 4], (codes, _tails(logs))
+        assert codes == [3, 3, 4], (codes, tails(logs))
         assert all("workers stopped (exit status {" in logs[h].read_text() for h in ("h0", "h1"))
         stopped_at, _ = checkpoint_params(run, 2)
         assert gen1 <= stopped_at < ITERATIONS, stopped_at
@@ -124,10 +100,10 @@ def test_etcd_members_and_a_host_lost_while_the_coordinators_fail_over(tmp_path)
         etcd.start(1)
         etcd.wait_ready(60)
         coords, hosts = _start(net, etcd, run, lib, logs, "--resume")  # host 2 repaired
-        codes = _wait_all(hosts, 240, logs)
-        assert codes == [0, 0, 0], (codes, _tails(logs))
+        codes = wait_all(hosts, 240, logs)
+        assert codes == [0, 0, 0], (codes, tails(logs))
         # the leader completed; its standby left with the same status, not taking over
-        assert [c.wait(60) for c in coords] == [0, 0], _tails(logs)
+        assert [c.wait(60) for c in coords] == [0, 0], tails(logs)
         assert "standing down" in logs["c0"].read_text() + logs["c1"].read_text()
     result = json.loads((run / "result.json").read_text())
     assert result["status"] == "completed" and result["iterations"] == ITERATIONS
