@@ -250,11 +250,13 @@ import os, signal, sys, time
 from recycle_planner.executor.config import WorkerConfig
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.link import link_from_env
-rank = int(os.environ["RANK"])
+rank, inc = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 link = link_from_env(WorkerConfig.from_env())
-link.watch(lambda: msg.Heartbeat(rank, 0, time.time()), lambda: -1, lambda g, r: None)
-link.send(msg.Hello(rank, 0, os.getpid(), "stand-in", "lib", 0))
+link.watch(lambda: msg.Heartbeat(rank, inc, time.time()), lambda: -1, lambda g, r: None)
+link.send(msg.Hello(rank, inc, os.getpid(), "stand-in", "lib", 0))
 time.sleep(0.3)
+if inc:
+    sys.exit(0)                      # restarted: leaves
 if rank == 0:
     sys.exit(9)                      # a death: the host agent sees its exit
 os.kill(os.getpid(), signal.SIGSTOP)  # silent: the host agent kills it after the lease
@@ -265,8 +267,11 @@ def test_the_host_agent_reports_a_local_death_and_a_silent_worker(coordinator, t
     """The real host agent (`recycle-planner launch --nnodes 1`) with two stand-in workers:
     one exits with status 9, the other stops itself (SIGSTOP). Both deaths reach the
     coordinator in the host's reports: the exit within milliseconds, the stopped worker
-    killed by its host agent once its heartbeats have been missing for the lease (2 s). The
-    coordinator's outcome then ends the host agent, which says goodbye."""
+    killed by its host agent once its heartbeats have been missing for the lease (2 s). Each
+    is restarted once (`--restart-delay 0 --max-restarts 1`) as incarnation 1, counted in the
+    coordinator's store through the relay's store thread (the host agent's loop never waits
+    on the store), and leaves. The coordinator's outcome then ends the host agent, which says
+    goodbye."""
     store, mail = coordinator
     script = tmp_path / "standin.py"
     script.write_text(STAND_IN)
@@ -275,13 +280,15 @@ def test_the_host_agent_reports_a_local_death_and_a_silent_worker(coordinator, t
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     agent = subprocess.Popen([sys.executable, "-m", "recycle_planner.cli", "launch", "--nnodes",
                               "1", "--nproc-per-node", "2", "--rdzv-endpoint",
-                              f"127.0.0.1:{store.port}", str(script)], env=env,
+                              f"127.0.0.1:{store.port}", "--restart-delay", "0",
+                              "--max-restarts", "1", str(script)], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         def exits():
             mail.refresh()
             mail.flush()  # the coordinator's beat keeps the host agent's notices coming
-            return all(mail.get(msg.WorkerExit, rank=r, incarnation=0) for r in (0, 1))
+            return all(mail.get(msg.WorkerExit, rank=r, incarnation=i) for r in (0, 1)
+                       for i in (0, 1))
 
         _until(exits, seconds=60, every=0.05)
         dead, silent = (mail.get(msg.WorkerExit, rank=r, incarnation=0) for r in (0, 1))
@@ -289,6 +296,11 @@ def test_the_host_agent_reports_a_local_death_and_a_silent_worker(coordinator, t
         assert silent.code == -9 and "lost its lease" in silent.how
         assert mail.get(msg.HostUp, node=0).ranks == (0, 1)
         assert mail.get(msg.Hello, rank=1, incarnation=0).host == "stand-in"
+        for r in (0, 1):  # restarted once, as the store counted
+            assert mail.get(msg.Spawned, rank=r, incarnation=1) is not None
+            assert mail.get(msg.Hello, rank=r, incarnation=1) is not None
+            assert mail.get(msg.WorkerExit, rank=r, incarnation=1).code == 0
+            assert store.add(f"incarnation/{r}", 0) == 2
         mail.put(msg.Outcome("completed", "done"))
 
         def bye():
@@ -354,3 +366,80 @@ def test_a_relay_re_attached_to_a_new_coordinator_re_sends_and_moves_the_groups(
         stop.set()
         thread.join()
         relay.close()
+
+
+class _Gated:
+    """A store client whose `add` on `key` hangs until `gate` is set (a call on a cut link)."""
+
+    def __init__(self, store, key: str):
+        self.store, self.key, self.gate, self.inside = store, key, threading.Event(), \
+            threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def add(self, key, amount):
+        if key == self.key:
+            self.inside.set()
+            self.gate.wait(10)
+        return self.store.add(key, amount)
+
+
+def test_a_relay_leaves_a_hung_store_call_behind_and_never_acts_on_its_late_answer(tmp_path):
+    """The host agent's calls on the coordinator's store (`Relay.call`: a restart's next
+    incarnation) run on the relay's store thread. One hangs (the link is cut) with another
+    queued behind it: moved to the next coordinator, the relay gives the queued one back at
+    once (to be asked again there), and when the hung call ends, its answer from the
+    deposed coordinator's store is not acted on: it comes back as not done."""
+    old, new = (dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=10)) for _ in range(2))
+    mails = [RelayMail(s, nnodes=1, per_host=1, beat_every=0.1) for s in (old, new)]
+    gated = _Gated(_client(old.port), "incarnation/0")
+    relay = Relay(gated, _client(old.port, 5.0), 0, str(tmp_path / "r.sock"), lease=5.0,
+                  heartbeat=0.2, flush=0.01, endpoint=f"127.0.0.1:{old.port}")
+    lock, stepping, stop = threading.Lock(), threading.Event(), threading.Event()
+    answers: list[tuple] = []
+    stepping.set()
+
+    def loop():  # the coordinators beat until the relay is closed (its notice thread waits)
+        while not stop.is_set():
+            with lock:
+                if stepping.is_set():
+                    relay.step()
+                for mail in mails:
+                    mail.flush()
+            time.sleep(0.005)
+
+    def ask(key: str) -> None:
+        relay.call(lambda store: store.add(key, 1) - 1,
+                   lambda value: answers.append((key, value)),
+                   lambda: answers.append((key, "undone")))
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        with lock:
+            ask("incarnation/0")
+            ask("incarnation/1")
+        assert gated.inside.wait(10)          # the first hangs; the second waits behind it
+        time.sleep(0.1)
+        assert answers == []
+        with lock:
+            relay.detach()
+        _until(lambda: answers == [("incarnation/1", "undone")])
+        with lock:
+            relay.attach(_client(new.port), _client(new.port, 5.0), f"127.0.0.1:{new.port}")
+            ask("incarnation/1")
+        _until(lambda: answers[1:] == [("incarnation/1", 0)])
+        gated.gate.set()                      # the hung call ends (the link came back)
+        _until(lambda: len(answers) == 3)
+        assert answers[2] == ("incarnation/0", "undone")
+        assert old.add("incarnation/0", 0) == 1 and not new.check(["incarnation/0"])
+    finally:
+        gated.gate.set()
+        stepping.clear()
+        with lock:
+            pass
+        relay.close()
+        stop.set()
+        thread.join()

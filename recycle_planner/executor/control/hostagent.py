@@ -205,6 +205,22 @@ class HostAgent:
         never meets the kill notices of the processes it had before."""
         return self.store.add(f"incarnation/{rank}", 1) - 1
 
+    def _restart(self, rank: int, pending: dict[int, float]) -> None:
+        """Spawn `rank` again once the coordinator's store counted its next incarnation,
+        asked on the relay's store thread (`Relay.call`): this loop never waits on the store,
+        whose link may be cut (a call then hangs for minutes). If that store is lost first,
+        the restart waits in `pending` for the next coordinator, whose store counts on from
+        this agent's incarnations (`_reattach_due`)."""
+        def spawn(incarnation: int) -> None:
+            if self.preempted is None:
+                self._spawn(rank, self._local_rank[rank], incarnation)
+
+        def later() -> None:
+            self.restarts[rank] -= 1
+            pending[rank] = 0.0
+
+        self.relay.call(lambda store: store.add(f"incarnation/{rank}", 1) - 1, spawn, later)
+
     def _spawn(self, rank: int, local_rank: int, incarnation: int) -> None:
         c = self.config
         host, _, port = self.relay.endpoint.rpartition(":")  # the current coordinator's
@@ -257,9 +273,10 @@ class HostAgent:
                           f"the job's stop")
 
     def _watch_loop(self) -> None:
-        """The loop's store calls block until TCP gives up (about 15 minutes) when the
-        coordinator's link is cut: a loop that made no pass for twice the lease means the
-        coordinator is lost. The workers notice it too and stop with a checkpoint; wait for
+        """A backstop: the loop's calls on the coordinator's store go through the relay's
+        store thread, but one that blocked would block until TCP gives up (about 15 minutes)
+        on a cut link: a loop that made no pass for twice the lease means the coordinator is
+        lost. The workers notice it too and stop with a checkpoint; wait for
         them, then leave with COORDINATOR_LOST."""
         checked = time.monotonic()
         while True:
@@ -330,7 +347,7 @@ class HostAgent:
                 if now >= when and self.preempted is None and relay.attached:
                     del pending[rank]
                     self.restarts[rank] = self.restarts.get(rank, 0) + 1
-                    self._spawn(rank, self._local_rank[rank], self._next_incarnation(rank))
+                    self._restart(rank, pending)
             relay.step()  # the exits go in this pass's report
             select.select([wake, *relay.fds()], [], [], min(c.poll, relay.timeout()))
             try:

@@ -235,8 +235,10 @@ class StoreCalls:
     agent's loop hands it the reports to push (`push`) and the records to read (`read`: None
     until the answer came, asked once per key at a time), and never waits on the store. The
     first failure calls `on_failure(reason)` and ends the thread; a relay that moves to
-    another coordinator `abandon`s it (a call stuck on a cut link ends whenever it does, and
-    says nothing)."""
+    another coordinator `abandon`s it: what was queued behind a call stuck on the cut link is
+    given back at once (`undone`: re-sent to the next store, not minutes later), and the stuck
+    call, when it ends, says nothing and is not acted on (its `done` becomes `undone`: a late
+    answer of a deposed coordinator's store must not count)."""
 
     def __init__(self, store: Any, on_failure: Any):
         self.store, self.on_failure = store, on_failure
@@ -271,6 +273,7 @@ class StoreCalls:
     def abandon(self) -> None:
         self._abandoned = True
         self._todo.put(("stop", ""))
+        self._drop("stop", "")  # from this thread: the store thread may be stuck in a call
 
     def _run(self) -> None:
         while True:
@@ -291,15 +294,20 @@ class StoreCalls:
             self.store.queue_push(UP_QUEUE, arg[0])
             arg[1].set()
         elif op == "apply":
-            fn, done, _ = arg
-            done(fn(self.store))
+            fn, done, undone = arg
+            result = fn(self.store)
+            if self._abandoned:
+                undone()
+            else:
+                done(result)
         else:
             self._answers[arg] = self.store.get(arg).decode() if self.store.check([arg]) \
                 else None
             self._asked.discard(arg)
 
     def _drop(self, op: str, arg: Any) -> None:
-        """This store is done with: what waits for an answer is given back (`undone`)."""
+        """This store is done with: what waits for an answer is given back (`undone`; each
+        queued call is taken by one thread only, this one or the store thread)."""
         while True:
             if op == "apply":
                 arg[2]()
@@ -327,6 +335,7 @@ class Relay:
         self.journal = Journal()
         self.deferred: list[tuple[_Conn, dict]] = []  # worker records for the next store
         self._direct: list[tuple[_Conn, dict]] = []   # answers of the store thread to send
+        self._later: list[tuple] = []                  # answers of `call` for the loop
         self.node, self.path = node, path
         self.lease, self.heartbeat, self.flush_after = lease, heartbeat, flush
         if os.path.exists(path):
@@ -456,11 +465,39 @@ class Relay:
             self._answer(conn)
         self._answer_direct()
         self._redo_deferred()
+        self._run_later()
         self._beat_workers(now)
         try:
             self._flush(now)
         except Detached:
             pass  # the batch waits for the next coordinator
+
+    def call(self, fn: Any, done: Any, undone: Any) -> None:
+        """`fn(store)` on the current coordinator's store, on the relay's store thread (the
+        host agent's loop never waits on the store); a later `step` calls, on the loop's
+        thread, `done(result)`, or `undone()` when there is no store now, the call failed, or
+        the relay moved to another coordinator before the answer was acted on (an answer of
+        an abandoned store never counts)."""
+        try:
+            calls = self._ready()
+        except Detached:
+            self._later.append((None, undone, ()))
+            return
+
+        def answered(result: Any) -> None:
+            self._later.append((calls, done, (result,), undone))
+            self._wake()
+
+        calls.apply(fn, answered, lambda: self._later.append((None, undone, ())))
+
+    def _run_later(self) -> None:
+        """The answers of `call`, on the loop's thread; the attachment they were asked on
+        must still be the current one."""
+        while self._later:
+            calls, fn, args, *undone = self._later.pop(0)
+            if calls is not None and (calls is not self.calls or not self.attached):
+                fn, args = undone[0], ()
+            fn(*args)
 
     def _ready(self) -> StoreCalls:
         """The current coordinator's store calls; `Detached` when there is none."""
