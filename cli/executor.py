@@ -104,6 +104,25 @@ def _settings(f):
                           "and 5 have taken that iteration's step. Repeatable."),
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
     ]
+    return _apply(options, f)
+
+
+def _rdzv(backend: str, endpoint: str, job: str):
+    """The rendezvous options, one definition (choices, defaults, metavar) for `launch` (a
+    host agent dials the endpoint) and `coordinator` (it campaigns there): each command's
+    help says what the option means for it."""
+    options = [
+        click.option("--rdzv-backend", type=click.Choice(RDZV_BACKENDS), default=RDZV_BACKEND,
+                     show_default=True, help=backend),
+        click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                     help=endpoint),
+        click.option("--rdzv-id", default=RDZV_ID, show_default=True, help=job),
+    ]
+    return functools.partial(_apply, options)
+
+
+def _apply(options: list, f):
+    """`f` with click `options`, in their order in --help."""
     for option in reversed(options):
         f = option(f)
     return f
@@ -151,16 +170,12 @@ def _show(as_json: bool):
 @click.option("--node-rank", type=number("node_rank"), default=None,
               help="This host's index (ranks NODE_RANK*NPROC ... are placed here); default: "
                    "in order of arrival at the coordinator.")
-@click.option("--rdzv-backend", type=click.Choice(RDZV_BACKENDS), default=RDZV_BACKEND,
-              show_default=True,
-              help="Cluster jobs: c10d, --rdzv-endpoint is the coordinator's store; etcd, it "
-                   "is etcd's, where coordinators that fail over (see 'recycle-planner "
-                   "coordinator') publish their store, and this host agent follows the "
-                   "leader, again after each failover.")
-@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT[,HOST:PORT...]",
-              help="The coordinator's store, or etcd's client endpoints (cluster jobs).")
-@click.option("--rdzv-id", default=RDZV_ID, show_default=True,
-              help="The job's name at the endpoint (cluster jobs).")
+@_rdzv(backend="Cluster jobs: c10d, --rdzv-endpoint is the coordinator's store; etcd, it is "
+               "etcd's, where coordinators that fail over (see 'recycle-planner "
+               "coordinator') publish their store, and this host agent follows the leader, "
+               "again after each failover.",
+       endpoint="The coordinator's store, or etcd's client endpoints (cluster jobs).",
+       job="The job's name at the endpoint (cluster jobs).")
 @click.option("--rdzv-timeout", type=number("rdzv_timeout"), default=RDZV_TIMEOUT,
               show_default=True, metavar="SECONDS",
               help="How long a host agent waits for the coordinator at --rdzv-endpoint "
@@ -247,17 +262,12 @@ def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
               help="Workers per host (hosts x workers = pipelines x stages of the library).")
 @click.option("--port", type=number("port"), default=29400, show_default=True,
               help="Port of the store (listens on every interface of this machine).")
-@click.option("--rdzv-backend", type=click.Choice(RDZV_BACKENDS), default=RDZV_BACKEND,
-              show_default=True,
-              help="c10d: this is the job's one coordinator. etcd: run this command on two "
-                   "or more machines; they campaign on the etcd at --rdzv-endpoint, one "
-                   "leads and the others stand by; when the leader is lost (killed, cut "
-                   "off) another leads within --lease and takes over the running workers "
-                   "(--take-over).")
-@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT[,HOST:PORT...]",
-              help="etcd's client endpoints (with --rdzv-backend etcd).")
-@click.option("--rdzv-id", default=RDZV_ID, show_default=True,
-              help="The job's name on etcd (host agents give the same).")
+@_rdzv(backend="c10d: this is the job's one coordinator. etcd: run this command on two or "
+               "more machines; they campaign on the etcd at --rdzv-endpoint, one leads and "
+               "the others stand by; when the leader is lost (killed, cut off) another leads "
+               "within --lease and takes over the running workers (--take-over).",
+       endpoint="etcd's client endpoints (with --rdzv-backend etcd).",
+       job="The job's name on etcd (host agents give the same).")
 @click.option("--advertise", default=None, metavar="HOST",
               help="With etcd: the address host agents dial for this coordinator's store "
                    "(default: this machine's name).")
