@@ -440,6 +440,6 @@ def test_a_relay_leaves_a_hung_store_call_behind_and_never_acts_on_its_late_answ
         stepping.clear()
         with lock:
             pass
-        relay.close()
+        assert relay.close()  # every store thread ended (the abandoned one once unstuck)
         stop.set()
         thread.join()

@@ -272,8 +272,8 @@ class StoreCalls:
 
     def abandon(self) -> None:
         self._abandoned = True
-        self._todo.put(("stop", ""))
         self._drop("stop", "")  # from this thread: the store thread may be stuck in a call
+        self._todo.put(("stop", ""))  # then ends the store thread, idle or once unstuck
 
     def _run(self) -> None:
         while True:
