@@ -30,6 +30,7 @@ from helpers.executor_checks import (TINY, assert_losses_equal,  # noqa: E402
 from helpers.etcd_training import CLI, WHY, wait_all  # noqa: E402
 from helpers.etcd_training import env as _env  # noqa: E402
 from helpers.netns import COORD_ADDR, IP, Hosts  # noqa: E402
+from helpers.procs import children  # noqa: E402
 
 pytestmark = [pytestmark, pytest.mark.skipif(WHY is not None, reason=f"{WHY}")]
 
@@ -104,15 +105,19 @@ def test_the_leading_coordinator_killed_mid_run_the_standby_takes_over_live(tmp_
 
 
 def test_the_leaders_link_cut_mid_run_the_standby_takes_over_live(tmp_path):
-    """Each coordinator in a namespace of its own; the leader's link is set down mid-run
-    (nothing is closed: its store calls hang, as with a host that vanished). The host agents
-    notice within the lease (their loops never wait on the store), follow the standby that
-    leads once the cut leader's etcd lease ran out, and re-attach with the same workers; the
-    cut leader, deposed, has its coordinator killed (its link, set up again once the hosts
-    re-attached, changes nothing); the run ends with every loss once and the fault-free
-    parameters."""
+    """Each coordinator in a namespace of its own. First the leading coordinator's process is
+    stopped (SIGSTOP) for two and a half leases while its wrapper keeps its etcd lease: the
+    host agents lose it, find on etcd that it still leads and re-attach to it; continued, it
+    counts the workers' silence from then, and training goes on in the same generation. Then
+    the leader's link is set down mid-run (nothing is closed: its store calls hang, as with a
+    host that vanished). The host agents notice within the lease (their loops never wait on
+    the store), follow the standby that leads once the cut leader's etcd lease ran out, and
+    re-attach with the same workers; the cut leader, deposed, has its coordinator killed (its
+    link, set up again once the hosts re-attached, changes nothing); the run ends with every
+    loss once and the fault-free parameters."""
+    iterations = 3 * ITERATIONS
     lib = library(tmp_path / "lib", stages=2, pipelines=2, microbatches=4, max_failures=2)
-    ref = reference(["--iterations", str(ITERATIONS)], 2, 4)
+    ref = reference(["--iterations", str(iterations)], 2, 4)
     run = tmp_path / "run"
     logs = {name: tmp_path / f"{name}.log" for name in ("c0", "c1", "h0", "h1")}
     with Hosts(4) as net, EtcdCluster(3, host=COORD_ADDR, wrap=(IP, "netns", "exec", net.coord),
@@ -127,7 +132,7 @@ def test_the_leaders_link_cut_mid_run_the_standby_takes_over_live(tmp_path):
             *CLI, "launch", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(i),
             "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--rdzv-id", "train",
             "--rdzv-timeout", "120", TINY, "--", "--library", str(lib),
-            "--iterations", str(ITERATIONS), "--data-delay", "0.1"], open(logs[f"h{i}"], "wb"),
+            "--iterations", str(iterations), "--data-delay", "0.1"], open(logs[f"h{i}"], "wb"),
             env=_env(GLOO_SOCKET_IFNAME="eth0")) for i in range(2)]
 
         def text(name):
@@ -139,9 +144,24 @@ def test_the_leaders_link_cut_mid_run_the_standby_takes_over_live(tmp_path):
             time.sleep(0.05)
         first = next(n for n in wrappers if "coordinator for" in text(n))
         second = "c1" if first == "c0" else "c0"
+        coordinator = children(wrappers[first].pid)
+        for pid in coordinator:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(5.0)  # 2.5 leases: the hosts lose it, and find it still leads
+        for pid in coordinator:
+            os.kill(pid, signal.SIGCONT)
+        while not all("still leads" in text(h) for h in ("h0", "h1")):
+            assert time.time() < deadline, "".join(text(n)[-2000:] for n in logs)
+            time.sleep(0.05)
+        going = max(read_losses(run))
+        while going + 1 not in read_losses(run):
+            assert time.time() < deadline, "".join(text(n)[-2000:] for n in logs)
+            time.sleep(0.05)
+        assert "generation 1" not in text(first), text(first)[-3000:]
         veth = f"vh{2 + int(first[1])}"
         subprocess.run([IP, "-n", net.coord, "link", "set", veth, "down"], check=True)
-        while not all("re-attached" in text(h) for h in ("h0", "h1")):
+        while not all(text(h).count("re-attached to the coordinator") == 2
+                      for h in ("h0", "h1")):
             assert time.time() < deadline, "".join(text(n)[-2000:] for n in logs)
             time.sleep(0.05)
         # the link comes back: the hosts moved on, the deposed leader decides nothing
@@ -151,14 +171,15 @@ def test_the_leaders_link_cut_mid_run_the_standby_takes_over_live(tmp_path):
         assert wrappers[second].wait(60) == 0, text(second)[-3000:]
         assert wrappers[first].wait(60) != 0, text(first)[-3000:]  # deposed
     assert "lost its leadership" in text(first)
-    for host in ("h0", "h1"):
-        assert text(host).count("re-attached") == 1, text(host)
+    for host in ("h0", "h1"):  # once to the stopped leader, once to the standby
+        assert text(host).count("re-attached to the coordinator at") == 2, text(host)
+        assert text(host).count(f"at {Hosts.address(2 + int(second[1]))}:29400 after") == 1
     workers = sorted(str(p.relative_to(run / "logs")) for p in (run / "logs").rglob("rank*.log"))
     assert workers == [f"attempt-1/rank{r}.0.log" for r in range(4)], workers  # the same ones
     result = json.loads((run / "result.json").read_text())
-    assert result["status"] == "completed" and result["iterations"] == ITERATIONS
+    assert result["status"] == "completed" and result["iterations"] == iterations
     assert "took over generation 0" in text(second)
-    assert sorted(read_losses(run)) == list(range(ITERATIONS))
+    assert sorted(read_losses(run)) == list(range(iterations))
     _, params = checkpoint_params(run, 2)
     assert_params_equal(params, ref.params)
     assert_losses_equal(result["losses"], ref.losses)

@@ -181,6 +181,39 @@ def test_lead_then_publishes_the_leaders_store_and_stops_a_deposed_leader(store,
     assert _value(store, keys.led) == "b.example:29400"
 
 
+def test_a_host_agent_finds_the_next_leader_or_the_same_one_still_leading(store, keys):
+    """A host agent that lost its coordinator takes the next leader's publication, or the
+    same leader's if it still stands `same_after` on: its key lives under the leader's
+    election lease, so a lost leader's is gone by then and the next one's is awaited."""
+    from recycle_planner.errors import RecycleError
+    from recycle_planner.executor.control.failover import lead_then, published_coordinator
+
+    release = {name: threading.Event() for name in "ab"}
+
+    def coordinator(name):
+        lead_then(store, keys, name, 1, f"{name}.example:29400",
+                  lambda previous: release[name].wait(10),
+                  on_deposed=lambda code: release[name].set())
+
+    threads = [threading.Thread(target=coordinator, args=("a",))]
+    threads[0].start()
+    endpoint, revision = published_coordinator(store, keys, 5)
+    with pytest.raises(RecycleError):  # only a later one was asked for
+        published_coordinator(store, keys, 0.3, revision)
+    t = time.monotonic()
+    assert published_coordinator(store, keys, 5, revision, same_after=0.3) == (endpoint,
+                                                                                revision)
+    assert time.monotonic() - t >= 0.3
+    store.revoke(Election(store, keys.election, "observer", 1).leader().lease)  # a is lost
+    threads.append(threading.Thread(target=coordinator, args=("b",)))
+    threads[1].start()
+    endpoint, later = published_coordinator(store, keys, 10, revision, same_after=0.1)
+    assert endpoint == "b.example:29400" and later > revision
+    release["b"].set()
+    for thread in threads:
+        thread.join(10)
+
+
 def _value(store, key):
     entry = store.get(key)
     return None if entry is None else entry.value

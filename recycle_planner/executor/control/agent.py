@@ -367,6 +367,7 @@ class Agent:
         self.decision: P.Decision | None = None
         self.round = _Round()                      # what this generation gathered so far
         self.next_beat_check = 0.0
+        self.passed_at = time.monotonic()   # when the loop last made a pass (`_awake`)
         self.next_checkpoint = config.checkpoint_every
         self.idle_reconfigurations = 0
         self.final_iterations = 0
@@ -425,6 +426,7 @@ class Agent:
         the workers are told (`benchmarks/bench_relay.py` times it)."""
         self.mail.refresh()
         self._reap()
+        self._awake(now)
         self._heartbeats(now)
         self._restart_due(now)
         self._hellos()
@@ -492,6 +494,15 @@ class Agent:
                                                  f"the job: {ended.last_line}")
                 return
             self._death(proc, ended.how)
+
+    def _awake(self, now: float) -> None:
+        """This process, stopped or starved for over a second since its last pass, could not
+        hear the workers meanwhile: their silence counts from now (as a host agent's relay
+        counts theirs, `Relay._awake`), not from before the pause."""
+        at, self.passed_at = self.passed_at, time.monotonic()
+        if self.passed_at - at > 1.0:
+            for proc in self.procs.values():
+                proc.last_beat = max(proc.last_beat, now)
 
     def _heartbeats(self, now: float) -> None:
         """A worker's lease: its heartbeat value must change at least every `lease`

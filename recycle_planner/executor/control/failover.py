@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.config import RDZV_ID, WorkerConfig
@@ -171,24 +171,38 @@ def _candidate(store: ControlStore, keys: Keys, identity: str, ttl: float,
             log.warning("%s lost its candidacy (%s); campaigning again", identity, exc)
 
 
-def published_coordinator(store: ControlStore, keys: Keys, timeout: float,
-                          after: int = 0) -> tuple[str, int]:
+def _publication(store: ControlStore, keys: Keys) -> tuple[Any, int]:
+    """The coordinator's publication (None if there is none) and the revision read at."""
+    entries, read_at = store.get_prefix(keys.coordinator)
+    return next((e for e in entries if e.key == keys.coordinator), None), read_at
+
+
+def published_coordinator(store: ControlStore, keys: Keys, timeout: float, after: int = 0,
+                          same_after: float | None = None) -> tuple[str, int]:
     """HOST:PORT of the leading coordinator's store and the revision it was published at,
     waiting up to `timeout` seconds for one published after revision `after` (a host agent's
-    first question, and its question after losing a coordinator)."""
+    first question, and its question after losing a coordinator). With `same_after`: or the
+    one published at `after` itself, if it still stands `same_after` seconds on. Its key
+    lives under the leader's election lease, so a lost leader's is gone by then: this one
+    still leads, it was only slow, or this host was cut off from it for a while."""
     # one read: a publication between two reads (a get, then the revision to watch from)
     # was in neither, and a host agent waited for it in vain
-    entries, read_at = store.get_prefix(keys.coordinator)
-    entry = next((e for e in entries if e.key == keys.coordinator), None)
+    entry, read_at = _publication(store, keys)
     if entry is not None and entry.mod_revision > after:
         return entry.value, entry.mod_revision
     watch = store.watch(keys.coordinator, read_at + 1)
     deadline = time.monotonic() + timeout
+    recheck = float("inf") if same_after is None else time.monotonic() + same_after
     try:
         while time.monotonic() < deadline:
-            event = watch.get(deadline - time.monotonic())
+            event = watch.get(max(0.0, min(deadline, recheck) - time.monotonic()))
             if event is not None and event.kind == "put" and event.revision > after:
                 return event.value, event.revision
+            if time.monotonic() >= recheck:
+                recheck = float("inf")
+                entry, _ = _publication(store, keys)
+                if entry is not None and entry.mod_revision == after:
+                    return entry.value, after
     finally:
         watch.cancel()
     raise RecycleError(f"no coordinator published its store under {keys.coordinator} within "
@@ -229,9 +243,10 @@ class Successor:
         return replace(self, revision=revision)
 
     def find(self, timeout: float) -> tuple[str, int]:
-        """HOST:PORT of the next leader's store and its revision (waits up to `timeout`)."""
+        """HOST:PORT of the next leader's store and its revision (waits up to `timeout`), or
+        the same leader's (this revision) if it still leads a lease on."""
         return published_coordinator(_etcd(self.etcd, self.lease), Keys(self.job), timeout,
-                                     self.revision)
+                                     self.revision, same_after=self.lease)
 
 
 HOSTS_ENV = "RECYCLE_HOSTS"

@@ -11,9 +11,11 @@ the lease is killed, which makes it dead); the coordinator's notices (none for a
 its store failing: the coordinator is lost). With coordinators that fail over (`successor`,
 set by `failover.follow`), a lost coordinator is replaced live: the agent finds the next
 leader's store on etcd and re-attaches its relay there while its workers keep training
-(`_detach`, `_reattach_due`); only when no leader publishes within `rdzv_timeout` do they
-stop with a checkpoint (`COORDINATOR_LOST`), and workers that joined no generation yet are
-stopped at once (nothing to checkpoint).
+(`_detach`, `_reattach_due`), or re-attaches to the same leader if etcd says it still leads
+a lease on (it was slow, or this host was cut off from it); only when no leader publishes
+within `rdzv_timeout` do they stop with a checkpoint (`COORDINATOR_LOST`), and workers that
+joined no generation yet are stopped once a new leader is found (nothing to checkpoint: they
+come back fresh).
 
 Placement: host `node_rank` runs global ranks `node_rank * nproc_per_node + local_rank`
 (consecutive ranks per host, as torchrun places them), and rank r plays worker
@@ -310,9 +312,8 @@ class HostAgent:
             relay.step()
             if relay.lost is not None and not self._detach():
                 return self._coordinator_lost(relay.lost)
-            if not relay.attached and not self._reattach_due():
-                return self._coordinator_lost(f"no coordinator took over within "
-                                              f"{c.rdzv_timeout:g} s")
+            if not relay.attached and (why := self._reattach_due()) is not None:
+                return self._coordinator_lost(why)
             outcome = relay.notice(msg.Outcome)
             if outcome is not None:
                 self.loop_at = float("inf")  # the job is over: no more store calls to watch
@@ -357,16 +358,16 @@ class HostAgent:
                 pass
 
     def _detach(self) -> bool:
-        """The coordinator is lost: with coordinators that fail over, and workers running a
-        generation (the relay holds its decision), keep them running and look for the next
-        leader's store on etcd (a thread: this loop keeps relaying and judging the workers).
-        False: stop them with a checkpoint instead."""
+        """The coordinator is lost: with coordinators that fail over, keep the workers running
+        and look on etcd for the next leader's store, or the same leader's if it still leads
+        a lease on (it was slow, or this host was cut off from it), on a thread: this loop
+        keeps relaying and judging the workers. False: stop them instead."""
         relay = self.relay
-        if self.successor is None or not relay.decisions or relay.notice(msg.Outcome):
+        if self.successor is None or relay.notice(msg.Outcome):
             return False
         reason = relay.detach()
         self.on_event(f"host {self.node_rank}: lost the coordinator ({reason}); the workers "
-                      f"keep training while the next one takes over")
+                      f"keep running while the next one takes over, or it comes back")
         self.finding = {"since": time.monotonic()}
         threading.Thread(target=self._find_successor, args=(self.finding,),
                          name="recycle-successor", daemon=True).start()
@@ -385,24 +386,32 @@ class HostAgent:
         except Exception as exc:  # noqa: BLE001 - any failure: no successor, stop
             finding["failed"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
-    def _reattach_due(self) -> bool:
-        """While detached: re-attach once the next coordinator's store is found; False when
-        none was found (within `rdzv_timeout`)."""
+    def _reattach_due(self) -> str | None:
+        """While detached: re-attach once the next coordinator's store is found, or the same
+        one's. Why to stop the workers instead: none was found (within `rdzv_timeout`), or
+        the next leader took over before any generation ran here (they come back fresh, as
+        `launch` runs this agent again: nothing to checkpoint)."""
         finding = self.finding
         if "failed" in finding:
             self.on_event(f"host {self.node_rank}: no coordinator took over: "
                           f"{finding['failed']}")
-            return False
+            return f"no coordinator took over within {self.config.rdzv_timeout:g} s"
         if "found" not in finding:
-            return True
+            return None
         endpoint, revision, (store, notices) = finding["found"]
         self.finding = None
+        same = revision == self.successor.revision
+        if not same and not self.relay.decisions:
+            return f"the next leader, at {endpoint}, took over"
         c = self.config
-        # the new store counts incarnations (and hosts that came by arrival) from here on
+        # a new store counts incarnations (and hosts that came by arrival) from here on
         for rank, incarnation in self.incarnations.items():
             msg.count_incarnations_from(store, rank, incarnation + 1)
-        if c.node_rank is None:
+        if c.node_rank is None and not same:
             store.add(f"rdzv/{c.rdzv_id}/nodes", 1)
+        if same:
+            self.on_event(f"host {self.node_rank}: the coordinator at {endpoint} still leads "
+                          f"(it was slow, or this host was cut off from it): re-attached to it")
         self.store = store
         self.successor = self.successor.after(revision)
         self.relay.attach(store, notices, endpoint, tuple(
@@ -411,7 +420,7 @@ class HostAgent:
         self.on_event(f"host {self.node_rank}: re-attached to the coordinator at {endpoint} "
                       f"after {time.monotonic() - finding['since']:.2f} s; workers "
                       f"{sorted(self.workers)} kept running")
-        return True
+        return None
 
     def _kill_declared_dead(self) -> None:
         """Kill the workers the coordinator declared dead (their lease had expired: the host
