@@ -65,6 +65,7 @@ from recycle_planner.executor.control.runfolder import claim  # noqa: E402
 PER_HOST = 8
 STAGES = 8
 MICROBATCHES = 16
+log = logging.getLogger("bench_relay")
 RESULTS = Path(__file__).resolve().parent / "results" / "relay.json"
 MEMORY_RESULTS = Path(__file__).resolve().parent / "results" / "relay-memory.json"
 RECOVERY_RESULTS = Path(__file__).resolve().parent / "results" / "relay-recovery.json"
@@ -196,18 +197,32 @@ def _store_links(port: int, ranks: list[int], counter: Counter, lease: float) ->
                                                         0.002), ranks))
 
 
-def _relays(port: int, nodes: list[int], counter: Counter, folder: str, lease: float,
+def _relays(clients: dict, counter: Counter, folder: str, lease: float,
             per_host: int) -> list[Relay]:
+    """A real relay per host, on its two store clients (`clients[node]`)."""
     def relay(node: int) -> Relay:
-        relay = Relay(_client(port, 60.0, counter.counts["hosts"]),
-                      _client(port, lease, counter.counts["hosts"]), node,
+        store, notices = clients[node]
+        relay = Relay(Counting(store, counter.counts["hosts"]),
+                      Counting(notices, counter.counts["hosts"]), node,
                       f"{folder}/r{node}.sock", lease, 0.2)
         relay.report(msg.HostUp(node, f"host{node}", 0, tuple(
             range(node * per_host, (node + 1) * per_host))))
         return relay
 
+    return [relay(node) for node in clients]
+
+
+def _connect(port: int, nodes: list[int], lease: float) -> dict:
+    """Each host agent's two connections to the coordinator's store, made before any relay
+    watches it: about one connection in 25 takes 5 s here (this sandbox's network stack),
+    and the coordinator's store answered nobody meanwhile, so a relay already watching
+    would take the coordinator for lost."""
+    def pair(node: int) -> tuple:
+        return (_client(port, 60.0, itertools.count()).store,
+                _client(port, lease, itertools.count()).store)
+
     with ThreadPoolExecutor(32) as pool:
-        return list(pool.map(relay, nodes))
+        return dict(zip(nodes, pool.map(pair, nodes)))
 
 
 class _Workers:
@@ -219,9 +234,10 @@ class _Workers:
     (`Worker._live`); then they train on from its restart iteration. `held[gen]`: when they
     held generation `gen`'s decision."""
 
-    def __init__(self, link, ranks: list[int]):
+    def __init__(self, link, ranks: list[int], period: float):
         self.link, self.ranks = link, ranks
         self.gen, self.steps = 1, 0          # the generation they run, their stage's steps
+        self.period, self.due = period, float("inf")  # when their next iteration ends
         self.leaving = False                 # from an abort to the next decision
         self.vanished = False
         self.held: dict[int, float] = {}
@@ -233,17 +249,21 @@ class _Workers:
         for rank in self.ranks:
             self.link.send(msg.Hello(rank, 0, 0, "stand-in", "lib", 0))
 
-    def iterate(self) -> None:
+    def iterate(self, now: float) -> None:
+        """End the next iteration if it is due: iteration i ends at the same time on every
+        link of every process (`first` + i periods), so that no two stages' step counts
+        differ by more than one, as in training, where a stage cannot step iteration i+1
+        before every stage stepped i (`protocol.decide` checks it)."""
         with self.lock:
-            if self.leaving or self.vanished:
+            if self.leaving or self.vanished or now < self.due:
                 return
             i, gen = self.steps, self.gen
             for rank in self.ranks:
-                self.link.send(msg.IterationDone(i, rank, gen, time.time()))
+                self.link.send(msg.IterationDone(i, rank, gen, now))
                 if rank % STAGES == STAGES - 1:  # its own pipeline's (a worker sends all D*M)
                     self.link.send(msg.Losses(i, rank, gen, tuple(
                         (rank // STAGES, m, 0.5) for m in range(MICROBATCHES))))
-            self.steps = i + 1
+            self.steps, self.due = i + 1, self.due + self.period
 
     def _on_abort(self, gen: int, reason: str) -> None:
         with self.lock:  # called on the link's thread: must not block
@@ -263,6 +283,7 @@ class _Workers:
         with self.lock:
             self.held[decision.gen] = held
             self.gen, self.steps, self.leaving = decision.gen, decision.restart, False
+            self.due = held + self.period
 
     def vanish(self) -> None:
         """Its host is gone: nothing more from these workers, their link's heartbeat and
@@ -284,11 +305,14 @@ def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: f
     relays: dict[int, Relay] = {}
     stepped: dict[int, Relay] = {}
     stepping = threading.Lock()
+    links = _store_links(port, ranks, counter, lease) if mode == "store" else []
+    clients = _connect(port, nodes, lease) if mode == "relay" else {}
+    conn.send("connected")
+    conn.recv()  # every process connected: no connection is made from here on
     if mode == "store":
-        groups = [_Workers(link, [rank]) for rank, link in
-                  zip(ranks, _store_links(port, ranks, counter, lease))]
+        groups = [_Workers(link, [rank], iteration) for rank, link in zip(ranks, links)]
     else:
-        relays = {r.node: r for r in _relays(port, nodes, counter, folder, lease, per_host)}
+        relays = {r.node: r for r in _relays(clients, counter, folder, lease, per_host)}
         stepped.update(relays)
 
         def step_relays():
@@ -301,7 +325,7 @@ def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: f
         stepper = threading.Thread(target=step_relays, daemon=True)
         stepper.start()
         groups = [_Workers(HostLink(relays[rank // per_host].path, rank, 0, ("127.0.0.1", port),
-                                    60.0, 0.2, lease), ranks[k:k + per_link])
+                                    60.0, 0.2, lease), ranks[k:k + per_link], iteration)
                   for k, rank in enumerate(ranks) if k % per_link == 0]
     for group in groups:
         group.start()
@@ -309,8 +333,8 @@ def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: f
     def train():
         while not stop.is_set():
             for group in groups:
-                group.iterate()
-            stop.wait(iteration)
+                group.iterate(time.time())
+            stop.wait(min(0.05, iteration / 4))
 
     def vanish(node: int) -> float:
         with stepping:  # its relay is no longer stepped: no report, no beat, no answer
@@ -322,8 +346,11 @@ def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: f
                 group.vanish()
         return t
 
-    threading.Thread(target=train, daemon=True).start()
     conn.send("ready")
+    _, first = conn.recv()  # every process is up: the first iteration ends at `first`
+    for group in groups:
+        group.due = first
+    threading.Thread(target=train, daemon=True).start()
     while True:
         command, arg = conn.recv()
         if command == "read":
@@ -366,10 +393,13 @@ class _Run:
             proc.start()
             self.children.append((proc, ours))
             self.owner.update({node: ours for node in hosts[k::procs]})
-        for _, conn in self.children:  # the coordinator's passes go on (hellos, reports)
-            while not conn.poll(0.02):
-                self.agent._pass(time.time())
-            conn.recv()
+        for phase in ("connected", "ready"):  # every connection made, then every host up
+            for _, conn in self.children:  # the coordinator's passes go on (hellos, reports)
+                while not conn.poll(0.02):
+                    self.agent._pass(time.time())
+                assert conn.recv() == phase
+            for _, conn in self.children:  # then every relay and link; then training
+                conn.send(("go", time.time() + iteration))
 
     def ask(self, command: str, arg=None) -> list:
         for _, conn in self.children:
@@ -453,18 +483,28 @@ def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: flo
 def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration: float,
             warmup: float, procs: int, lease: float) -> dict:
     """Steady state over `seconds`, then the last host vanishes: from then to every surviving
-    stand-in worker holding generation 2's decision, on the coordinator's own loop (its pass,
+    stand-in worker holding the next generation's decision, on the coordinator's own loop (its pass,
     then its poll: 2 ms while a generation is abandoned, 20 ms while one runs, as
     `Agent.run`)."""
     run = _Run(ranks, "relay", iteration, procs, lease, lease, per_host, per_link)
     try:
         agent = run.agent
         rates, passes, elapsed = run.steady(warmup, seconds)
-        lost = ranks // per_host - 1
-        lost_procs = [agent.procs[r] for r in range(lost * per_host, ranks)]
+        before = list(agent.deaths)  # none, unless the machine starved a live host's lease
+        if before:
+            log.warning("%d live stand-ins lost their lease before the loss (the machine "
+                        "starved them): try a longer --lease, or --per-link", len(before))
+        whole = [n for n in range(ranks // per_host)
+                 if all(r in agent.procs for r in range(n * per_host, (n + 1) * per_host))]
+        if not whole or agent.phase is not Phase.RUNNING:
+            raise SystemExit("no generation runs with every host: nothing to measure")
+        lost = whole[-1]
+        lost_ranks = set(range(lost * per_host, (lost + 1) * per_host))
+        lost_procs = [agent.procs[r] for r in lost_ranks]
+        gen = agent.gen + 1  # the generation the loss brings
         run.owner[lost].send(("vanish", lost))
         t_loss = run.owner[lost].recv()
-        recovery, held = _until_held(run, t_loss + 3 * lease + 120)
+        recovery, held = _until_held(run, gen, t_loss + 3 * lease + 120)
         t_done = time.time()
         settle = time.time() + lease  # then a lease more: nothing else may happen
         while time.time() < settle:
@@ -473,12 +513,12 @@ def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration:
     finally:
         run.close()
     times = [t for t in held.values() if t is not None]
-    declared = min(e.t for e in agent.events if e.kind is EventKind.DEATH) + agent.t0
+    declared = min(e.t for e in agent.events if e.kind is EventKind.DEATH
+                   and e.data["rank"] in lost_ranks) + agent.t0
     decided = [e.t + agent.t0 for e in agent.events
-               if e.kind is EventKind.GENERATION and e.data["gen"] == 2]
+               if e.kind is EventKind.GENERATION and e.data["gen"] == gen]
     lease_out = max(p.last_beat for p in lost_procs) + lease
     last, first = (max(times), min(times)) if len(times) == len(held) else (t_done, min(times))
-    lost_ranks = set(range(lost * per_host, ranks))
     return {
         "ranks": ranks, "hosts": ranks // per_host, "per_host": per_host,
         "per_link": per_link, "links": ranks // per_link, "processes": procs, "lease": lease,
@@ -494,14 +534,17 @@ def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration:
         "after_lease_out_s": last - lease_out,
         "first_to_last_s": last - first,
         "recovery_pass_ms": _ms(recovery),
-        "decisions_of_gen2": len(decided), "generation_now": agent.gen,
-        "deaths": len(agent.deaths),
+        "generation": gen, "decisions_of_it": len(decided), "generation_now": agent.gen,
+        "deaths_before_loss": len(before), "deaths": len(agent.deaths),
         "deaths_not_of_lost_host": sum(1 for d in agent.deaths if d.rank not in lost_ranks),
+        "events": [(round(e.t + agent.t0 - t_loss, 3), e.kind.value, e.message[:120])
+                   for e in agent.events if e.t + agent.t0 >= t_loss
+                   and e.kind not in (EventKind.DEATH, EventKind.HANG)][:12],
         "load": os.getloadavg()}
 
 
-def _until_held(run: _Run, deadline: float) -> tuple[list[float], dict]:
-    """Pass the coordinator's loop until every live link's workers hold generation 2 (asked
+def _until_held(run: _Run, gen: int, deadline: float) -> tuple[list[float], dict]:
+    """Pass the coordinator's loop until every live link's workers hold generation `gen` (asked
     every quarter second), or `deadline`; its pass times, and when each held it."""
     agent, passes, asked = run.agent, [], 0.0
     while True:
@@ -511,7 +554,7 @@ def _until_held(run: _Run, deadline: float) -> tuple[list[float], dict]:
         passes.append(time.perf_counter() - t0)
         if now - asked > 0.25 or now > deadline:
             asked = now
-            held = {k: t for part in run.ask("held", 2) for k, t in part.items()}
+            held = {k: t for part in run.ask("held", gen) for k, t in part.items()}
             if all(t is not None for t in held.values()) or now > deadline:
                 return passes, held
         time.sleep(agent.config.idle_poll if agent.phase is Phase.RUNNING
