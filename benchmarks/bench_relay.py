@@ -366,8 +366,8 @@ def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: f
         group.link.close()
     if relays:
         stepper.join(30)  # a relay closed under a step would raise in it
-    for relay in relays.values():
-        relay.close()
+    with ThreadPoolExecutor(max(1, len(relays))) as pool:  # together: one coordinator beat
+        list(pool.map(Relay.close, relays.values()))  # ends them all (one by one: a beat each)
     conn.send("stopped")
 
 
@@ -439,13 +439,15 @@ class _Run:
         return rates, passes, elapsed
 
     def close(self) -> None:
-        """Stop the stand-ins, the coordinator passing meanwhile: its beats wake their relays'
-        notice threads, which each relay's `close` waits for."""
+        """Stop the stand-ins after the measure (nothing read from here on). The coordinator
+        only beats meanwhile (`mail.flush`): its beat wakes the relays' notice threads, which
+        each relay's `close` waits for; it no longer judges leases, since stopped stand-ins
+        would lose theirs and make a generation of their own."""
         for _, conn in self.children:
             conn.send(("stop", None))
         for proc, conn in self.children:
             while not conn.poll(0.02):
-                self.agent._pass(time.time())
+                self.agent.mail.flush()
             conn.recv()
             proc.join(30)
 
@@ -464,8 +466,15 @@ def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: flo
         rates, passes, elapsed = run.steady(warmup, seconds, lambda: memory0.extend(
             (_held(agent), _rss_mb(), agent.iterations.next_loss)))
         memory1 = (_held(agent), _rss_mb(), agent.iterations.next_loss)
+        return _steady_row(agent, mode, ranks, procs, lease, linger, rates, passes, elapsed,
+                           memory0, memory1)
     finally:
         run.close()
+
+
+def _steady_row(agent: Agent, mode: str, ranks: int, procs: int, lease: float, linger: float,
+                rates: dict, passes: list[float], elapsed: float, memory0: list,
+                memory1: tuple) -> dict:
     hellos = sum(1 for p in agent.procs.values() if p.hello is not None)
     return {"mode": mode, "ranks": ranks, "hosts": ranks // PER_HOST, "processes": procs,
             "lease": lease,
@@ -483,9 +492,11 @@ def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: flo
 def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration: float,
             warmup: float, procs: int, lease: float) -> dict:
     """Steady state over `seconds`, then the last host vanishes: from then to every surviving
-    stand-in worker holding the next generation's decision, on the coordinator's own loop (its pass,
-    then its poll: 2 ms while a generation is abandoned, 20 ms while one runs, as
-    `Agent.run`)."""
+    stand-in worker holding the next generation's decision, on the coordinator's own loop (its
+    pass, then its poll: 2 ms while a generation is abandoned, 20 ms while one runs, as
+    `Agent.run`). The measure goes on a lease after the last one held it (every survivor must
+    still be alive then, and no other generation made), and the row is taken before the
+    stand-ins are stopped."""
     run = _Run(ranks, "relay", iteration, procs, lease, lease, per_host, per_link)
     try:
         agent = run.agent
@@ -506,41 +517,54 @@ def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration:
         t_loss = run.owner[lost].recv()
         recovery, held = _until_held(run, gen, t_loss + 3 * lease + 120)
         t_done = time.time()
-        settle = time.time() + lease  # then a lease more: nothing else may happen
+        settle = t_done + lease  # a lease more: nothing else may happen
         while time.time() < settle:
             agent._pass(time.time())
             time.sleep(agent.config.idle_poll)
+        lease_out = max(p.last_beat for p in lost_procs) + lease
+        row = {"ranks": ranks, "hosts": ranks // per_host, "per_host": per_host,
+               "per_link": per_link, "links": ranks // per_link, "processes": procs,
+               "lease": lease, "heartbeat": agent.config.heartbeat, "iteration": iteration,
+               "steady": {"seconds": elapsed, "ops_per_s": rates,
+                          "total_ops_per_s": sum(rates.values()),
+                          "coordinator_pass_ms": _ms(passes)}}
+        row.update(_recovery(agent, gen, lost_ranks, lease_out, t_loss, t_done, held))
+        row.update({"recovery_pass_ms": _ms(recovery), "deaths_before_loss": len(before),
+                    "measured_until_s": time.time() - t_loss, "load": os.getloadavg()})
+        return row
     finally:
         run.close()
+
+
+def _recovery(agent: Agent, gen: int, lost_ranks: set[int], lease_out: float, t_loss: float,
+              t_done: float, held: dict) -> dict:
+    """The recovery's steps, from the coordinator's events (times from the loss), and what
+    else happened until the measure's end: deaths of survivors, generations after `gen`."""
     times = [t for t in held.values() if t is not None]
-    declared = min(e.t for e in agent.events if e.kind is EventKind.DEATH
-                   and e.data["rank"] in lost_ranks) + agent.t0
+    declared = min((e.t + agent.t0 for e in agent.events if e.kind is EventKind.DEATH
+                    and e.data["rank"] in lost_ranks), default=None)
     decided = [e.t + agent.t0 for e in agent.events
                if e.kind is EventKind.GENERATION and e.data["gen"] == gen]
-    lease_out = max(p.last_beat for p in lost_procs) + lease
-    last, first = (max(times), min(times)) if len(times) == len(held) else (t_done, min(times))
+    last = max(times) if times and len(times) == len(held) else t_done
+    first = min(times) if times else t_done
+
+    def between(a, b):
+        return None if a is None or b is None else b - a
     return {
-        "ranks": ranks, "hosts": ranks // per_host, "per_host": per_host,
-        "per_link": per_link, "links": ranks // per_link, "processes": procs, "lease": lease,
-        "heartbeat": agent.config.heartbeat, "iteration": iteration,
-        "steady": {"seconds": elapsed, "ops_per_s": rates,
-                   "total_ops_per_s": sum(rates.values()), "coordinator_pass_ms": _ms(passes)},
         "survivor_links": len(held), "survivor_links_held": len(times),
         "loss_to_all_hold_s": last - t_loss,
         "loss_to_lease_out_s": lease_out - t_loss,
-        "lease_out_to_declared_s": declared - lease_out,
-        "declared_to_decided_s": decided[0] - declared if decided else None,
-        "decided_to_all_hold_s": last - decided[0] if decided else None,
+        "lease_out_to_declared_s": between(lease_out, declared),
+        "declared_to_decided_s": between(declared, decided[0] if decided else None),
+        "decided_to_all_hold_s": between(decided[0] if decided else None, last),
         "after_lease_out_s": last - lease_out,
         "first_to_last_s": last - first,
-        "recovery_pass_ms": _ms(recovery),
         "generation": gen, "decisions_of_it": len(decided), "generation_now": agent.gen,
-        "deaths_before_loss": len(before), "deaths": len(agent.deaths),
+        "deaths": len(agent.deaths),
         "deaths_not_of_lost_host": sum(1 for d in agent.deaths if d.rank not in lost_ranks),
         "events": [(round(e.t + agent.t0 - t_loss, 3), e.kind.value, e.message[:120])
                    for e in agent.events if e.t + agent.t0 >= t_loss
-                   and e.kind not in (EventKind.DEATH, EventKind.HANG)][:12],
-        "load": os.getloadavg()}
+                   and e.kind not in (EventKind.DEATH, EventKind.HANG)][:12]}
 
 
 def _until_held(run: _Run, gen: int, deadline: float) -> tuple[list[float], dict]:
