@@ -371,12 +371,27 @@ def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: f
     conn.send("stopped")
 
 
+def _fit_select(ranks: int, per_host: int, per_link: int, procs: int) -> None:
+    """A relay waits on its sockets with `select`, which takes descriptors below 1,024: a
+    host agent's process holds one relay, a stand-in process many (each: two store clients,
+    its listener, its wake pair, and both ends of each link's socket). Exit with one line
+    if a process would hold more than fit."""
+    per_relay = 5 + 2 * (per_host // per_link)
+    fit = (1024 - 100) // per_relay  # 100: the interpreter's, torch's and c10d's own
+    need = -(-(ranks // per_host) // fit)
+    if procs < need:
+        sys.exit(f"{ranks} ranks in relay mode need --procs {need} or more: a process holds "
+                 f"at most {fit} relays (select() takes descriptors below 1,024)")
+
+
 class _Run:
     """The harness of every measure: the coordinator in this process (its passes are the
     caller's), the stand-in hosts in `procs` others, started and stopped."""
 
     def __init__(self, ranks: int, mode: str, iteration: float, procs: int, lease: float,
                  linger: float, per_host: int = PER_HOST, per_link: int = 1):
+        if mode == "relay":
+            _fit_select(ranks, per_host, per_link, procs)
         self.counter = Counter()
         self.procs = procs
         folder = tempfile.mkdtemp(prefix="bench-relay-")
@@ -633,14 +648,22 @@ def main() -> None:
 def _recoveries(args) -> None:
     if args.per_host % args.per_link or any(r % args.per_host for r in args.ranks):
         sys.exit("--per-link must divide --per-host, and --per-host every --ranks")
-    rows = []
+    rows, failed = [], []
     for ranks in args.ranks:
         row = recover(ranks, args.per_host, args.per_link, args.seconds, args.iteration,
                       args.warmup, args.procs, args.lease)
-        rows.append(row)
         print(json.dumps(row), flush=True)
+        if row["survivor_links_held"] < row["survivor_links"] or row["deaths_before_loss"] \
+                or row["deaths_not_of_lost_host"] or row["decisions_of_it"] != 1:
+            failed.append(ranks)  # the machine starved the stand-ins: nothing measured
+        else:
+            rows.append(row)
     _write(RECOVERY_RESULTS, rows, lambda row: (row["ranks"], row["per_host"],
                                                 row["per_link"], row["lease"]))
+    if failed:
+        sys.exit(f"not recorded: at {', '.join(map(str, failed))} ranks a survivor died or "
+                 f"did not hold the next decision (the stand-ins starved: a longer --lease, "
+                 f"a larger --per-host or fewer ranks)")
 
 
 def _write(out: Path, rows: list[dict], key) -> None:
