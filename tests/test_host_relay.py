@@ -186,6 +186,29 @@ def test_a_silent_worker_is_noticed_within_the_lease(coordinator, relay):
     loud.close()
 
 
+def test_a_host_agent_stopped_between_its_looks_counts_its_workers_silence_from_then(
+        coordinator, tmp_path):
+    """A host agent stopped (SIGSTOP) or starved for over a second could not hear its workers
+    meanwhile: whatever looks first after it (`silent`, not only `step`) counts their silence
+    from then. Before, an agent continued in the middle of its pass judged its continued
+    workers by their beats from before the stop and killed them at once; then, with no
+    look missed, a silent worker is named once the lease (1 s) has passed."""
+    store, _ = coordinator
+    relay = Relay(_client(store.port), _client(store.port, 2.0), 0,
+                  str(tmp_path / "relay.sock"), lease=1.0, heartbeat=0.2, flush=0.05)
+    quiet, _ = _link(relay, 0, store.port, heartbeat=30.0)   # one beat, then none
+    try:
+        _until(lambda: any(c.beat is not None for c in relay.conns.values()), then=relay.step)
+        time.sleep(1.5)  # "stopped": no look at all
+        assert relay.silent() == []
+        t = time.monotonic()
+        _until(lambda: relay.silent(), then=relay.step, every=0.05)
+        assert time.monotonic() - t >= 1.0
+    finally:
+        quiet.close()
+        relay.close()
+
+
 def test_a_worker_whose_host_agent_falls_silent_loses_its_link_within_the_lease(
         coordinator, tmp_path):
     """The host agent beats to its workers every quarter of the lease (0.5 s here) on every

@@ -105,3 +105,23 @@ def test_a_coordinator_taking_over_waits_for_the_hosts_etcd_holds_only():
     # etcd cannot say, or no host holds a lease there (no node ranks): wait for every one
     assert awaited(nodes, [0, 2], None) == [1, 3]
     assert awaited(nodes, [0, 2], set()) == [1, 3]
+
+
+def test_a_new_store_counts_each_ranks_incarnations_on_from_the_runs():
+    """A store started by a coordinator that took over counts from zero: the host agents that
+    re-attach and the new coordinator (for ranks no host runs) raise each rank's count to the
+    run's, whoever comes first, and it is never lowered; a rebooted host's workers then
+    spawn as the next incarnation, not as the one that was killed."""
+    from datetime import timedelta
+
+    import pytest
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    msg.count_incarnations_from(store, 0, 3)  # the coordinator: the decision had incarnation 2
+    msg.count_incarnations_from(store, 0, 2)  # a host agent that counts less: not lowered
+    assert msg.next_incarnation(store, 0) == 3
+    msg.count_incarnations_from(store, 1, 1)
+    msg.count_incarnations_from(store, 1, 4)  # its worker restarted meanwhile: raised
+    assert [msg.next_incarnation(store, 1) for _ in range(2)] == [4, 5]
+    assert msg.next_incarnation(store, 2) == 0  # nobody said anything: from the start

@@ -612,7 +612,7 @@ class Agent:
         d = adoption.decision
         for rank, inc in adoption.workers.items():
             self.procs[rank] = Proc(rank, inc, None, self.log_dir, time.time())
-        self.pool.adopt(list(self.procs.values()))
+        self.pool.adopt(list(self.procs.values()), d)
         self._hellos()
         self.mail.post_decision(d)
         self.gen, self.decision, self.round = d.gen, d, _Round()

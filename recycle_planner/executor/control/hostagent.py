@@ -203,7 +203,7 @@ class HostAgent:
         started again with the same --node-rank (a rebooted host) gives its workers new
         incarnations, which the coordinator admits at an iteration boundary (a re-join), and
         never meets the kill notices of the processes it had before."""
-        return self.store.add(f"incarnation/{rank}", 1) - 1
+        return msg.next_incarnation(self.store, rank)
 
     def _restart(self, rank: int, pending: dict[int, float]) -> None:
         """Spawn `rank` again once the coordinator's store counted its next incarnation,
@@ -219,7 +219,7 @@ class HostAgent:
             self.restarts[rank] -= 1
             pending[rank] = 0.0
 
-        self.relay.call(lambda store: store.add(f"incarnation/{rank}", 1) - 1, spawn, later)
+        self.relay.call(lambda store: msg.next_incarnation(store, rank), spawn, later)
 
     def _spawn(self, rank: int, local_rank: int, incarnation: int) -> None:
         c = self.config
@@ -400,7 +400,7 @@ class HostAgent:
         c = self.config
         # the new store counts incarnations (and hosts that came by arrival) from here on
         for rank, incarnation in self.incarnations.items():
-            store.add(f"incarnation/{rank}", incarnation + 1)
+            msg.count_incarnations_from(store, rank, incarnation + 1)
         if c.node_rank is None:
             store.add(f"rdzv/{c.rdzv_id}/nodes", 1)
         self.store = store

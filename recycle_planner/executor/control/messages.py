@@ -383,6 +383,29 @@ def put(store: Any, message: Message) -> Any:
     return None
 
 
+INCARNATIONS = "incarnation/{rank}"  # each rank's spawns, counted on the coordinator's store
+
+
+def next_incarnation(store: Any, rank: int) -> int:
+    """The incarnation of `rank` to spawn next: the store counts them, so that a rebooted
+    host's workers continue the run's count instead of repeating an incarnation it killed."""
+    return store.add(INCARNATIONS.format(rank=rank), 1) - 1
+
+
+def count_incarnations_from(store: Any, rank: int, first: int) -> None:
+    """Make `first` at least the next incarnation of `rank` the store gives out. A store the
+    coordinator started when it took over counts from zero: the host agents that re-attach
+    raise it for their workers, the new coordinator for the ranks no host runs. Raised by
+    compare-and-set, never lowered, whoever comes first."""
+    key = INCARNATIONS.format(rank=rank)
+    held = store.compare_set(key, "", str(first))
+    for _ in range(16):  # raced only by spawns of the same rank, which raise it too
+        if int(held) >= first:
+            return
+        held = store.compare_set(key, held, str(first))
+    raise RuntimeError(f"the incarnation count of rank {rank} kept changing under {key!r}")
+
+
 def get(store: Any, kind: type[M], **ids: Any) -> M | None:
     """The record of `kind` under the key `ids` name, or None when it is not there yet."""
     key = kind.key_for(**ids)

@@ -36,6 +36,7 @@ from recycle_planner.executor.control.store import StoreUnavailable
 
 if TYPE_CHECKING:
     from recycle_planner.executor.control.agent import Agent
+    from recycle_planner.executor.control.protocol import Decision
 
 
 @dataclass
@@ -85,8 +86,9 @@ class WorkerPool(Protocol):
     def restart(self, rank: int, incarnation: int) -> Proc:
         """Start `rank` again (only when `restarts`)."""
 
-    def adopt(self, procs: list[Proc]) -> None:
-        """A coordinator taking over found `procs` running (only `HostPool`)."""
+    def adopt(self, procs: list[Proc], decision: Decision) -> None:
+        """A coordinator taking over found `procs` running `decision`'s generation (only
+        `HostPool`)."""
 
     def held(self, now: float) -> set[int] | None:
         """The hosts whose lease the control store holds now (None: not known), for a
@@ -122,7 +124,7 @@ class LocalPool:
     def restart(self, rank: int, incarnation: int) -> Proc:
         return self._spawn(rank, incarnation)
 
-    def adopt(self, procs: list[Proc]) -> None:
+    def adopt(self, procs: list[Proc], decision: Decision) -> None:
         raise NotImplementedError("the launcher's own workers die with it: nothing to adopt")
 
     def held(self, now: float) -> set[int] | None:
@@ -238,11 +240,17 @@ class HostPool:
     def restart(self, rank: int, incarnation: int) -> Proc:
         raise NotImplementedError("host agents restart their own workers")
 
-    def adopt(self, procs: list[Proc]) -> None:
-        """The incarnations the host agents run now: a later `Spawned` counts from there."""
-        for proc in procs:
-            self.incarnation[proc.rank] = proc.incarnation
-
+    def adopt(self, procs: list[Proc], decision: Decision) -> None:
+        """The incarnations the run is at: those the host agents run now, else the one the
+        decision counts on (a member lost meanwhile), else 0; a later `Spawned` counts from
+        there. The new store is told to count on from there for the ranks no host runs (the
+        hosts raise it for theirs): a host that comes back rebooted then starts its workers
+        as the next incarnation, not as the killed one."""
+        running = {p.rank: p.incarnation for p in procs}
+        for rank in range(self.agent.config.nproc):
+            self.incarnation[rank] = running.get(rank, decision.incarnations.get(rank, 0))
+            if rank not in running:
+                msg.count_incarnations_from(self.agent.store, rank, self.incarnation[rank] + 1)
 
     def held(self, now: float) -> set[int] | None:
         """Read from etcd at most every quarter lease; None without etcd or when it cannot

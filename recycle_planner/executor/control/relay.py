@@ -361,7 +361,7 @@ class Relay:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._closed = False
-        self._stepped_at = time.monotonic()
+        self._looked_at = time.monotonic()
         self._beaten_at = 0.0                      # when its workers were last sent a beat
         self._epoch = 0
         self._threads: list[threading.Thread] = []  # one per store watched, the last current
@@ -436,14 +436,22 @@ class Relay:
         return [self.listener, self._wake_r, *(c.sock for c in self.conns.values())]
 
     # one pass
-    def step(self) -> None:
+    def _awake(self) -> float:
+        """Now; if this process was stopped (or starved) for over a second since it last
+        looked, its workers and the coordinator were not silent: it could not hear them, so
+        their silence counts from now. Checked wherever silence is judged, as the process
+        may be stopped anywhere in between."""
         now = time.monotonic()
-        if now - self._stepped_at > 1.0:  # this process was stopped: its workers were not
-            for c in self.conns.values():  # silent, it could not hear them
+        if now - self._looked_at > 1.0:
+            for c in self.conns.values():
                 if c.beat is not None:
                     c.beat = now
             self.noticed_at = max(self.noticed_at, now)
-        self._stepped_at = now
+        self._looked_at = now
+        return now
+
+    def step(self) -> None:
+        now = self._awake()
         if self.attached and self.lost is None and now - self.noticed_at > self.lease:
             # a store call on a cut link can outlast its own timeout: judge by the clock
             self.lost = f"no notice from the coordinator for {now - self.noticed_at:.1f} s"
@@ -705,7 +713,7 @@ class Relay:
     def silent(self) -> list[tuple[int, int, float]]:
         """(rank, incarnation, seconds) of the local workers that sent no heartbeat for longer
         than the lease (counted from their first one)."""
-        now = time.monotonic()
+        now = self._awake()
         return [(c.rank, c.incarnation, now - c.beat) for c in self.conns.values()
                 if c.beat is not None and now - c.beat > self.lease]
 
