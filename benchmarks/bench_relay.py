@@ -192,8 +192,8 @@ def _client(port: int, timeout: float, counter):
 
 def _store_links(port: int, ranks: list[int], counter: Counter, lease: float) -> list:
     class CountedStoreLink(StoreLink):
-        def _connect(self, host, p, timeout):
-            return _client(p, timeout, counter.counts["workers"])
+        def _connect(self, host, p, timeout, then=None):
+            return _client(p, timeout if then is None else then, counter.counts["workers"])
 
     with ThreadPoolExecutor(32) as pool:
         return list(pool.map(lambda _: CountedStoreLink("127.0.0.1", port, 60.0, lease, 0.2,
