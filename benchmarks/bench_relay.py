@@ -24,6 +24,9 @@ infinite, nothing retired) against retired a lease after their iteration's losse
     python bench_relay.py                          # 1,024 ranks, both modes
     python bench_relay.py --ranks 256 1024 --mode relay
     python bench_relay.py --memory --ranks 128 --mode relay --iteration 0.05 --seconds 60
+    python bench_relay.py --recovery --ranks 1024 2048 --lease 4 --per-link 8
+    python bench_relay.py --recovery --ranks 8192 --per-host 64 --per-link 64 --iteration 4 \
+        --seconds 12 --lease 4     # 1,024 stand-in hosts of 8 do not fit 2 cores
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import itertools
 import json
 import logging
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -52,18 +56,22 @@ import torch.distributed as dist  # noqa: E402
 from recycle_planner.executor.control import messages as msg  # noqa: E402
 from recycle_planner.executor.control.agent import Agent, LaunchConfig, Phase  # noqa: E402
 from recycle_planner.executor.control.iterations import IterationLog  # noqa: E402
-from recycle_planner.executor.control.link import HostLink, StoreLink  # noqa: E402
+from recycle_planner.executor.control.link import (LOST, ControlLost, HostLink,  # noqa: E402
+                                                   StoreLink)
 from recycle_planner.executor.control.mail import StoreMail  # noqa: E402
 from recycle_planner.executor.control.pool import HostPool  # noqa: E402
 from recycle_planner.executor.control.protocol import Decision  # noqa: E402
 from recycle_planner.executor.control.relay import Relay  # noqa: E402
+from recycle_planner.executor.control.result import EventKind  # noqa: E402
 from recycle_planner.executor.control.runfolder import claim  # noqa: E402
 
 PER_HOST = 8
 STAGES = 8
 MICROBATCHES = 16
+log = logging.getLogger("bench_relay")
 RESULTS = Path(__file__).resolve().parent / "results" / "relay.json"
 MEMORY_RESULTS = Path(__file__).resolve().parent / "results" / "relay-memory.json"
+RECOVERY_RESULTS = Path(__file__).resolve().parent / "results" / "relay-recovery.json"
 
 
 class Counting:
@@ -102,9 +110,32 @@ class _Spec:
     microbatches: int
 
 
+class _Hit:
+    """What `Agent._decide` reads of a library hit: the plan's file name, its predicted
+    degradation and period."""
+
+    def __init__(self, dead):
+        self.file = Path(f"plan-{len(dead)}-dead.json.gz")
+        self.entry = self
+        self.metrics = self
+        self.degradation = 0.0
+        self.period = 1.0
+
+
 class _Lib:
+    """The plan library's stand-in: its size, and a lookup that names the dead set (a real
+    lookup is one index read: bench_ondemand.py); no plan is refined."""
+
+    reference_period = None
+
     def __init__(self, spec: _Spec):
         self.spec = spec
+
+    def lookup(self, dead, plan=None) -> _Hit:
+        return _Hit(dead)
+
+    def entry(self, counts):
+        return None
 
 
 class _StorePool(HostPool):
@@ -115,11 +146,11 @@ class _StorePool(HostPool):
 
 
 def _coordinator(ranks: int, mode: str, run_dir: str, counter: Counter, lease: float,
-                 linger: float) -> Agent:
+                 linger: float, per_host: int) -> Agent:
     config = LaunchConfig(nproc=ranks, run_dir=run_dir, checkpoint_every=0, lease=lease)
     folder = claim(run_dir, False, False)
     pool = _StorePool if mode == "store" else HostPool
-    agent = Agent(config, None, folder, pool, ranks // PER_HOST)
+    agent = Agent(config, None, folder, pool, ranks // per_host)
     agent.store = Counting(agent.store, counter.counts["coordinator"])
     agent.mail.store = agent.store
     agent._start()
@@ -128,6 +159,8 @@ def _coordinator(ranks: int, mode: str, run_dir: str, counter: Counter, lease: f
     agent.gen, agent.phase = 1, Phase.RUNNING
     agent.decision = Decision(gen=1, action="run", members=tuple(range(ranks)), dead=(),
                               restart=0, incarnations={r: 0 for r in range(ranks)})
+    for rank in range(ranks):  # as the coordinator welcomed them into generation 1
+        agent.mail.put(msg.Welcome(rank, 0, 1))
     agent.iterations = IterationLog(agent.mail, folder, pipelines, STAGES, MICROBATCHES, 0,
                                     linger)
     return agent
@@ -159,138 +192,312 @@ def _client(port: int, timeout: float, counter):
 
 def _store_links(port: int, ranks: list[int], counter: Counter, lease: float) -> list:
     class CountedStoreLink(StoreLink):
-        def _connect(self, host, p, timeout):
-            return _client(p, timeout, counter.counts["workers"])
+        def _connect(self, host, p, timeout, then=None):
+            return _client(p, timeout if then is None else then, counter.counts["workers"])
 
     with ThreadPoolExecutor(32) as pool:
         return list(pool.map(lambda _: CountedStoreLink("127.0.0.1", port, 60.0, lease, 0.2,
                                                         0.002), ranks))
 
 
-def _relays(port: int, nodes: list[int], counter: Counter, folder: str,
-            lease: float) -> list[Relay]:
+def _relays(clients: dict, counter: Counter, folder: str, lease: float,
+            per_host: int) -> list[Relay]:
+    """A real relay per host, on its two store clients (`clients[node]`)."""
     def relay(node: int) -> Relay:
-        relay = Relay(_client(port, 60.0, counter.counts["hosts"]),
-                      _client(port, lease, counter.counts["hosts"]), node,
+        store, notices = clients[node]
+        relay = Relay(Counting(store, counter.counts["hosts"]),
+                      Counting(notices, counter.counts["hosts"]), node,
                       f"{folder}/r{node}.sock", lease, 0.2)
         relay.report(msg.HostUp(node, f"host{node}", 0, tuple(
-            range(node * PER_HOST, (node + 1) * PER_HOST))))
+            range(node * per_host, (node + 1) * per_host))))
         return relay
 
+    return [relay(node) for node in clients]
+
+
+def _connect(port: int, nodes: list[int], lease: float) -> dict:
+    """Each host agent's two connections to the coordinator's store, made before any relay
+    watches it: about one connection in 25 takes 5 s here (this sandbox's network stack),
+    and the coordinator's store answered nobody meanwhile, so a relay already watching
+    would take the coordinator for lost."""
+    def pair(node: int) -> tuple:
+        return (_client(port, 60.0, itertools.count()).store,
+                _client(port, lease, itertools.count()).store)
+
     with ThreadPoolExecutor(32) as pool:
-        return list(pool.map(relay, nodes))
+        return dict(zip(nodes, pool.map(pair, nodes)))
+
+
+class _Workers:
+    """Stand-in workers behind one link (one rank, or `--per-link` ranks of one host): they
+    say hello, report each iteration's end (the last stage its pipeline's losses), and answer
+    an abort as `executor/worker.py` does: the link hands the abort to a thread of the
+    worker's own (`Worker._on_abort`), the generation is left, and the training thread
+    reports `Ready` with the stage's step count and blocks on the next generation's decision
+    (`Worker._live`); then they train on from its restart iteration. `held[gen]`: when they
+    held generation `gen`'s decision."""
+
+    def __init__(self, link, ranks: list[int], period: float):
+        self.link, self.ranks = link, ranks
+        self.gen, self.steps = 1, 0          # the generation they run, their stage's steps
+        self.period, self.due = period, float("inf")  # when their next iteration ends
+        self.leaving = False                 # from an abort to the next decision
+        self.vanished = False
+        self.held: dict[int, float] = {}
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        self.link.watch(lambda: msg.Heartbeat(self.ranks[0], 0, time.time()),
+                        lambda: self.gen, self._on_abort)
+        for rank in self.ranks:
+            self.link.send(msg.Hello(rank, 0, 0, "stand-in", "lib", 0))
+
+    def iterate(self, now: float) -> None:
+        """End the next iteration if it is due: iteration i ends at the same time on every
+        link of every process (`first` + i periods), so that no two stages' step counts
+        differ by more than one, as in training, where a stage cannot step iteration i+1
+        before every stage stepped i (`protocol.decide` checks it)."""
+        with self.lock:
+            if self.leaving or self.vanished or now < self.due:
+                return
+            i, gen = self.steps, self.gen
+            for rank in self.ranks:
+                self.link.send(msg.IterationDone(i, rank, gen, now))
+                if rank % STAGES == STAGES - 1:  # its own pipeline's (a worker sends all D*M)
+                    self.link.send(msg.Losses(i, rank, gen, tuple(
+                        (rank // STAGES, m, 0.5) for m in range(MICROBATCHES))))
+            self.steps, self.due = i + 1, self.due + self.period
+
+    def _on_abort(self, gen: int, reason: str) -> None:
+        with self.lock:  # called on the link's thread: must not block
+            if reason == LOST or gen != self.gen or self.leaving or self.vanished:
+                return
+            self.leaving = True
+        threading.Thread(target=self._leave, args=(gen,), daemon=True).start()
+
+    def _leave(self, gen: int) -> None:
+        try:
+            for rank in self.ranks:
+                self.link.send(msg.Ready(gen, rank, self.steps, "failure"))
+            decision = self.link.decision(gen + 1)
+        except ControlLost:
+            return
+        held = time.time()
+        with self.lock:
+            self.held[decision.gen] = held
+            self.gen, self.steps, self.leaving = decision.gen, decision.restart, False
+            self.due = held + self.period
+
+    def vanish(self) -> None:
+        """Its host is gone: nothing more from these workers, their link's heartbeat and
+        silence-judging threads stop, its socket stays open (nothing is closed)."""
+        with self.lock:
+            self.vanished = True
+            self.link._closed = True  # the threads' own flag; `close` would close the socket
 
 
 def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: float,
-               lease: float, conn) -> None:
-    """A process of stand-in hosts `nodes` (8 ranks each): their workers' links (and in
-    relay mode their host agents' relays); answers "read" with its counts until "stop"."""
+               lease: float, per_host: int, per_link: int, conn) -> None:
+    """A process of stand-in hosts `nodes` (`per_host` ranks each): their workers' links (and
+    in relay mode their host agents' relays); answers ("read", _) with its counts,
+    ("vanish", node) with when host `node` vanished, ("held", gen) with when each live link's
+    workers held generation `gen`'s decision (None: not yet), until ("stop", _)."""
     counter = Counter()
     stop = threading.Event()
-    ranks = [n * PER_HOST + i for n in nodes for i in range(PER_HOST)]
-    relays = []
+    ranks = [n * per_host + i for n in nodes for i in range(per_host)]
+    relays: dict[int, Relay] = {}
+    stepped: dict[int, Relay] = {}
+    stepping = threading.Lock()
+    links = _store_links(port, ranks, counter, lease) if mode == "store" else []
+    clients = _connect(port, nodes, lease) if mode == "relay" else {}
+    conn.send("connected")
+    conn.recv()  # every process connected: no connection is made from here on
     if mode == "store":
-        links = _store_links(port, ranks, counter, lease)
+        groups = [_Workers(link, [rank], iteration) for rank, link in zip(ranks, links)]
     else:
-        relays = _relays(port, nodes, counter, folder, lease)
-        by_node = {r.node: r for r in relays}
+        relays = {r.node: r for r in _relays(clients, counter, folder, lease, per_host)}
+        stepped.update(relays)
 
         def step_relays():
             while not stop.is_set():
-                for relay in relays:
-                    relay.step()
+                with stepping:
+                    for relay in stepped.values():
+                        relay.step()
                 time.sleep(0.02)  # the host agent's poll
 
         stepper = threading.Thread(target=step_relays, daemon=True)
         stepper.start()
-        links = [HostLink(by_node[rank // PER_HOST].path, rank, 0, ("127.0.0.1", port), 60.0,
-                          0.2, lease) for rank in ranks]
-    for rank, link in zip(ranks, links):
-        link.watch(lambda r=rank: msg.Heartbeat(r, 0, time.time()), lambda: 1,
-                   lambda gen, reason: None)
-        link.send(msg.Hello(rank, 0, 0, "stand-in", "lib", 0))
+        groups = [_Workers(HostLink(relays[rank // per_host].path, rank, 0, ("127.0.0.1", port),
+                                    60.0, 0.2, lease), ranks[k:k + per_link], iteration)
+                  for k, rank in enumerate(ranks) if k % per_link == 0]
+    for group in groups:
+        group.start()
 
     def train():
-        i = 0
         while not stop.is_set():
-            for rank, link in zip(ranks, links):
-                link.send(msg.IterationDone(i, rank, 1, time.time()))
-                if rank % STAGES == STAGES - 1:  # its own pipeline's (a worker sends all D*M)
-                    link.send(msg.Losses(i, rank, 1, tuple(
-                        (rank // STAGES, m, 0.5) for m in range(MICROBATCHES))))
-            i += 1
-            stop.wait(iteration)
+            for group in groups:
+                group.iterate(time.time())
+            stop.wait(min(0.05, iteration / 4))
 
-    threading.Thread(target=train, daemon=True).start()
+    def vanish(node: int) -> float:
+        with stepping:  # its relay is no longer stepped: no report, no beat, no answer
+            del stepped[node]
+            t = time.time()
+        relays[node]._closed = True  # its notice thread leaves at its next notice
+        for group in groups:
+            if group.ranks[0] // per_host == node:
+                group.vanish()
+        return t
+
     conn.send("ready")
-    while conn.recv() == "read":
-        conn.send(counter.read())
+    _, first = conn.recv()  # every process is up: the first iteration ends at `first`
+    for group in groups:
+        group.due = first
+    threading.Thread(target=train, daemon=True).start()
+    while True:
+        command, arg = conn.recv()
+        if command == "read":
+            conn.send(counter.read())
+        elif command == "vanish":
+            conn.send(vanish(arg))
+        elif command == "held":
+            conn.send({g.ranks[0]: g.held.get(arg) for g in groups if not g.vanished})
+        else:
+            break
     stop.set()
-    for link in links:
-        link.close()
+    for group in groups:
+        group.link.close()
     if relays:
         stepper.join(30)  # a relay closed under a step would raise in it
-    for relay in relays:
-        relay.close()
+    with ThreadPoolExecutor(max(1, len(relays))) as pool:  # together: one coordinator beat
+        list(pool.map(Relay.close, relays.values()))  # ends them all (one by one: a beat each)
     conn.send("stopped")
+
+
+def _fit_select(ranks: int, per_host: int, per_link: int, procs: int) -> None:
+    """A relay waits on its sockets with `select`, which takes descriptors below 1,024: a
+    host agent's process holds one relay, a stand-in process many (each: two store clients,
+    its listener, its wake pair, and both ends of each link's socket). Exit with one line
+    if a process would hold more than fit."""
+    per_relay = 5 + 2 * (per_host // per_link)
+    fit = (1024 - 100) // per_relay  # 100: the interpreter's, torch's and c10d's own
+    need = -(-(ranks // per_host) // fit)
+    if procs < need:
+        sys.exit(f"{ranks} ranks in relay mode need --procs {need} or more: a process holds "
+                 f"at most {fit} relays (select() takes descriptors below 1,024)")
+
+
+class _Run:
+    """The harness of every measure: the coordinator in this process (its passes are the
+    caller's), the stand-in hosts in `procs` others, started and stopped."""
+
+    def __init__(self, ranks: int, mode: str, iteration: float, procs: int, lease: float,
+                 linger: float, per_host: int = PER_HOST, per_link: int = 1):
+        if mode == "relay":
+            _fit_select(ranks, per_host, per_link, procs)
+        self.counter = Counter()
+        self.procs = procs
+        folder = tempfile.mkdtemp(prefix="bench-relay-")
+        self.agent = _coordinator(ranks, mode, f"{folder}/run", self.counter, lease, linger,
+                                  per_host)
+        context = mp.get_context("spawn")  # a forked child could inherit a lock held by c10d
+        hosts = list(range(ranks // per_host))
+        self.children, self.owner = [], {}
+        for k in range(procs):
+            ours, theirs = context.Pipe()
+            proc = context.Process(target=_stand_ins, args=(
+                mode, self.agent.port, hosts[k::procs], folder, iteration, lease, per_host,
+                per_link, theirs), daemon=True)
+            proc.start()
+            self.children.append((proc, ours))
+            self.owner.update({node: ours for node in hosts[k::procs]})
+        for phase in ("connected", "ready"):  # every connection made, then every host up
+            for _, conn in self.children:  # the coordinator's passes go on (hellos, reports)
+                while not conn.poll(0.02):
+                    self.agent._pass(time.time())
+                assert conn.recv() == phase
+            for _, conn in self.children:  # then every relay and link; then training
+                conn.send(("go", time.time() + iteration))
+
+    def ask(self, command: str, arg=None) -> list:
+        for _, conn in self.children:
+            conn.send((command, arg))
+        return [conn.recv() for _, conn in self.children]
+
+    def read(self) -> dict[str, int]:
+        """Every side's store calls so far (each read counts one on the coordinator's counter
+        and on each process's)."""
+        total = self.counter.read()
+        for counts in self.ask("read"):
+            for side, n in counts.items():
+                total[side] += n
+        return total
+
+    def steady(self, warmup: float, seconds: float, on_start=lambda: None
+               ) -> tuple[dict, list[float], float]:
+        """The coordinator's passes at its idle poll over `warmup` then `seconds` (`on_start`
+        called as the window starts): store calls per second by side over the window, the
+        window's pass times, its length."""
+        passes: list[float] = []
+        t_end = time.time() + warmup + seconds
+        start = None
+        while time.time() < t_end:
+            now = time.time()
+            if start is None and now >= t_end - seconds:
+                start, counts0, passes = now, self.read(), []
+                on_start()
+            t0 = time.perf_counter()
+            self.agent._pass(now)
+            passes.append(time.perf_counter() - t0)
+            time.sleep(self.agent.config.idle_poll)
+        counts1 = self.read()
+        elapsed = time.time() - start
+        rates = {side: (counts1[side] - counts0[side] - 1 - self.procs) / elapsed
+                 for side in counts1}
+        return rates, passes, elapsed
+
+    def close(self) -> None:
+        """Stop the stand-ins after the measure (nothing read from here on). The coordinator
+        only beats meanwhile (`mail.flush`): its beat wakes the relays' notice threads, which
+        each relay's `close` waits for; it no longer judges leases, since stopped stand-ins
+        would lose theirs and make a generation of their own."""
+        for _, conn in self.children:
+            conn.send(("stop", None))
+        for proc, conn in self.children:
+            while not conn.poll(0.02):
+                self.agent.mail.flush()
+            conn.recv()
+            proc.join(30)
+
+
+def _ms(passes: list[float]) -> dict:
+    return {"median": 1e3 * statistics.median(passes), "max": 1e3 * max(passes)}
 
 
 def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: float,
             procs: int, lease: float, linger: float | None = None) -> dict:
-    counter = Counter()
-    folder = tempfile.mkdtemp(prefix="bench-relay-")
     linger = lease if linger is None else linger
-    agent = _coordinator(ranks, mode, f"{folder}/run", counter, lease, linger)
-    context = mp.get_context("spawn")  # a forked child could inherit a lock held by c10d
-    hosts = list(range(ranks // PER_HOST))
-    children = []
-    for k in range(procs):
-        ours, theirs = context.Pipe()
-        proc = context.Process(target=_stand_ins, args=(mode, agent.port, hosts[k::procs],
-                                                        folder, iteration, lease, theirs),
-                               daemon=True)
-        proc.start()
-        children.append((proc, ours))
-    for _, conn in children:  # the coordinator's passes go on meanwhile (hellos, reports)
-        while not conn.poll(0.02):
-            agent._pass(time.time())
-        conn.recv()
+    run = _Run(ranks, mode, iteration, procs, lease, linger)
+    try:
+        agent = run.agent
+        memory0 = []
+        rates, passes, elapsed = run.steady(warmup, seconds, lambda: memory0.extend(
+            (_held(agent), _rss_mb(), agent.iterations.next_loss)))
+        memory1 = (_held(agent), _rss_mb(), agent.iterations.next_loss)
+        return _steady_row(agent, mode, ranks, procs, lease, linger, rates, passes, elapsed,
+                           memory0, memory1)
+    finally:
+        run.close()
 
-    def read() -> dict[str, int]:
-        total = counter.read()
-        for _, conn in children:
-            conn.send("read")
-            for side, n in conn.recv().items():
-                total[side] += n
-        return total
 
-    passes: list[float] = []
-    t_end = time.time() + warmup + seconds
-    start = None
-    while time.time() < t_end:
-        now = time.time()
-        if start is None and now >= t_end - seconds:
-            start, counts0, passes = now, read(), []
-            memory0 = (_held(agent), _rss_mb(), agent.iterations.next_loss)
-        t0 = time.perf_counter()
-        agent._pass(now)
-        passes.append(time.perf_counter() - t0)
-        time.sleep(agent.config.idle_poll)
-    counts1 = read()
-    elapsed = time.time() - start
-    memory1 = (_held(agent), _rss_mb(), agent.iterations.next_loss)
-    for proc, conn in children:
-        conn.send("stop")
-        conn.recv()
-        proc.join(30)
+def _steady_row(agent: Agent, mode: str, ranks: int, procs: int, lease: float, linger: float,
+                rates: dict, passes: list[float], elapsed: float, memory0: list,
+                memory1: tuple) -> dict:
     hellos = sum(1 for p in agent.procs.values() if p.hello is not None)
-    # each read counts one on every counter of the coordinator and of each process
-    rates = {side: (counts1[side] - counts0[side] - 1 - procs) / elapsed for side in counts1}
     return {"mode": mode, "ranks": ranks, "hosts": ranks // PER_HOST, "processes": procs,
             "lease": lease,
             "seconds": elapsed, "ops_per_s": rates, "total_ops_per_s": sum(rates.values()),
-            "coordinator_pass_ms": {"median": 1e3 * statistics.median(passes),
-                                    "max": 1e3 * max(passes)},
+            "coordinator_pass_ms": _ms(passes),
             "passes_per_s": len(passes) / elapsed, "hellos_seen": hellos,
             "deaths": len(agent.deaths), "linger": linger if linger < float("inf") else None,
             "memory": {"records_start": memory0[0], "records_end": memory1[0],
@@ -298,6 +505,102 @@ def measure(ranks: int, mode: str, seconds: float, iteration: float, warmup: flo
                        "iterations_saved_start": memory0[2],
                        "iterations_saved_end": memory1[2],
                        "iterations_held_end": memory1[2] - agent.iterations.retired}}
+
+
+def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration: float,
+            warmup: float, procs: int, lease: float) -> dict:
+    """Steady state over `seconds`, then the last host vanishes: from then to every surviving
+    stand-in worker holding the next generation's decision, on the coordinator's own loop (its
+    pass, then its poll: 2 ms while a generation is abandoned, 20 ms while one runs, as
+    `Agent.run`). The measure goes on a lease after the last one held it (every survivor must
+    still be alive then, and no other generation made), and the row is taken before the
+    stand-ins are stopped."""
+    run = _Run(ranks, "relay", iteration, procs, lease, lease, per_host, per_link)
+    try:
+        agent = run.agent
+        rates, passes, elapsed = run.steady(warmup, seconds)
+        before = list(agent.deaths)  # none, unless the machine starved a live host's lease
+        if before:
+            log.warning("%d live stand-ins lost their lease before the loss (the machine "
+                        "starved them): try a longer --lease, or --per-link", len(before))
+        whole = [n for n in range(ranks // per_host)
+                 if all(r in agent.procs for r in range(n * per_host, (n + 1) * per_host))]
+        if not whole or agent.phase is not Phase.RUNNING:
+            raise SystemExit("no generation runs with every host: nothing to measure")
+        lost = whole[-1]
+        lost_ranks = set(range(lost * per_host, (lost + 1) * per_host))
+        lost_procs = [agent.procs[r] for r in lost_ranks]
+        gen = agent.gen + 1  # the generation the loss brings
+        run.owner[lost].send(("vanish", lost))
+        t_loss = run.owner[lost].recv()
+        recovery, held = _until_held(run, gen, t_loss + 3 * lease + 120)
+        t_done = time.time()
+        settle = t_done + lease  # a lease more: nothing else may happen
+        while time.time() < settle:
+            agent._pass(time.time())
+            time.sleep(agent.config.idle_poll)
+        lease_out = max(p.last_beat for p in lost_procs) + lease
+        row = {"ranks": ranks, "hosts": ranks // per_host, "per_host": per_host,
+               "per_link": per_link, "links": ranks // per_link, "processes": procs,
+               "lease": lease, "heartbeat": agent.config.heartbeat, "iteration": iteration,
+               "steady": {"seconds": elapsed, "ops_per_s": rates,
+                          "total_ops_per_s": sum(rates.values()),
+                          "coordinator_pass_ms": _ms(passes)}}
+        row.update(_recovery(agent, gen, lost_ranks, lease_out, t_loss, t_done, held))
+        row.update({"recovery_pass_ms": _ms(recovery), "deaths_before_loss": len(before),
+                    "measured_until_s": time.time() - t_loss, "load": os.getloadavg()})
+        return row
+    finally:
+        run.close()
+
+
+def _recovery(agent: Agent, gen: int, lost_ranks: set[int], lease_out: float, t_loss: float,
+              t_done: float, held: dict) -> dict:
+    """The recovery's steps, from the coordinator's events (times from the loss), and what
+    else happened until the measure's end: deaths of survivors, generations after `gen`."""
+    times = [t for t in held.values() if t is not None]
+    declared = min((e.t + agent.t0 for e in agent.events if e.kind is EventKind.DEATH
+                    and e.data["rank"] in lost_ranks), default=None)
+    decided = [e.t + agent.t0 for e in agent.events
+               if e.kind is EventKind.GENERATION and e.data["gen"] == gen]
+    last = max(times) if times and len(times) == len(held) else t_done
+    first = min(times) if times else t_done
+
+    def between(a, b):
+        return None if a is None or b is None else b - a
+    return {
+        "survivor_links": len(held), "survivor_links_held": len(times),
+        "loss_to_all_hold_s": last - t_loss,
+        "loss_to_lease_out_s": lease_out - t_loss,
+        "lease_out_to_declared_s": between(lease_out, declared),
+        "declared_to_decided_s": between(declared, decided[0] if decided else None),
+        "decided_to_all_hold_s": between(decided[0] if decided else None, last),
+        "after_lease_out_s": last - lease_out,
+        "first_to_last_s": last - first,
+        "generation": gen, "decisions_of_it": len(decided), "generation_now": agent.gen,
+        "deaths": len(agent.deaths),
+        "deaths_not_of_lost_host": sum(1 for d in agent.deaths if d.rank not in lost_ranks),
+        "events": [(round(e.t + agent.t0 - t_loss, 3), e.kind.value, e.message[:120])
+                   for e in agent.events if e.t + agent.t0 >= t_loss
+                   and e.kind not in (EventKind.DEATH, EventKind.HANG)][:12]}
+
+
+def _until_held(run: _Run, gen: int, deadline: float) -> tuple[list[float], dict]:
+    """Pass the coordinator's loop until every live link's workers hold generation `gen` (asked
+    every quarter second), or `deadline`; its pass times, and when each held it."""
+    agent, passes, asked = run.agent, [], 0.0
+    while True:
+        now = time.time()
+        t0 = time.perf_counter()
+        agent._pass(now)
+        passes.append(time.perf_counter() - t0)
+        if now - asked > 0.25 or now > deadline:
+            asked = now
+            held = {k: t for part in run.ask("held", gen) for k, t in part.items()}
+            if all(t is not None for t in held.values()) or now > deadline:
+                return passes, held
+        time.sleep(agent.config.idle_poll if agent.phase is Phase.RUNNING
+                   else agent.config.poll)
 
 
 def main() -> None:
@@ -318,8 +621,21 @@ def main() -> None:
                         help="measure the coordinator's memory: each case twice, the run's "
                              "records kept (before) and retired a lease after their "
                              "iteration's losses are saved (results/relay-memory.json)")
+    parser.add_argument("--recovery", action="store_true",
+                        help="relay mode: steady state over --seconds, then a host vanishes "
+                             "and the time to every survivor holding the next decision is "
+                             "measured (results/relay-recovery.json)")
+    parser.add_argument("--per-host", type=int, default=PER_HOST,
+                        help="--recovery: ranks per stand-in host (%(default)s; 64 lets 2 "
+                             "cores run 8,192 ranks as 128 hosts: 1,024 do not fit)")
+    parser.add_argument("--per-link", type=int, default=1,
+                        help="--recovery: ranks whose records share one stand-in link "
+                             "(1: a link per rank, as workers have; --per-host: one per host, "
+                             "the fewest threads; the coordinator sees the same records)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.recovery:
+        return _recoveries(args)
     rows = []
     for ranks in args.ranks:
         for mode in (["store", "relay"] if args.mode == "both" else [args.mode]):
@@ -329,21 +645,39 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     out = MEMORY_RESULTS if args.memory else RESULTS
+    _write(out, rows, lambda row: (row["mode"], row["ranks"],
+                                   row.get("linger") if args.memory else None))
+
+
+def _recoveries(args) -> None:
+    if args.per_host % args.per_link or any(r % args.per_host for r in args.ranks):
+        sys.exit("--per-link must divide --per-host, and --per-host every --ranks")
+    rows, failed = [], []
+    for ranks in args.ranks:
+        row = recover(ranks, args.per_host, args.per_link, args.seconds, args.iteration,
+                      args.warmup, args.procs, args.lease)
+        print(json.dumps(row), flush=True)
+        if row["survivor_links_held"] < row["survivor_links"] or row["deaths_before_loss"] \
+                or row["deaths_not_of_lost_host"] or row["decisions_of_it"] != 1:
+            failed.append(ranks)  # the machine starved the stand-ins: nothing measured
+        else:
+            rows.append(row)
+    _write(RECOVERY_RESULTS, rows, lambda row: (row["ranks"], row["per_host"],
+                                                row["per_link"], row["lease"]))
+    if failed:
+        sys.exit(f"not recorded: at {', '.join(map(str, failed))} ranks a survivor died or "
+                 f"did not hold the next decision (the stand-ins starved: a longer --lease, "
+                 f"a larger --per-host or fewer ranks)")
+
+
+def _write(out: Path, rows: list[dict], key) -> None:
+    """Write `rows` after the rows already in `out` that this run did not measure again
+    (another `key`: size, mode, linger...): a run at 1,024 ranks keeps the 256-rank rows."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    rows = _merged(out, rows, args.memory)
-    out.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
-
-
-def _merged(out: Path, rows: list[dict], memory: bool) -> list[dict]:
-    """The rows already in `out` that this run did not measure again (another size or
-    mode; in the memory file also another linger), then this run's: a run at 1,024 ranks
-    keeps the table's 256-rank rows."""
-    def key(row):
-        return row["mode"], row["ranks"], row.get("linger") if memory else None
-
     new = {key(row) for row in rows}
     old = json.loads(out.read_text())["rows"] if out.is_file() else []
-    return [row for row in old if key(row) not in new] + rows
+    rows = [row for row in old if key(row) not in new] + rows
+    out.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
