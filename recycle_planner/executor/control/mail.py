@@ -167,17 +167,17 @@ class RelayMail:
         for _ in range(self.store.queue_len(UP_QUEUE)):
             report = HostReport.from_json(self.store.queue_pop(UP_QUEUE, False))
             self.host_seq[report.node] = report.seq
-            for message in report.messages():
-                self._take(message)
+            for message, text in report.messages():
+                self._take(message, text)
 
-    def _take(self, message: msg.Message) -> None:
+    def _take(self, message: msg.Message, text: str) -> None:
         if isinstance(message, PER_ITERATION) and message.iteration < self.floor:
             return  # a late report of a forgotten iteration (a stale worker's)
         key = message.key()
         if message.RULE == msg.COUNT:
             self.counts[key] = self.counts.get(key, 0) + 1
         elif message.RULE != msg.FIRST or key not in self.records:
-            self.records[key] = message.to_json()
+            self.records[key] = text
 
     def get(self, kind: type[M], **ids: Any) -> M | None:
         text = self.records.get(kind.key_for(**ids))
