@@ -367,7 +367,7 @@ class Agent:
         self.decision: P.Decision | None = None
         self.round = _Round()                      # what this generation gathered so far
         self.next_beat_check = 0.0
-        self.passed_at = (time.monotonic(), time.thread_time())  # the last pass (`_awake`)
+        self.passed_at = (time.monotonic(), time.process_time())  # the last pass (`_awake`)
         self.next_checkpoint = config.checkpoint_every
         self.idle_reconfigurations = 0
         self.final_iterations = 0
@@ -498,10 +498,11 @@ class Agent:
     def _awake(self, now: float) -> None:
         """This process, stopped or starved for over a second since its last pass, could not
         hear the workers meanwhile: their silence counts from now (as a host agent's relay
-        counts theirs, `Relay._awake`), not from before the pause. A pause is time the loop's
-        thread did not run: a long pass of a large job runs (its thread time grows with the
-        clock) and hears every report at the next one, so it is no pause."""
-        (wall, cpu), self.passed_at = self.passed_at, (time.monotonic(), time.thread_time())
+        counts theirs, `Relay._awake`), not from before the pause. A pause is time this
+        process did not run (its CPU time, all threads, lagging the clock): a long pass of a
+        large job runs, and so does the store's thread, which keeps the hosts' reports for
+        the next pass (the loop's thread alone waits for the GIL and the store: no pause)."""
+        (wall, cpu), self.passed_at = self.passed_at, (time.monotonic(), time.process_time())
         if (self.passed_at[0] - wall) - (self.passed_at[1] - cpu) > 1.0:
             for proc in self.procs.values():
                 proc.last_beat = max(proc.last_beat, now)
