@@ -46,6 +46,10 @@ class Mail(Protocol):
     def beat(self, rank: int, incarnation: int) -> Any:
         """A value that changes while the worker's lease is renewed (None: none yet)."""
 
+    def arrivals(self, kind: type[msg.Message]) -> int | None:
+        """How many records of `kind` were taken in so far (None: this mail cannot say, so a
+        reader looks each one up every time)."""
+
     def put(self, message: msg.Message) -> None:
         """Tell workers (or host agents) `message`."""
 
@@ -117,6 +121,9 @@ class StoreMail:
     def beat(self, rank: int, incarnation: int) -> Any:
         return msg.get(self.store, msg.Heartbeat, rank=rank, incarnation=incarnation)
 
+    def arrivals(self, kind: type[msg.Message]) -> int | None:
+        return None  # workers write the store directly: nothing passes through here
+
     def put(self, message: msg.Message) -> None:
         msg.put(self.store, message)
 
@@ -148,6 +155,7 @@ class RelayMail:
         self.beat_every = beat_every
         self.records: dict[str, str] = {}        # key -> JSON, reported and posted
         self.counts: dict[str, int] = {}
+        self.arrived: dict[type, int] = {}       # record kind -> how many were taken in
         self.host_seq: dict[int, int] = {}       # node -> its latest report's number
         self.version = 0
         self.published_at = 0.0
@@ -173,6 +181,7 @@ class RelayMail:
     def _take(self, message: msg.Message, text: str) -> None:
         if isinstance(message, PER_ITERATION) and message.iteration < self.floor:
             return  # a late report of a forgotten iteration (a stale worker's)
+        self.arrived[type(message)] = self.arrived.get(type(message), 0) + 1
         key = message.key()
         if message.RULE == msg.COUNT:
             self.counts[key] = self.counts.get(key, 0) + 1
@@ -194,6 +203,9 @@ class RelayMail:
 
     def beat(self, rank: int, incarnation: int) -> Any:
         return self.host_seq.get(self.node_of(rank))
+
+    def arrivals(self, kind: type[msg.Message]) -> int | None:
+        return self.arrived.get(kind, 0)
 
     # posting
     def put(self, message: msg.Message) -> None:

@@ -1,0 +1,63 @@
+"""The coordinator's view of workers on other hosts (`pool.HostPool`): exits and restarts
+are found through the relay's mail, and a pass looks a rank up again only once a record of
+that kind has arrived (looking up all 8,192 ranks' records took most of a pass)."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.mail import RelayMail
+from recycle_planner.executor.control.pool import HostPool, Proc
+
+
+class _Store:
+    def multi_set(self, keys, values):
+        pass
+
+
+class _Mail(RelayMail):
+    """The relay's mail, counting its lookups."""
+
+    looked = 0
+
+    def get(self, kind, **ids):
+        self.looked += 1
+        return super().get(kind, **ids)
+
+
+def _pool(nproc: int = 4):
+    mail = _Mail(_Store(), nnodes=2, per_host=2, beat_every=1.0)
+    events = []
+    agent = SimpleNamespace(mail=mail, procs={}, config=SimpleNamespace(nproc=nproc),
+                            log_dir=Path("."), _name=str,
+                            _event=lambda kind, text, **_: events.append(text))
+    return HostPool(agent, 2), agent, mail, events
+
+
+def _take(mail, message):  # as a host's report brings it
+    mail._take(message, message.to_json())
+
+
+def test_exits_are_found_and_nothing_is_looked_up_again_until_one_arrives():
+    pool, agent, mail, _ = _pool()
+    agent.procs = {r: Proc(r, 0, None, Path("."), 0.0) for r in range(4)}
+    assert pool.exits(agent.procs) == [] and mail.looked == 4
+    assert pool.exits(agent.procs) == [] and mail.looked == 4   # nothing arrived: no lookup
+    _take(mail, msg.WorkerExit(2, 0, -9, "killed", ""))
+    (ended,) = pool.exits(agent.procs)
+    assert ended.proc.rank == 2 and ended.code == -9 and mail.looked == 8
+    del agent.procs[2]
+    agent.procs[1] = Proc(1, 1, None, Path("."), 0.0)         # a new process: looked up
+    _take(mail, msg.WorkerExit(1, 1, 0, "left", ""))            # (its exit came at once)
+    assert [e.proc.rank for e in pool.exits(agent.procs)] == [1]
+
+
+def test_a_restart_is_found_once_its_host_reports_it():
+    pool, agent, mail, events = _pool()
+    agent.procs = {r: Proc(r, 0, None, Path("."), 0.0) for r in (0, 1, 3)}
+    # each pass looks for both hosts' HostUp; rank 2's restart only until nothing came
+    assert pool.started() == [] and mail.looked == 2 + 1
+    assert pool.started() == [] and mail.looked == 3 + 2
+    _take(mail, msg.Spawned(2, 1))
+    (proc,) = pool.started()
+    assert (proc.rank, proc.incarnation) == (2, 1) and "incarnation 1" in events[-1]
