@@ -180,24 +180,30 @@ class LocalPool:
 
 
 class _Lookups:
-    """The per-rank lookups of one record kind that may find something: after a pass found
-    no record for (rank, incarnation), the next looks it up again only once another record
-    of that kind has arrived (`Mail.arrivals`; every time when the mail cannot say). Looking
-    up every rank's exit and restart took most of the coordinator's pass at 8,192 ranks."""
+    """The records of one kind (per rank and incarnation) a pass finds: after a pass found
+    none for (rank, incarnation), the next looks it up again only once another record of
+    that kind has arrived (`Mail.arrivals`; every time when the mail cannot say). Looking up
+    every rank's exit and restart took most of the coordinator's pass at 8,192 ranks."""
 
     def __init__(self, kind: type[msg.Message]):
         self.kind = kind
         self.seen: int | None = None
         self.missing: set[tuple[int, int]] = set()
 
-    def due(self, mail: Mail, wanted: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    def found(self, mail: Mail, wanted: list[tuple[int, int]]) -> list[Any]:
         arrived = mail.arrivals(self.kind)
         if arrived is None or arrived != self.seen:
             self.seen, self.missing = arrived, set()
-        return [w for w in wanted if w not in self.missing]
-
-    def none_for(self, wanted: tuple[int, int]) -> None:
-        self.missing.add(wanted)
+        records = []
+        for rank, incarnation in wanted:
+            if (rank, incarnation) in self.missing:
+                continue
+            record = mail.get(self.kind, rank=rank, incarnation=incarnation)
+            if record is None:
+                self.missing.add((rank, incarnation))
+            else:
+                records.append(record)
+        return records
 
 
 class HostPool:
@@ -236,10 +242,8 @@ class HostPool:
         new = []
         wanted = [(rank, self.incarnation.get(rank, 0) + 1) for rank in range(a.config.nproc)
                   if rank not in a.procs]
-        for rank, inc in self._spawned.due(a.mail, wanted):
-            if a.mail.get(msg.Spawned, rank=rank, incarnation=inc) is None:
-                self._spawned.none_for((rank, inc))
-                continue
+        for spawned in self._spawned.found(a.mail, wanted):
+            rank, inc = spawned.rank, spawned.incarnation
             self.incarnation[rank] = inc
             new.append(Proc(rank, inc, None, a.log_dir, time.time()))
             a._event(EventKind.RESTART, f"worker {a._name(rank)} started again by its "
@@ -247,15 +251,9 @@ class HostPool:
         return new
 
     def exits(self, procs: dict[int, Proc]) -> list[Exit]:
-        ended = []
-        mail = self.agent.mail
-        for rank, inc in self._exited.due(mail, [(r, p.incarnation) for r, p in procs.items()]):
-            report = mail.get(msg.WorkerExit, rank=rank, incarnation=inc)
-            if report is None:
-                self._exited.none_for((rank, inc))
-            else:
-                ended.append(Exit(procs[rank], report.code, report.how, report.last_line))
-        return ended
+        wanted = [(rank, proc.incarnation) for rank, proc in procs.items()]
+        return [Exit(procs[report.rank], report.code, report.how, report.last_line)
+                for report in self._exited.found(self.agent.mail, wanted)]
 
     def kill(self, proc: Proc) -> bool:
         """The coordinator cannot wait for a process it does not own: the worker is dead now,
