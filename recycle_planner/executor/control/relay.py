@@ -337,7 +337,7 @@ class Relay:
         self.journal = Journal()
         self.deferred: list[tuple[_Conn, dict]] = []  # worker records for the next store
         self._direct: list[tuple[_Conn, dict]] = []   # answers of the store thread to send
-        self._later: list[tuple] = []                  # answers of `call` for the loop
+        self._later: list[tuple[Any, Any, Any]] = []   # answers of `call` for the loop
         self.node, self.path = node, path
         self.lease, self.heartbeat, self.flush_after = lease, heartbeat, flush
         if os.path.exists(path):
@@ -491,23 +491,23 @@ class Relay:
         try:
             calls = self._ready()
         except Detached:
-            self._later.append((None, undone, ()))
+            self._later.append((None, undone, undone))
             return
 
         def answered(result: Any) -> None:
-            self._later.append((calls, done, (result,), undone))
+            self._later.append((calls, lambda: done(result), undone))
             self._wake()
 
-        calls.apply(fn, answered, lambda: self._later.append((None, undone, ())))
+        calls.apply(fn, answered, lambda: self._later.append((None, undone, undone)))
 
     def _run_later(self) -> None:
-        """The answers of `call`, on the loop's thread; the attachment they were asked on
+        """The answers of `call`, on the loop's thread: each (the store calls it was asked on,
+        what to do with the answer, what to do without one); the attachment it was asked on
         must still be the current one."""
         while self._later:
-            calls, fn, args, *undone = self._later.pop(0)
-            if calls is not None and (calls is not self.calls or not self.attached):
-                fn, args = undone[0], ()
-            fn(*args)
+            calls, act, undone = self._later.pop(0)
+            stale = calls is not None and (calls is not self.calls or not self.attached)
+            (undone if stale else act)()
 
     def _ready(self) -> StoreCalls:
         """The current coordinator's store calls; `Detached` when there is none."""
