@@ -179,8 +179,8 @@ class HostAgent:
                                relay_path(str(self.log_dir), self.node_rank), self.lease,
                                worker_config.heartbeat, endpoint=c.endpoint)
             ranks = [self.node_rank * c.nproc_per_node + i for i in range(c.nproc_per_node)]
-            for i, rank in enumerate(ranks):
-                self._spawn(rank, i, self._next_incarnation(rank))
+            for i, rank in enumerate(ranks):  # counted on the store: a rebooted host re-joins
+                self._spawn(rank, i, msg.next_incarnation(self.store, rank))
             self.relay.report(msg.HostUp(self.node_rank, socket.gethostname(), os.getpid(),
                                          tuple(ranks)))
             self.on_event(f"host {self.node_rank}: workers {ranks} started (logs in "
@@ -199,13 +199,6 @@ class HostAgent:
                 logging.shutdown()
                 os._exit(code)
         return code
-
-    def _next_incarnation(self, rank: int) -> int:
-        """Incarnations count in the coordinator's store, not in this process: an agent
-        started again with the same --node-rank (a rebooted host) gives its workers new
-        incarnations, which the coordinator admits at an iteration boundary (a re-join), and
-        never meets the kill notices of the processes it had before."""
-        return msg.next_incarnation(self.store, rank)
 
     def _restart(self, rank: int, pending: dict[int, float]) -> None:
         """Spawn `rank` again once the coordinator's store counted its next incarnation,

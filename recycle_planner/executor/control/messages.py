@@ -387,8 +387,10 @@ INCARNATIONS = "incarnation/{rank}"  # each rank's spawns, counted on the coordi
 
 
 def next_incarnation(store: Any, rank: int) -> int:
-    """The incarnation of `rank` to spawn next: the store counts them, so that a rebooted
-    host's workers continue the run's count instead of repeating an incarnation it killed."""
+    """The incarnation of `rank` to spawn next: the coordinator's store counts them, not the
+    host agent, so that a rebooted host's workers continue the run's count (the coordinator
+    admits them at an iteration boundary) instead of meeting the kill of an incarnation it
+    had before."""
     return store.add(INCARNATIONS.format(rank=rank), 1) - 1
 
 
