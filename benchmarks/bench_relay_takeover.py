@@ -230,7 +230,7 @@ class _StandInAgent(HostAgent):
 
 
 def _hosts_main(nodes: list[int], nnodes: int, per_host: int, per_link: int, etcd: str,
-                lease: float, iteration: float, conn) -> None:
+                lease: float, iteration: float, poll: float, conn) -> None:
     """A process of stand-in hosts `nodes`: answers the harness's commands until "stop"."""
     from recycle_planner.executor.control.store import EtcdStore
 
@@ -247,6 +247,7 @@ def _hosts_main(nodes: list[int], nnodes: int, per_host: int, per_link: int, etc
         store = EtcdStore(etcd, timeout=max(2.0, lease))  # each host its own, as `follow`
         keeper = HostLeases.hold(store, keys, HostRecord(node, f"host{node}", ranks), lease)
         config = HostConfig(nnodes, per_host, endpoint, node_rank=node, rdzv_timeout=120.0,
+                            poll=poll,
                             successor=_TimedSuccessor(etcd, JOB, revision, lease, found[node]))
         return _StandInAgent(config, per_link, iteration, events[node]), keeper
 
@@ -357,7 +358,8 @@ def run_once(args, work: Path, with_host: bool) -> dict:
                 ours, theirs = context.Pipe()
                 proc = context.Process(target=_hosts_main, args=(
                     hosts[k::args.procs], nnodes, args.per_host, args.per_link,
-                    etcd.endpoints, args.lease, args.iteration, theirs), daemon=True)
+                    etcd.endpoints, args.lease, args.iteration, args.host_poll, theirs),
+                    daemon=True)
                 proc.start()
                 children.append((proc, ours))
             for _, conn in children:
@@ -524,6 +526,10 @@ def main() -> None:
                         help="ranks whose records share one stand-in link (default: a host's)")
     parser.add_argument("--procs", type=int, default=4,
                         help="processes the stand-in hosts run in")
+    parser.add_argument("--host-poll", type=float, default=0.1,
+                        help="the host agents' idle poll (s; theirs is 0.02): a frame from a "
+                             "worker, a store answer or a notice still wakes the loop at once; "
+                             "128 loops at 50 passes a second do not fit 2 cores")
     parser.add_argument("--lease", type=float, default=4.0)
     parser.add_argument("--iteration", type=float, default=1.0,
                         help="seconds between two iterations of the stand-ins")

@@ -125,3 +125,34 @@ def test_a_new_store_counts_each_ranks_incarnations_on_from_the_runs():
     msg.count_incarnations_from(store, 1, 4)  # its worker restarted meanwhile: raised
     assert [msg.next_incarnation(store, 1) for _ in range(2)] == [4, 5]
     assert msg.next_incarnation(store, 2) == 0  # nobody said anything: from the start
+
+
+def test_a_host_agent_dials_a_store_that_listens_only_after_the_lease():
+    """The next leader's store may listen only after its publication (and a connection's
+    first packet can be lost): connecting waits for it; the calls then time out within the
+    lease."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import pytest
+    import torch.distributed as dist
+
+    from recycle_planner.executor.control.etcd_local import free_ports
+    from recycle_planner.executor.control.hostagent import dial
+
+    port, lease = free_ports(1)[0], 0.3
+    servers = []
+    later = threading.Timer(2 * lease, lambda: servers.append(dist.TCPStore(
+        "127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))))
+    later.start()
+    try:
+        store = dial("127.0.0.1", port, 10.0, lease)
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        t0 = time.monotonic()
+        with pytest.raises(dist.DistStoreError):
+            store.get("absent")
+        assert time.monotonic() - t0 < 10 * lease
+    finally:
+        later.join()

@@ -97,6 +97,19 @@ class HostConfig:
         return host.strip("[]"), int(port)
 
 
+def dial(host: str, port: int, connect: float, timeout: float) -> dist.TCPStore:
+    """A client of the coordinator's store that may take up to `connect` seconds to connect,
+    whose calls then time out after `timeout`. A connection is not a call: a store just
+    published may not listen yet, and a connection's first packet can be lost (here about one
+    new connection in 25 waited 5 s). Connecting within the lease made such a connection fail
+    the host's start, or its re-attach to the next leader, at 1,024 ranks
+    (benchmarks/bench_relay_takeover.py)."""
+    store = dist.TCPStore(host, port, is_master=False,
+                          timeout=timedelta(seconds=max(connect, timeout)))
+    store.set_timeout(timedelta(seconds=timeout))
+    return store
+
+
 @dataclass
 class _Local:
     rank: int
@@ -153,7 +166,7 @@ class HostAgent:
         c = self.config
         host, port = c.address
         try:
-            return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+            return dial(host, port, c.startup_timeout, timeout)
         except (RuntimeError, dist.DistError) as exc:
             raise RecycleError(f"cannot reach the coordinator at {c.endpoint}: "
                                f"{str(exc).splitlines()[0]}") from None
@@ -372,8 +385,7 @@ class HostAgent:
         try:
             endpoint, revision = self.successor.find(self.config.rdzv_timeout)
             host, _, port = endpoint.rpartition(":")
-            stores = [dist.TCPStore(host.strip("[]"), int(port), is_master=False,
-                                    timeout=timedelta(seconds=t))
+            stores = [dial(host.strip("[]"), int(port), self.config.startup_timeout, t)
                       for t in (self.config.startup_timeout, self.lease)]
             finding["found"] = (endpoint, revision, stores)
         except Exception as exc:  # noqa: BLE001 - any failure: no successor, stop
