@@ -183,12 +183,23 @@ class _TimedSuccessor(Successor):
 class _StandInAgent(HostAgent):
     """The real host agent (see the module) with stand-in workers."""
 
-    def __init__(self, config: HostConfig, per_link: int, iteration: float, events: list):
+    def __init__(self, config: HostConfig, per_link: int, iteration: float, lease: float,
+                 events: list):
         self.per_link, self.iteration = per_link, iteration
         self.groups: list[_Members] = []
         self.process = subprocess.Popen(["sleep", "3600"])
         self.stalled: float | None = None
         super().__init__([], config, lambda m: events.append((time.time(), m)))
+        self._early = HostAgent._client(self, lease)  # see `_client`
+
+    def _client(self, timeout: float):
+        """The relay's second connection, made with the first before any host agent's loop
+        runs (as bench_relay.py does): a new connection can hold the coordinator's whole
+        store for 5 s here (its server looks the client's address up in DNS, and this
+        sandbox's DNS drops a query now and then), longer than the lease, and hosts
+        already running would take their coordinator for lost at start-up."""
+        early, self._early = getattr(self, "_early", None), None
+        return early if early is not None else super()._client(timeout)
 
     def _spawn(self, rank: int, local_rank: int, incarnation: int) -> None:
         from recycle_planner.executor.control.hostagent import _Local
@@ -234,7 +245,10 @@ def _hosts_main(nodes: list[int], nnodes: int, per_host: int, per_link: int, etc
     """A process of stand-in hosts `nodes`: answers the harness's commands until "stop"."""
     from recycle_planner.executor.control.store import EtcdStore
 
+    import faulthandler
+
     os.setsid()  # its sleeps die with it (the harness kills the group)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it is, when asked
     logging.basicConfig(level=logging.WARNING)
     keys = Keys(JOB)
     endpoint, revision = published_coordinator(EtcdStore(etcd, timeout=max(2.0, lease)), keys,
@@ -249,7 +263,7 @@ def _hosts_main(nodes: list[int], nnodes: int, per_host: int, per_link: int, etc
         config = HostConfig(nnodes, per_host, endpoint, node_rank=node, rdzv_timeout=120.0,
                             poll=poll,
                             successor=_TimedSuccessor(etcd, JOB, revision, lease, found[node]))
-        return _StandInAgent(config, per_link, iteration, events[node]), keeper
+        return _StandInAgent(config, per_link, iteration, lease, events[node]), keeper
 
     with ThreadPoolExecutor(16) as pool:
         made = dict(zip(nodes, pool.map(host, nodes)))
@@ -257,7 +271,7 @@ def _hosts_main(nodes: list[int], nnodes: int, per_host: int, per_link: int, etc
     conn.send("connected")
     for agent in agents.values():  # a few at a time: 2 cores start them all
         threading.Thread(target=agent.run, daemon=True).start()
-        time.sleep(0.05)
+        time.sleep(0.2)
     stop = threading.Event()
 
     def train() -> None:
@@ -378,6 +392,7 @@ def run_once(args, work: Path, with_host: bool) -> dict:
             leader = next(w for w in wrappers if w.mark("store"))
             standby = next(w for w in wrappers if w is not leader)
             lost = nnodes - 1 if with_host else None
+            load = os.getloadavg()
             killed = time.time()
             os.kill(leader.proc.pid, signal.SIGKILL)
             if lost is not None:
@@ -385,6 +400,7 @@ def run_once(args, work: Path, with_host: bool) -> dict:
                 owner.send(("vanish", lost))
                 owner.recv()
             row = _follow(args, standby, children, killed, lost, nnodes)
+            row["load_at_kill"] = load
             row["leader_progress_at_kill"] = next(
                 (m for m in reversed(leader.marks) if m["ev"] == "progress"), None)
             row["losses"] = _losses(run_dir)
@@ -472,7 +488,8 @@ def _row(args, standby, reports: dict, killed: float, lost, took: dict, next_gen
     return {
         "ranks": args.ranks, "hosts": nnodes, "per_host": args.per_host,
         "per_link": args.per_link, "processes": args.procs, "lease": args.lease,
-        "iteration": args.iteration, "with_host_lost": lost is not None,
+        "iteration": args.iteration, "host_poll": args.host_poll,
+        "with_host_lost": lost is not None,
         "noticed_s": _spread([since(t) for t in noticed]),
         "published_s": since(published),
         "store_up_s": since(store_up["t"]) if store_up else None,
