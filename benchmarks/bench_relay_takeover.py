@@ -469,8 +469,9 @@ def _row(args, standby, reports: dict, killed: float, lost, took: dict, next_gen
     def since(t):
         return None if t is None else round(t - killed, 3)
 
-    def first(node: int, text: str) -> float | None:
-        return next((t for t, m in reports[node]["events"] if text in m), None)
+    def first(node: int, text: str) -> float | None:  # after the kill (a host may have
+        return next((t for t, m in reports[node]["events"]  # re-attached at start-up)
+                     if text in m and t >= killed), None)
 
     survivors = [n for n in range(nnodes) if n != lost]
     noticed = [first(n, "lost the coordinator") for n in survivors]
