@@ -32,6 +32,7 @@ infinite, nothing retired) against retired a lease after their iteration's losse
 from __future__ import annotations
 
 import argparse
+import cProfile
 import itertools
 import json
 import logging
@@ -507,18 +508,59 @@ def _steady_row(agent: Agent, mode: str, ranks: int, procs: int, lease: float, l
                        "iterations_held_end": memory1[2] - agent.iterations.retired}}
 
 
+class _Timeline:
+    """When the coordinator's mail took in every survivor's `Ready` and published each
+    bulletin (its `refresh` and `flush` wrapped, on this instance only), and how long each
+    pass of the recovery took: the recovery's steps between the coordinator's events."""
+
+    def __init__(self, agent: Agent):
+        self.mail = agent.mail
+        self.refreshes: list[tuple[float, int]] = []   # (end, Readys taken in so far)
+        self.published: list[float] = []               # ends of flushes that published
+        self.passes: list[tuple[float, float]] = []    # (start, seconds) of each pass
+        refresh, flush = self.mail.refresh, self.mail.flush
+
+        def timed_refresh() -> None:
+            refresh()
+            self.refreshes.append((time.time(), self.mail.arrivals(msg.Ready) or 0))
+
+        def timed_flush() -> None:
+            version = self.mail.version
+            flush()
+            if self.mail.version != version:
+                self.published.append(time.time())
+        self.mail.refresh, self.mail.flush = timed_refresh, timed_flush
+
+    def steps(self, readies: int, since: float, abort: float | None,
+              decided: float | None) -> dict:
+        """Times (absolute) of: the abort published, the last of `readies` `Ready`s taken in
+        (counted from `since`), the decision published; and the coordinator's busy time
+        (its passes) between the abort and the decision."""
+        base = max((n for t, n in self.refreshes if t < since), default=0)
+        readies_in = next((t for t, n in self.refreshes if n - base >= readies), None)
+
+        def published_after(t0):
+            return None if t0 is None else next((t for t in self.published if t >= t0), None)
+        busy = (None if abort is None or decided is None else
+                sum(d for t, d in self.passes if abort <= t <= decided))
+        return {"abort_published": published_after(abort), "readies_in": readies_in,
+                "decision_published": published_after(decided), "busy": busy}
+
+
 def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration: float,
-            warmup: float, procs: int, lease: float) -> dict:
+            warmup: float, procs: int, lease: float, profile: str | None = None) -> dict:
     """Steady state over `seconds`, then the last host vanishes: from then to every surviving
     stand-in worker holding the next generation's decision, on the coordinator's own loop (its
     pass, then its poll: 2 ms while a generation is abandoned, 20 ms while one runs, as
     `Agent.run`). The measure goes on a lease after the last one held it (every survivor must
     still be alive then, and no other generation made), and the row is taken before the
-    stand-ins are stopped."""
+    stand-ins are stopped. `profile`: a file for the cProfile statistics of the coordinator's
+    passes from the loss to every survivor holding the decision."""
     run = _Run(ranks, "relay", iteration, procs, lease, lease, per_host, per_link)
     try:
         agent = run.agent
         rates, passes, elapsed = run.steady(warmup, seconds)
+        timeline = _Timeline(agent)
         before = list(agent.deaths)  # none, unless the machine starved a live host's lease
         if before:
             log.warning("%d live stand-ins lost their lease before the loss (the machine "
@@ -533,7 +575,11 @@ def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration:
         gen = agent.gen + 1  # the generation the loss brings
         run.owner[lost].send(("vanish", lost))
         t_loss = run.owner[lost].recv()
-        recovery, held = _until_held(run, gen, t_loss + 3 * lease + 120)
+        profiler = cProfile.Profile() if profile else None
+        recovery, held = _until_held(run, gen, t_loss + 3 * lease + 120, profiler,
+                                     timeline.passes)
+        if profiler is not None:
+            profiler.dump_stats(profile)
         t_done = time.time()
         settle = t_done + lease  # a lease more: nothing else may happen
         while time.time() < settle:
@@ -547,6 +593,7 @@ def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration:
                           "total_ops_per_s": sum(rates.values()),
                           "coordinator_pass_ms": _ms(passes)}}
         row.update(_recovery(agent, gen, lost_ranks, lease_out, t_loss, t_done, held))
+        row.update(_steps(agent, timeline, gen, ranks - per_host, t_loss))
         row.update({"recovery_pass_ms": _ms(recovery), "deaths_before_loss": len(before),
                     "measured_until_s": time.time() - t_loss, "load": os.getloadavg()})
         return row
@@ -585,15 +632,49 @@ def _recovery(agent: Agent, gen: int, lost_ranks: set[int], lease_out: float, t_
                    and e.kind not in (EventKind.DEATH, EventKind.HANG)][:12]}
 
 
-def _until_held(run: _Run, gen: int, deadline: float) -> tuple[list[float], dict]:
+def _steps(agent: Agent, timeline: _Timeline, gen: int, survivors: int, t_loss: float
+           ) -> dict:
+    """The recovery's inner steps (seconds): the abort's publication after the host was
+    declared dead, every survivor's `Ready` taken in after that, the decision after the last
+    `Ready`, its publication after the decision; and the coordinator's share of the time
+    between the abort and the decision spent in its passes (its one thread busy)."""
+    def first(kind, pred=lambda e: True):
+        return min((e.t + agent.t0 for e in agent.events if e.kind is kind and e.t + agent.t0
+                    >= t_loss and pred(e)), default=None)
+    declared = first(EventKind.DEATH)
+    abort = first(EventKind.ABORT)
+    decided = first(EventKind.GENERATION, lambda e: e.data["gen"] == gen)
+    at = timeline.steps(survivors, t_loss, abort, decided)
+
+    def between(a, b):
+        return None if a is None or b is None else b - a
+    return {"declared_to_abort_published_s": between(declared, at["abort_published"]),
+            "abort_published_to_readies_in_s": between(at["abort_published"],
+                                                       at["readies_in"]),
+            "readies_in_to_decided_s": between(at["readies_in"], decided),
+            "decided_to_published_s": between(decided, at["decision_published"]),
+            "coordinator_busy_abort_to_decided": (
+                None if at["busy"] is None or not decided or decided <= abort
+                else at["busy"] / (decided - abort))}
+
+
+def _until_held(run: _Run, gen: int, deadline: float, profiler: cProfile.Profile | None = None,
+                timed: list[tuple[float, float]] | None = None) -> tuple[list[float], dict]:
     """Pass the coordinator's loop until every live link's workers hold generation `gen` (asked
-    every quarter second), or `deadline`; its pass times, and when each held it."""
+    every quarter second), or `deadline`; its pass times, and when each held it. `profiler`
+    profiles the passes; `timed` gets each pass's start and length."""
     agent, passes, asked = run.agent, [], 0.0
     while True:
         now = time.time()
         t0 = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         agent._pass(now)
+        if profiler is not None:
+            profiler.disable()
         passes.append(time.perf_counter() - t0)
+        if timed is not None:
+            timed.append((now, passes[-1]))
         if now - asked > 0.25 or now > deadline:
             asked = now
             held = {k: t for part in run.ask("held", gen) for k, t in part.items()}
@@ -628,6 +709,10 @@ def main() -> None:
     parser.add_argument("--per-host", type=int, default=PER_HOST,
                         help="--recovery: ranks per stand-in host (%(default)s; 64 lets 2 "
                              "cores run 8,192 ranks as 128 hosts: 1,024 do not fit)")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="--recovery: write the cProfile statistics of the coordinator's "
+                             "passes from the loss to every survivor holding the decision "
+                             "(read with `python -m pstats FILE`; one size only)")
     parser.add_argument("--per-link", type=int, default=1,
                         help="--recovery: ranks whose records share one stand-in link "
                              "(1: a link per rank, as workers have; --per-host: one per host, "
@@ -655,7 +740,7 @@ def _recoveries(args) -> None:
     rows, failed = [], []
     for ranks in args.ranks:
         row = recover(ranks, args.per_host, args.per_link, args.seconds, args.iteration,
-                      args.warmup, args.procs, args.lease)
+                      args.warmup, args.procs, args.lease, args.profile)
         print(json.dumps(row), flush=True)
         if row["survivor_links_held"] < row["survivor_links"] or row["deaths_before_loss"] \
                 or row["deaths_not_of_lost_host"] or row["decisions_of_it"] != 1:

@@ -35,7 +35,7 @@ def _pool(nproc: int = 4):
 
 
 def _take(mail, message):  # as a host's report brings it
-    mail._take(message, message.to_json())
+    mail._take(message)
 
 
 def test_exits_are_found_and_nothing_is_looked_up_again_until_one_arrives():

@@ -153,7 +153,7 @@ class RelayMail:
         self.store = store
         self.nnodes, self.per_host = nnodes, per_host
         self.beat_every = beat_every
-        self.records: dict[str, str] = {}        # key -> JSON, reported and posted
+        self.records: dict[str, msg.Message] = {}  # key -> record, reported and posted
         self.counts: dict[str, int] = {}
         self.arrived: dict[type, int] = {}       # record kind -> how many were taken in
         self.host_seq: dict[int, int] = {}       # node -> its latest report's number
@@ -175,10 +175,10 @@ class RelayMail:
         for _ in range(self.store.queue_len(UP_QUEUE)):
             report = HostReport.from_json(self.store.queue_pop(UP_QUEUE, False))
             self.host_seq[report.node] = report.seq
-            for message, text in report.messages():
-                self._take(message, text)
+            for message, _ in report.messages():
+                self._take(message)
 
-    def _take(self, message: msg.Message, text: str) -> None:
+    def _take(self, message: msg.Message) -> None:
         if isinstance(message, PER_ITERATION) and message.iteration < self.floor:
             return  # a late report of a forgotten iteration (a stale worker's)
         self.arrived[type(message)] = self.arrived.get(type(message), 0) + 1
@@ -186,11 +186,12 @@ class RelayMail:
         if message.RULE == msg.COUNT:
             self.counts[key] = self.counts.get(key, 0) + 1
         elif message.RULE != msg.FIRST or key not in self.records:
-            self.records[key] = text
+            self.records[key] = message
 
     def get(self, kind: type[M], **ids: Any) -> M | None:
-        text = self.records.get(kind.key_for(**ids))
-        return kind.from_json(text) if text is not None else None
+        """The record as taken in (records are frozen: decoding it again for every read
+        cost the coordinator 8,128 decodes of `Ready` per recovery at 8,192 ranks)."""
+        return self.records.get(kind.key_for(**ids))
 
     def present(self, kind: type[msg.Message], ids: list[Mapping[str, Any]]) -> bool:
         return all(kind.key_for(**i) in self.records for i in ids)
@@ -202,7 +203,7 @@ class RelayMail:
         return self.counts.get(kind.key_for(**ids), 0)
 
     def beat(self, rank: int, incarnation: int) -> Any:
-        return self.host_seq.get(self.node_of(rank))
+        return self.host_seq.get(rank // self.per_host)  # `node_of`, inlined: once per rank
 
     def arrivals(self, kind: type[msg.Message]) -> int | None:
         return self.arrived.get(kind, 0)
@@ -211,7 +212,7 @@ class RelayMail:
     def put(self, message: msg.Message) -> None:
         assert isinstance(message, DOWN), f"{type(message).__name__} is not for the hosts"
         key, text = message.key(), message.to_json()
-        self.records[key] = text
+        self.records[key] = message
         if isinstance(message, PER_HOST):
             node = self.node_of(message.rank)
             if isinstance(message, msg.Welcome):  # one welcome per rank: its latest process
