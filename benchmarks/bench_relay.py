@@ -363,6 +363,8 @@ def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: f
             conn.send(vanish(arg))
         elif command == "held":
             conn.send({g.ranks[0]: g.held.get(arg) for g in groups if not g.vanished})
+        elif command == "cpu":
+            conn.send(time.process_time())
         else:
             break
     stop.set()
@@ -517,7 +519,7 @@ class _Timeline:
         self.mail = agent.mail
         self.refreshes: list[tuple[float, int]] = []   # (end, Readys taken in so far)
         self.published: list[float] = []               # ends of flushes that published
-        self.passes: list[tuple[float, float]] = []    # (start, seconds) of each pass
+        self.passes: list[tuple[float, float, float]] = []  # (start, seconds, CPU seconds)
         refresh, flush = self.mail.refresh, self.mail.flush
 
         def timed_refresh() -> None:
@@ -534,17 +536,20 @@ class _Timeline:
     def steps(self, readies: int, since: float, abort: float | None,
               decided: float | None) -> dict:
         """Times (absolute) of: the abort published, the last of `readies` `Ready`s taken in
-        (counted from `since`), the decision published; and the coordinator's busy time
-        (its passes) between the abort and the decision."""
+        (counted from `since`), the decision published; and between the abort and the
+        decision, the time the coordinator's passes took and the CPU time its thread used in
+        them (what would stay serial on a cluster, where the hosts' side runs elsewhere)."""
         base = max((n for t, n in self.refreshes if t < since), default=0)
         readies_in = next((t for t, n in self.refreshes if n - base >= readies), None)
 
         def published_after(t0):
             return None if t0 is None else next((t for t in self.published if t >= t0), None)
-        busy = (None if abort is None or decided is None else
-                sum(d for t, d in self.passes if abort <= t <= decided))
+        inside = ([] if abort is None or decided is None else
+                  [(d, cpu) for t, d, cpu in self.passes if abort <= t <= decided])
         return {"abort_published": published_after(abort), "readies_in": readies_in,
-                "decision_published": published_after(decided), "busy": busy}
+                "decision_published": published_after(decided),
+                "busy": sum(d for d, _ in inside) if inside else None,
+                "cpu": sum(cpu for _, cpu in inside) if inside else None}
 
 
 def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration: float,
@@ -576,8 +581,9 @@ def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration:
         run.owner[lost].send(("vanish", lost))
         t_loss = run.owner[lost].recv()
         profiler = cProfile.Profile() if profile else None
+        cpu: dict = {}
         recovery, held = _until_held(run, gen, t_loss + 3 * lease + 120, profiler,
-                                     timeline.passes)
+                                     timeline.passes, cpu)
         if profiler is not None:
             profiler.dump_stats(profile)
         t_done = time.time()
@@ -594,6 +600,7 @@ def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration:
                           "coordinator_pass_ms": _ms(passes)}}
         row.update(_recovery(agent, gen, lost_ranks, lease_out, t_loss, t_done, held))
         row.update(_steps(agent, timeline, gen, ranks - per_host, t_loss))
+        row["cpu_abort_to_all_hold_s"] = cpu  # CPU seconds; 2 cores give 2 per second
         row.update({"recovery_pass_ms": _ms(recovery), "deaths_before_loss": len(before),
                     "measured_until_s": time.time() - t_loss, "load": os.getloadavg()})
         return row
@@ -636,8 +643,9 @@ def _steps(agent: Agent, timeline: _Timeline, gen: int, survivors: int, t_loss: 
            ) -> dict:
     """The recovery's inner steps (seconds): the abort's publication after the host was
     declared dead, every survivor's `Ready` taken in after that, the decision after the last
-    `Ready`, its publication after the decision; and the coordinator's share of the time
-    between the abort and the decision spent in its passes (its one thread busy)."""
+    `Ready`, its publication after the decision; and between the abort and the decision, the
+    coordinator's share of the time spent in its passes (its one thread busy) and the CPU
+    time of its thread."""
     def first(kind, pred=lambda e: True):
         return min((e.t + agent.t0 for e in agent.events if e.kind is kind and e.t + agent.t0
                     >= t_loss and pred(e)), default=None)
@@ -655,18 +663,26 @@ def _steps(agent: Agent, timeline: _Timeline, gen: int, survivors: int, t_loss: 
             "decided_to_published_s": between(decided, at["decision_published"]),
             "coordinator_busy_abort_to_decided": (
                 None if at["busy"] is None or not decided or decided <= abort
-                else at["busy"] / (decided - abort))}
+                else at["busy"] / (decided - abort)),
+            "coordinator_cpu_abort_to_decided_s": at["cpu"]}
 
 
 def _until_held(run: _Run, gen: int, deadline: float, profiler: cProfile.Profile | None = None,
-                timed: list[tuple[float, float]] | None = None) -> tuple[list[float], dict]:
+                timed: list[tuple[float, float, float]] | None = None,
+                cpu: dict | None = None) -> tuple[list[float], dict]:
     """Pass the coordinator's loop until every live link's workers hold generation `gen` (asked
     every quarter second), or `deadline`; its pass times, and when each held it. `profiler`
-    profiles the passes; `timed` gets each pass's start and length."""
+    profiles the passes; `timed` gets each pass's start, length and CPU time; `cpu` the CPU
+    seconds used from the abort (the first pass that left the generation) to the end, by
+    the stand-in processes and by this process (the coordinator, its store's thread
+    included), and the wall time between."""
     agent, passes, asked = run.agent, [], 0.0
+    started = None
     while True:
+        if started is None and agent.phase is not Phase.RUNNING:
+            started = (time.time(), sum(run.ask("cpu")), time.process_time())
         now = time.time()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         if profiler is not None:
             profiler.enable()
         agent._pass(now)
@@ -674,11 +690,15 @@ def _until_held(run: _Run, gen: int, deadline: float, profiler: cProfile.Profile
             profiler.disable()
         passes.append(time.perf_counter() - t0)
         if timed is not None:
-            timed.append((now, passes[-1]))
+            timed.append((now, passes[-1], time.thread_time() - cpu0))
         if now - asked > 0.25 or now > deadline:
             asked = now
             held = {k: t for part in run.ask("held", gen) for k, t in part.items()}
             if all(t is not None for t in held.values()) or now > deadline:
+                if cpu is not None and started is not None:
+                    cpu.update(wall=time.time() - started[0],
+                               stand_ins=sum(run.ask("cpu")) - started[1],
+                               coordinator=time.process_time() - started[2])
                 return passes, held
         time.sleep(agent.config.idle_poll if agent.phase is Phase.RUNNING
                    else agent.config.poll)

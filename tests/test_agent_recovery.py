@@ -80,17 +80,18 @@ def agent(tmp_path):
 def test_readys_are_read_once_each_and_the_last_one_brings_the_decision(agent):
     agent._abort("worker 1:1 lost")
     agent._phase_gathering(0.0)
-    assert agent.reads.count("Ready") == RANKS        # the first look: every member
+    assert agent.reads.count("Ready") == RANKS        # the round's first look: every member
     agent.reads.clear()
     agent._phase_gathering(0.01)
     assert agent.reads == []                          # nothing arrived: nothing read
     for rank in range(RANKS - 1):
         agent.mail._take(msg.Ready(1, rank, 3, "failure"))
+    agent.mail._take(msg.Ready(0, RANKS - 1, 9, "failure"))   # an older generation's
     agent._phase_gathering(0.02)
+    assert agent.reads == []                          # taken as they came, none looked up
     assert agent.round.ready == {0: 3, 1: 3, 2: 3} and agent.gen == 1
-    agent.reads.clear()
     agent._phase_gathering(0.03)
-    assert agent.reads == []
+    assert agent.gen == 1
     agent.mail._take(msg.Ready(1, RANKS - 1, 3, "failure"))   # the last one: decided
     agent._phase_gathering(0.04)
     assert agent.gen == 2 and agent.decision.members == tuple(range(RANKS))

@@ -152,6 +152,24 @@ def test_counted_reports_add_up(plane):
     assert plane.mail.count(msg.CommError, gen=2) == 0
 
 
+def test_new_records_are_handed_once_each_where_the_mail_can_say(plane):
+    """`take_new`: the relay's mail hands each record of a kind taken in since the last call
+    once, in arrival order (the coordinator's recovery takes in only the `Ready`s that
+    arrived); the store's cannot say (None), and its reader looks every record up."""
+    assert plane.mail.take_new(msg.Ready) is None     # the first call: from now on
+    link, _ = plane.link(0)
+    link.send(msg.Ready(1, 0, 3, "failure"))
+    link.send(msg.Ready(1, 1, 3, "failure"))
+    if plane.kind == "store":
+        assert plane.read(lambda m: m.get(msg.Ready, gen=1, rank=1))
+        assert plane.mail.take_new(msg.Ready) is None
+        return
+    taken: list = []
+    assert plane.read(lambda m: taken.extend(m.take_new(msg.Ready)) or len(taken) >= 2)
+    assert [(r.gen, r.rank, r.steps) for r in taken] == [(1, 0, 3), (1, 1, 3)]
+    assert plane.mail.take_new(msg.Ready) == []
+
+
 def test_a_welcome_a_decision_and_an_abort_reach_the_worker(plane):
     link, aborts = plane.link(2)
     got = {}

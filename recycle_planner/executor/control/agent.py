@@ -306,9 +306,8 @@ class _Round:
     known: dict[int, dict[int, tuple[float, ...]]] = field(default_factory=dict)  # their sums
     aborted_at: float | None = None      # when its abort was posted
     join_posted: bool = False            # a re-join or plan switch was asked for
-    # what the last look at the members' `Ready` and `Done` records saw (`Agent._looked`)
-    ready_seen: tuple | None = None
-    done_seen: tuple | None = None
+    readys_scanned: bool = False         # every member's `Ready` looked up once (`_readys`)
+    done_seen: tuple | None = None       # what the last look at `Done` saw (`_looked`)
 
 
 @dataclass
@@ -715,14 +714,12 @@ class Agent:
             if self._check_done():
                 return
         members = self._live_members()
-        for rank in ([] if self._looked(msg.Ready, "ready_seen") else members):
-            if rank not in self.round.ready:
-                ready = self.mail.get(msg.Ready, gen=gen, rank=rank)
-                if ready is not None:
-                    self.round.ready[rank] = ready.steps
-                    if ready.pending is not None:
-                        self.round.pending[rank] = ready.pending
-                    self.round.known[rank] = ready.known()
+        for ready in self._readys(gen, members):
+            if ready.rank not in self.round.ready:
+                self.round.ready[ready.rank] = ready.steps
+                if ready.pending is not None:
+                    self.round.pending[ready.rank] = ready.pending
+                self.round.known[ready.rank] = ready.known()
         missing = [r for r in members if r not in self.round.ready]
         if missing:
             # A live worker blocked on a stuck peer notices within the group timeout; one that
@@ -968,6 +965,21 @@ class Agent:
         incs = self._member_inc()
         return sorted(r for r, p in self.procs.items()
                       if p.hello is not None and incs.get(r) != p.incarnation)
+
+    def _readys(self, gen: int, members: list[int]) -> list[msg.Ready]:
+        """The live members' `Ready`s of generation `gen` to take in: the round's first look
+        reads every member's record; later ones only those taken in since the last look
+        (`Mail.take_new`), where the mail can say (else every missing member's again).
+        Looking up each missing member on every pass of a recovery cost the coordinator
+        about 10 ms a pass at 8,192 ranks."""
+        new = self.mail.take_new(msg.Ready)  # always taken: the next look starts here
+        if new is None or not self.round.readys_scanned:
+            self.round.readys_scanned = True
+            return [ready for r in members if r not in self.round.ready
+                    and (ready := self.mail.get(msg.Ready, gen=gen, rank=r)) is not None]
+        incs = self._member_inc()
+        return [ready for ready in new if ready.gen == gen and ready.rank in self.procs
+                and self.procs[ready.rank].incarnation == incs.get(ready.rank)]
 
     def _looked(self, kind: type[msg.Message], seen: str) -> bool:
         """Whether the members' records of `kind` were looked at since the last one arrived

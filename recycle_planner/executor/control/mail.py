@@ -50,6 +50,11 @@ class Mail(Protocol):
         """How many records of `kind` were taken in so far (None: this mail cannot say, so a
         reader looks each one up every time)."""
 
+    def take_new(self, kind: type[M]) -> list[M] | None:
+        """The records of `kind` taken in since the last call for `kind`, in arrival order
+        (None: this mail cannot say, or this is the first call: from then on they are kept
+        for the next; one reader per kind)."""
+
     def put(self, message: msg.Message) -> None:
         """Tell workers (or host agents) `message`."""
 
@@ -124,6 +129,9 @@ class StoreMail:
     def arrivals(self, kind: type[msg.Message]) -> int | None:
         return None  # workers write the store directly: nothing passes through here
 
+    def take_new(self, kind: type[M]) -> list[M] | None:
+        return None
+
     def put(self, message: msg.Message) -> None:
         msg.put(self.store, message)
 
@@ -156,6 +164,7 @@ class RelayMail:
         self.records: dict[str, msg.Message] = {}  # key -> record, reported and posted
         self.counts: dict[str, int] = {}
         self.arrived: dict[type, int] = {}       # record kind -> how many were taken in
+        self.new: dict[type, list[msg.Message]] = {}  # kinds read as they come (`take_new`)
         self.host_seq: dict[int, int] = {}       # node -> its latest report's number
         self.version = 0
         self.published_at = 0.0
@@ -182,6 +191,9 @@ class RelayMail:
         if isinstance(message, PER_ITERATION) and message.iteration < self.floor:
             return  # a late report of a forgotten iteration (a stale worker's)
         self.arrived[type(message)] = self.arrived.get(type(message), 0) + 1
+        new = self.new.get(type(message))
+        if new is not None:
+            new.append(message)
         key = message.key()
         if message.RULE == msg.COUNT:
             self.counts[key] = self.counts.get(key, 0) + 1
@@ -207,6 +219,10 @@ class RelayMail:
 
     def arrivals(self, kind: type[msg.Message]) -> int | None:
         return self.arrived.get(kind, 0)
+
+    def take_new(self, kind: type[M]) -> list[M] | None:
+        new, self.new[kind] = self.new.get(kind), []
+        return new
 
     # posting
     def put(self, message: msg.Message) -> None:
