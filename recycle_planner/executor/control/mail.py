@@ -51,9 +51,10 @@ class Mail(Protocol):
         reader looks each one up every time)."""
 
     def take_new(self, kind: type[M]) -> list[M] | None:
-        """The records of `kind` taken in since the last call for `kind`, in arrival order
-        (None: this mail cannot say, or this is the first call: from then on they are kept
-        for the next; one reader per kind)."""
+        """The records of `kind` taken in since the last call for `kind` (for the kinds of
+        `AS_THEY_COME`, on the first call: since the start), in arrival order; None: this
+        mail cannot say, or the first call for another kind (from then on they are kept for
+        the next). One reader per kind."""
 
     def put(self, message: msg.Message) -> None:
         """Tell workers (or host agents) `message`."""
@@ -71,6 +72,10 @@ class Mail(Protocol):
         worker's write returns once the store holds it. Records workers exchange through the
         store (`ON_STORE`: the steps an injected fault waits for) leave it too."""
 
+
+AS_THEY_COME = (msg.Ready, msg.WorkerExit, msg.Spawned)
+"""The records the coordinator reads as they arrive (`Mail.take_new`), none missed: the
+members' `Ready`s of a recovery, the host agents' exits and restarts of workers."""
 
 PER_ITERATION = (msg.IterationDone, msg.Losses, msg.CheckpointWritten)
 """The records of one iteration (every rank's end, the last stage's losses, each stage's
@@ -164,7 +169,8 @@ class RelayMail:
         self.records: dict[str, msg.Message] = {}  # key -> record, reported and posted
         self.counts: dict[str, int] = {}
         self.arrived: dict[type, int] = {}       # record kind -> how many were taken in
-        self.new: dict[type, list[msg.Message]] = {}  # kinds read as they come (`take_new`)
+        # kinds read as they come (`take_new`): those of `AS_THEY_COME` from the start
+        self.new: dict[type, list[msg.Message]] = {kind: [] for kind in AS_THEY_COME}
         self.host_seq: dict[int, int] = {}       # node -> its latest report's number
         self.version = 0
         self.published_at = 0.0
