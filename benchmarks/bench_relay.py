@@ -62,7 +62,7 @@ from recycle_planner.executor.control.link import (LOST, ControlLost, HostLink, 
 from recycle_planner.executor.control.mail import StoreMail  # noqa: E402
 from recycle_planner.executor.control.pool import HostPool  # noqa: E402
 from recycle_planner.executor.control.protocol import Decision  # noqa: E402
-from recycle_planner.executor.control.relay import Relay  # noqa: E402
+from recycle_planner.executor.control.relay import UP_QUEUE, HostReport, Relay  # noqa: E402
 from recycle_planner.executor.control.result import EventKind  # noqa: E402
 from recycle_planner.executor.control.runfolder import claim  # noqa: E402
 
@@ -73,6 +73,7 @@ log = logging.getLogger("bench_relay")
 RESULTS = Path(__file__).resolve().parent / "results" / "relay.json"
 MEMORY_RESULTS = Path(__file__).resolve().parent / "results" / "relay-memory.json"
 RECOVERY_RESULTS = Path(__file__).resolve().parent / "results" / "relay-recovery.json"
+ALONE_RESULTS = Path(__file__).resolve().parent / "results" / "relay-recovery-alone.json"
 
 
 class Counting:
@@ -729,6 +730,11 @@ def main() -> None:
     parser.add_argument("--per-host", type=int, default=PER_HOST,
                         help="--recovery: ranks per stand-in host (%(default)s; 64 lets 2 "
                              "cores run 8,192 ranks as 128 hosts: 1,024 do not fit)")
+    parser.add_argument("--alone", action="store_true",
+                        help="--recovery: the coordinator's own part only (no stand-ins): CPU "
+                             "time from the last host's lease running out to the decision, "
+                             "with every other host's Readys queued at once "
+                             "(results/relay-recovery-alone.json)")
     parser.add_argument("--profile", metavar="FILE",
                         help="--recovery: write the cProfile statistics of the coordinator's "
                              "passes from the loss to every survivor holding the decision "
@@ -754,7 +760,46 @@ def main() -> None:
                                    row.get("linger") if args.memory else None))
 
 
+def alone(ranks: int, per_host: int, repeat: int = 3) -> dict:
+    """The coordinator's own part of a recovery, with nothing else running (what stays serial
+    on a cluster, where every host agent and worker has its own cores): the last host's
+    workers lose their lease, the abort is posted, then every other host's report of its
+    workers' `Ready`s is queued on the coordinator's store at once, and its passes run until
+    it has decided. CPU seconds of its thread, the least of `repeat` runs (each on a fresh
+    coordinator)."""
+    runs = []
+    for _ in range(repeat):
+        folder = tempfile.mkdtemp(prefix="bench-relay-alone-")
+        agent = _coordinator(ranks, "relay", f"{folder}/run", Counter(), 4.0, 4.0, per_host)
+        agent._pass(time.time())
+        for proc in agent.procs.values():
+            proc.hello = msg.Hello(proc.rank, 0, 0, "stand-in", "lib", 0)
+        t0 = time.thread_time()
+        for rank in range(ranks - per_host, ranks):
+            agent._lease_expired(agent.procs[rank], agent.config.lease)
+        agent.mail.flush()
+        declared = time.thread_time() - t0
+        for node in range(ranks // per_host - 1):
+            agent.store.queue_push(UP_QUEUE, HostReport(node, 1, tuple(
+                ("Ready", msg.Ready(1, r, 5, "failure").to_json())
+                for r in range(node * per_host, (node + 1) * per_host))).to_json())
+        t0, passes = time.thread_time(), 0
+        while agent.gen == 1:
+            agent._pass(time.time())
+            passes += 1
+        runs.append((declared, time.thread_time() - t0, passes))
+    best = min(runs, key=lambda r: r[1])
+    return {"ranks": ranks, "per_host": per_host, "readys": ranks - per_host,
+            "declare_and_abort_cpu_s": best[0], "readys_to_decided_cpu_s": best[1],
+            "passes": best[2], "runs_cpu_s": [r[1] for r in runs]}
+
+
 def _recoveries(args) -> None:
+    if args.alone:
+        rows = [alone(ranks, args.per_host) for ranks in args.ranks]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        return _write(ALONE_RESULTS, rows, lambda row: (row["ranks"], row["per_host"]))
     if args.per_host % args.per_link or any(r % args.per_host for r in args.ranks):
         sys.exit("--per-link must divide --per-host, and --per-host every --ranks")
     rows, failed = [], []

@@ -832,8 +832,8 @@ class Agent:
         self.round = _Round()
         for rank in steps:
             proc = self.procs.get(rank)
-            if proc is not None and not self.mail.present(
-                    msg.Welcome, [{"rank": rank, "incarnation": proc.incarnation}]):
+            if proc is not None and self.mail.get(msg.Welcome, rank=rank,
+                                                  incarnation=proc.incarnation) is None:
                 welcome = gen if decision.action == "run" or steps[rank] is not None else -1
                 self.mail.put(msg.Welcome(rank, proc.incarnation, welcome))
         if decision.action == "stop":
