@@ -27,6 +27,7 @@ infinite, nothing retired) against retired a lease after their iteration's losse
     python bench_relay.py --recovery --ranks 1024 2048 --lease 4 --per-link 8
     python bench_relay.py --recovery --ranks 8192 --per-host 64 --per-link 64 --iteration 4 \
         --seconds 12 --lease 4     # 1,024 stand-in hosts of 8 do not fit 2 cores
+    python bench_relay.py --recovery --alone --ranks 1024 8192 --per-host 64  # coordinator only
 """
 
 from __future__ import annotations
