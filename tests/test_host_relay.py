@@ -268,6 +268,51 @@ def test_a_worker_whose_host_agent_falls_silent_loses_its_link_within_the_lease(
         relay.close()
 
 
+FAKE_AGENT = """
+import socket, sys, time
+from recycle_planner.executor.control.relay import encode
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(sys.argv[1])
+listener.listen(1)
+print("ready", flush=True)
+conn, _ = listener.accept()
+while True:                          # a host agent that only beats, every 50 ms
+    conn.sendall(encode({"push": "beat"}))
+    time.sleep(0.05)
+"""
+
+
+def test_a_worker_whose_training_thread_holds_the_gil_keeps_its_link(tmp_path):
+    """A training thread may hold the GIL for longer than the lease (user code in a C
+    extension): the link's threads cannot run, but the host agent, another process, beats on
+    and its frames wait in the socket. The process was busy, not paused (`pause.PauseClock`),
+    so the link reads what waits before it judges the agent's silence, in one thread, and
+    stays up; a judge on a thread of its own raced the reader and could take the unread
+    beats for silence."""
+    path = str(tmp_path / "agent.sock")
+    agent = subprocess.Popen([sys.executable, "-c", FAKE_AGENT, path], stdout=subprocess.PIPE,
+                             text=True, cwd=ROOT)
+    interval = sys.getswitchinterval()
+    try:
+        assert agent.stdout.readline().strip() == "ready"
+        lease = 0.3
+        link = HostLink(path, 0, 0, ("127.0.0.1", 1), 10.0, 0.05, lease)
+        time.sleep(2 * lease)
+        assert link.lost is None
+        sys.setswitchinterval(30.0)  # no other thread of this process runs until we wait
+        end = time.monotonic() + 3 * lease
+        while time.monotonic() < end:
+            pass
+        sys.setswitchinterval(interval)
+        time.sleep(lease)
+        assert link.lost is None, link.lost
+        link.close()
+    finally:
+        sys.setswitchinterval(interval)
+        agent.kill()
+        agent.wait()
+
+
 STAND_IN = """
 import os, signal, sys, time
 from recycle_planner.executor.config import WorkerConfig

@@ -52,6 +52,7 @@ from datetime import timedelta
 from typing import Any, Mapping
 
 from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.pause import PauseClock
 from recycle_planner.executor.control.protocol import decision_key
 
 log = logging.getLogger(__name__)
@@ -363,7 +364,7 @@ class Relay:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._closed = False
-        self._looked_at = time.monotonic()
+        self._pause = PauseClock()                 # `_awake`
         self._beaten_at = 0.0                      # when its workers were last sent a beat
         self._epoch = 0
         self._threads: list[threading.Thread] = []  # one per store watched, the last current
@@ -439,17 +440,16 @@ class Relay:
 
     # one pass
     def _awake(self) -> float:
-        """Now; if this process was stopped (or starved) for over a second since it last
-        looked, its workers and the coordinator were not silent: it could not hear them, so
-        their silence counts from now. Checked wherever silence is judged, as the process
-        may be stopped anywhere in between."""
-        now = time.monotonic()
-        if now - self._looked_at > 1.0:
+        """Now; if this process was paused (`pause.PauseClock`) since it last looked, its
+        workers and the coordinator were not silent: it could not hear them, so their silence
+        counts from now. Looked at wherever silence is judged (`step`, `silent`), as the
+        process may be stopped anywhere in between."""
+        now, paused = self._pause.look()
+        if paused:
             for c in self.conns.values():
                 if c.beat is not None:
                     c.beat = now
             self.noticed_at = max(self.noticed_at, now)
-        self._looked_at = now
         return now
 
     def step(self) -> None:
