@@ -295,16 +295,16 @@ def test_a_worker_whose_training_thread_holds_the_gil_keeps_its_link(tmp_path):
     interval = sys.getswitchinterval()
     try:
         assert agent.stdout.readline().strip() == "ready"
-        lease = 0.3
+        lease = 1.0
         link = HostLink(path, 0, 0, ("127.0.0.1", 1), 10.0, 0.05, lease)
-        time.sleep(2 * lease)
+        time.sleep(0.3)
         assert link.lost is None
         sys.setswitchinterval(30.0)  # no other thread of this process runs until we wait
-        end = time.monotonic() + 3 * lease
+        end = time.monotonic() + 1.5 * lease
         while time.monotonic() < end:
             pass
         sys.setswitchinterval(interval)
-        time.sleep(lease)
+        time.sleep(0.3)
         assert link.lost is None, link.lost
         link.close()
     finally:
