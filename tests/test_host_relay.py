@@ -389,7 +389,9 @@ def test_a_relay_re_attached_to_a_new_coordinator_re_sends_and_moves_the_groups(
     """The coordinator is lost (`detach`): the worker keeps reporting, its record for other
     workers (`Shape`) and its question where to form groups wait; re-attached to a new
     coordinator's store, the relay re-sends what the lost one had not made durable and its
-    `Attach`, then answers: the record lands in the new store, the groups form there."""
+    `Attach`, then answers: the record lands in the new store, the groups form there. The
+    shape put on the lost store is put again (a worker restarted later waits for it), and the
+    `Attach` tells the switch iteration the members had agreed there."""
     old, new = (dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=10)) for _ in range(2))
     mails = [RelayMail(s, nnodes=1, per_host=1, beat_every=0.25) for s in (old, new)]
@@ -408,6 +410,11 @@ def test_a_relay_re_attached_to_a_new_coordinator_re_sends_and_moves_the_groups(
     link = HostLink(relay.path, 0, 0, ("127.0.0.1", old.port), 10.0, 0.05)
     link.watch(lambda: msg.Heartbeat(0, 0, time.time()), lambda: 0, lambda g, r: None)
     try:
+        mails[0].post_decision(Decision(gen=0, action="run", members=(0,), dead=(), restart=0))
+        mails[0].flush()
+        assert link.decision(0).gen == 0
+        assert link.send(msg.SwitchAt(0, 7)).iteration == 7
+        link.send(msg.Shape(1, "before"))
         link.send(msg.Losses(0, 0, 0, ((0, 0, 0.5),)))
         _until(lambda: mails[0].refresh() or mails[0].get(msg.Losses, iteration=0, rank=0))
         with lock:
@@ -427,8 +434,9 @@ def test_a_relay_re_attached_to_a_new_coordinator_re_sends_and_moves_the_groups(
         _until(lambda: mails[1].refresh() or mails[1].get(msg.Attach, node=0))
         for i in (0, 1):  # nothing was made durable: both losses re-sent
             assert mails[1].get(msg.Losses, iteration=i, rank=0) is not None
-        assert mails[1].get(msg.Attach, node=0).workers == ((0, 0),)
-        assert new.check(["shape/0"])
+        attach = mails[1].get(msg.Attach, node=0)
+        assert attach.workers == ((0, 0),) and (attach.gen, attach.switch_at) == (0, 7)
+        assert new.check(["shape/0", "shape/1"])
     finally:
         link.close()
         stop.set()

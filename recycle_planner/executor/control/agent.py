@@ -652,8 +652,9 @@ class Agent:
             self.mail.put(msg.Kill(rank, inc))  # should its host come back
             self._death(Proc(rank, inc, None, self.log_dir, time.time()),
                         "was lost while the coordinators changed")
-        if adoption.abort is not None:
-            self._abort(adoption.abort)
+        abort = adoption.abort_reason()
+        if abort is not None:
+            self._abort(abort)
         elif self.phase is Phase.RUNNING and adoption.join:
             self.mail.put(msg.JoinRequest(d.gen))
             self.round.join_posted = True

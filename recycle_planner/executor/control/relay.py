@@ -33,7 +33,10 @@ carry the typed records of `messages.py`. The host agent's `Relay`:
 
 The coordinator's side is `mail.RelayMail`. Records between workers of different hosts (a
 stage's output shape, the agreed switch iteration, the step reports an injected fault waits
-for) and the process groups stay on the coordinator's c10d store (`DIRECT`).
+for) and the process groups stay on the coordinator's c10d store (`DIRECT`). A coordinator
+that takes over starts a new store: the relay puts the shapes again (a worker restarted
+later waits for its input's), and tells in its `Attach` the switch iteration its workers
+heard (`takeover.Adoption.abort_reason`).
 """
 
 from __future__ import annotations
@@ -337,6 +340,8 @@ class Relay:
         self.attached = True            # False between a lost coordinator and the next
         self.journal = Journal()
         self.deferred: list[tuple[_Conn, dict]] = []  # worker records for the next store
+        self.shapes: dict[int, msg.Shape] = {}  # the stages' shapes put: again on a new store
+        self.switches: dict[int, int] = {}      # gen -> the switch iteration agreed (heard)
         self._direct: list[tuple[_Conn, dict]] = []   # answers of the store thread to send
         self._later: list[tuple[Any, Any, Any]] = []   # answers of `call` for the loop
         self.node, self.path = node, path
@@ -583,6 +588,10 @@ class Relay:
         """A record between workers of different hosts, on the store itself (its answer, a
         count, goes back to the worker once the store thread has it)."""
         def done(result: Any) -> None:
+            if isinstance(message, msg.Shape):
+                self.shapes[message.stage] = message
+            elif isinstance(result, msg.SwitchAt):
+                self.switches[result.gen] = result.iteration
             text = result.to_json() if isinstance(result, msg.Message) else result
             self._direct.append((conn, {"id": frame.get("id"), "rec": text}))
             self._wake()
@@ -648,6 +657,7 @@ class Relay:
             self.decisions[gen] = text
             for old in [g for g in self.decisions if g < gen - 1]:
                 del self.decisions[old]
+                self.switches.pop(old, None)
         return self.decisions[gen]
 
     def _push_aborts(self, conn: _Conn) -> None:
@@ -749,6 +759,8 @@ class Relay:
         self.noticed_at = time.monotonic()
         self._start_notices()
         self.calls = self._calls(store)
+        for shape in self.shapes.values():  # a worker restarted later waits for them there
+            self.calls.apply(lambda st, m=shape: msg.put(st, m), lambda _: None, lambda: None)
         self._redo_deferred()
         try:
             self._flush(time.monotonic(), force=True)
@@ -766,7 +778,8 @@ class Relay:
         abort = self.notice(msg.Abort, gen=gen)
         return msg.Attach(self.node, gen, self.decisions[gen], workers,
                           abort.reason if abort is not None else None,
-                          msg.JoinRequest.key_for(gen=gen) in self.bulletin.records, saved)
+                          msg.JoinRequest.key_for(gen=gen) in self.bulletin.records, saved,
+                          self.switches.get(gen, -1))
 
     def close(self) -> bool:
         """Stop; waits for the notice thread to leave its store call (the coordinator's next
