@@ -39,8 +39,12 @@ LOCK = threading.Lock()
 
 
 def _client(port: int, timeout: float = 10.0):
-    return dist.TCPStore("127.0.0.1", port, is_master=False,
-                         timeout=timedelta(seconds=timeout))
+    """A store client whose calls time out after `timeout`; connecting may take longer (this
+    sandbox delays about one new connection in 25 by 5 s)."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=timedelta(seconds=max(timeout, 30.0)))
+    store.set_timeout(timedelta(seconds=timeout))
+    return store
 
 
 class _Counting:
