@@ -586,14 +586,22 @@ class Relay:
 
     def _put_direct(self, conn: _Conn, frame: dict, message: msg.Message) -> None:
         """A record between workers of different hosts, on the store itself (its answer, a
-        count, goes back to the worker once the store thread has it)."""
+        count, goes back to the worker once the store thread has it). An answer from a store
+        this relay left meanwhile is not given: the record waits for the next store, so that
+        what a worker hears is what the next `Attach` tells (`switches`)."""
+        epoch = self._epoch
+
         def done(result: Any) -> None:
-            if isinstance(message, msg.Shape):
-                self.shapes[message.stage] = message
-            elif isinstance(result, msg.SwitchAt):
-                self.switches[result.gen] = result.iteration
-            text = result.to_json() if isinstance(result, msg.Message) else result
-            self._direct.append((conn, {"id": frame.get("id"), "rec": text}))
+            with self._lock:
+                if epoch != self._epoch:
+                    self.deferred.append((conn, frame))
+                    return
+                if isinstance(message, msg.Shape):
+                    self.shapes[message.stage] = message
+                elif isinstance(result, msg.SwitchAt):
+                    self.switches[result.gen] = result.iteration
+                text = result.to_json() if isinstance(result, msg.Message) else result
+                self._direct.append((conn, {"id": frame.get("id"), "rec": text}))
             self._wake()
 
         try:
@@ -759,7 +767,7 @@ class Relay:
         self.noticed_at = time.monotonic()
         self._start_notices()
         self.calls = self._calls(store)
-        for shape in self.shapes.values():  # a worker restarted later waits for them there
+        for shape in list(self.shapes.values()):  # a worker restarted later waits for them
             self.calls.apply(lambda st, m=shape: msg.put(st, m), lambda _: None, lambda: None)
         self._redo_deferred()
         try:
