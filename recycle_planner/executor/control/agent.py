@@ -48,6 +48,7 @@ from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control import protocol as P
 from recycle_planner.executor.control.iterations import IterationLog
 from recycle_planner.executor.control.mail import Mail
+from recycle_planner.executor.control.pause import PauseClock
 from recycle_planner.executor.control.pool import LocalPool, Proc, WorkerPool, last_line
 from recycle_planner.executor.control.result import (Death, Event, EventKind, GenerationRecord,
                                                      LaunchResult, Recovery, Status)
@@ -369,7 +370,7 @@ class Agent:
         self.decision: P.Decision | None = None
         self.round = _Round()                      # what this generation gathered so far
         self.next_beat_check = 0.0
-        self.passed_at = (time.monotonic(), time.process_time())  # the last pass (`_awake`)
+        self.pause = PauseClock()                  # looked at each pass (`_awake`)
         self.next_checkpoint = config.checkpoint_every
         self.idle_reconfigurations = 0
         self.final_iterations = 0
@@ -498,14 +499,12 @@ class Agent:
             self._death(proc, ended.how)
 
     def _awake(self, now: float) -> None:
-        """This process, stopped or starved for over a second since its last pass, could not
-        hear the workers meanwhile: their silence counts from now (as a host agent's relay
-        counts theirs, `Relay._awake`), not from before the pause. A pause is time this
-        process did not run (its CPU time, all threads, lagging the clock): a long pass of a
-        large job runs, and so does the store's thread, which keeps the hosts' reports for
-        the next pass (the loop's thread alone waits for the GIL and the store: no pause)."""
-        (wall, cpu), self.passed_at = self.passed_at, (time.monotonic(), time.process_time())
-        if (self.passed_at[0] - wall) - (self.passed_at[1] - cpu) > 1.0:
+        """This process, paused since its last pass (`pause.PauseClock`: stopped or starved,
+        not a long busy pass of a large job), could not hear the workers meanwhile: their
+        silence counts from now (as a host agent's relay counts theirs, `Relay._awake`), not
+        from before the pause. Looked at after the pass refreshed its mail and before it
+        judges the heartbeats."""
+        if self.pause.look().paused:
             for proc in self.procs.values():
                 proc.last_beat = max(proc.last_beat, now)
 
@@ -662,8 +661,9 @@ class Agent:
             self.mail.put(msg.Kill(rank, inc))  # should its host come back
             self._death(Proc(rank, inc, None, self.log_dir, time.time()),
                         "was lost while the coordinators changed")
-        if adoption.abort is not None:
-            self._abort(adoption.abort)
+        abort = adoption.abort_reason()
+        if abort is not None:
+            self._abort(abort)
         elif self.phase is Phase.RUNNING and adoption.join:
             self.mail.put(msg.JoinRequest(d.gen))
             self.round.join_posted = True

@@ -306,6 +306,7 @@ class HostPool:
                 held = None
             self._held = (now, held)
         return held
+
     def close(self, procs: dict[int, Proc], outcome) -> None:
         """Tell the host agents the job is over and give them a moment to read it."""
         mail = self.agent.mail
