@@ -27,11 +27,13 @@ infinite, nothing retired) against retired a lease after their iteration's losse
     python bench_relay.py --recovery --ranks 1024 2048 --lease 4 --per-link 8
     python bench_relay.py --recovery --ranks 8192 --per-host 64 --per-link 64 --iteration 4 \
         --seconds 12 --lease 4     # 1,024 stand-in hosts of 8 do not fit 2 cores
+    python bench_relay.py --recovery --alone --ranks 1024 8192 --per-host 64  # coordinator only
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import itertools
 import json
 import logging
@@ -61,7 +63,7 @@ from recycle_planner.executor.control.link import (LOST, ControlLost, HostLink, 
 from recycle_planner.executor.control.mail import StoreMail  # noqa: E402
 from recycle_planner.executor.control.pool import HostPool  # noqa: E402
 from recycle_planner.executor.control.protocol import Decision  # noqa: E402
-from recycle_planner.executor.control.relay import Relay  # noqa: E402
+from recycle_planner.executor.control.relay import UP_QUEUE, HostReport, Relay  # noqa: E402
 from recycle_planner.executor.control.result import EventKind  # noqa: E402
 from recycle_planner.executor.control.runfolder import claim  # noqa: E402
 
@@ -72,6 +74,7 @@ log = logging.getLogger("bench_relay")
 RESULTS = Path(__file__).resolve().parent / "results" / "relay.json"
 MEMORY_RESULTS = Path(__file__).resolve().parent / "results" / "relay-memory.json"
 RECOVERY_RESULTS = Path(__file__).resolve().parent / "results" / "relay-recovery.json"
+ALONE_RESULTS = Path(__file__).resolve().parent / "results" / "relay-recovery-alone.json"
 
 
 class Counting:
@@ -362,6 +365,8 @@ def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: f
             conn.send(vanish(arg))
         elif command == "held":
             conn.send({g.ranks[0]: g.held.get(arg) for g in groups if not g.vanished})
+        elif command == "cpu":
+            conn.send(time.process_time())
         else:
             break
     stop.set()
@@ -507,18 +512,62 @@ def _steady_row(agent: Agent, mode: str, ranks: int, procs: int, lease: float, l
                        "iterations_held_end": memory1[2] - agent.iterations.retired}}
 
 
+class _Timeline:
+    """When the coordinator's mail took in every survivor's `Ready` and published each
+    bulletin (its `refresh` and `flush` wrapped, on this instance only), and how long each
+    pass of the recovery took: the recovery's steps between the coordinator's events."""
+
+    def __init__(self, agent: Agent):
+        self.mail = agent.mail
+        self.refreshes: list[tuple[float, int]] = []   # (end, Readys taken in so far)
+        self.published: list[float] = []               # ends of flushes that published
+        self.passes: list[tuple[float, float, float]] = []  # (start, seconds, CPU seconds)
+        refresh, flush = self.mail.refresh, self.mail.flush
+
+        def timed_refresh() -> None:
+            refresh()
+            self.refreshes.append((time.time(), self.mail.arrivals(msg.Ready) or 0))
+
+        def timed_flush() -> None:
+            version = self.mail.version
+            flush()
+            if self.mail.version != version:
+                self.published.append(time.time())
+        self.mail.refresh, self.mail.flush = timed_refresh, timed_flush
+
+    def steps(self, readies: int, since: float, abort: float | None,
+              decided: float | None) -> dict:
+        """Times (absolute) of: the abort published, the last of `readies` `Ready`s taken in
+        (counted from `since`), the decision published; and between the abort and the
+        decision, the time the coordinator's passes took and the CPU time its thread used in
+        them (what would stay serial on a cluster, where the hosts' side runs elsewhere)."""
+        base = max((n for t, n in self.refreshes if t < since), default=0)
+        readies_in = next((t for t, n in self.refreshes if n - base >= readies), None)
+
+        def published_after(t0):
+            return None if t0 is None else next((t for t in self.published if t >= t0), None)
+        inside = ([] if abort is None or decided is None else
+                  [(d, cpu) for t, d, cpu in self.passes if abort <= t <= decided])
+        return {"abort_published": published_after(abort), "readies_in": readies_in,
+                "decision_published": published_after(decided),
+                "busy": sum(d for d, _ in inside) if inside else None,
+                "cpu": sum(cpu for _, cpu in inside) if inside else None}
+
+
 def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration: float,
-            warmup: float, procs: int, lease: float) -> dict:
+            warmup: float, procs: int, lease: float, profile: str | None = None) -> dict:
     """Steady state over `seconds`, then the last host vanishes: from then to every surviving
     stand-in worker holding the next generation's decision, on the coordinator's own loop (its
     pass, then its poll: 2 ms while a generation is abandoned, 20 ms while one runs, as
     `Agent.run`). The measure goes on a lease after the last one held it (every survivor must
     still be alive then, and no other generation made), and the row is taken before the
-    stand-ins are stopped."""
+    stand-ins are stopped. `profile`: a file for the cProfile statistics of the coordinator's
+    passes from the loss to every survivor holding the decision."""
     run = _Run(ranks, "relay", iteration, procs, lease, lease, per_host, per_link)
     try:
         agent = run.agent
         rates, passes, elapsed = run.steady(warmup, seconds)
+        timeline = _Timeline(agent)
         before = list(agent.deaths)  # none, unless the machine starved a live host's lease
         if before:
             log.warning("%d live stand-ins lost their lease before the loss (the machine "
@@ -533,7 +582,12 @@ def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration:
         gen = agent.gen + 1  # the generation the loss brings
         run.owner[lost].send(("vanish", lost))
         t_loss = run.owner[lost].recv()
-        recovery, held = _until_held(run, gen, t_loss + 3 * lease + 120)
+        profiler = cProfile.Profile() if profile else None
+        cpu: dict = {}
+        recovery, held = _until_held(run, gen, t_loss + 3 * lease + 120, profiler,
+                                     timeline.passes, cpu)
+        if profiler is not None:
+            profiler.dump_stats(profile)
         t_done = time.time()
         settle = t_done + lease  # a lease more: nothing else may happen
         while time.time() < settle:
@@ -547,6 +601,8 @@ def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration:
                           "total_ops_per_s": sum(rates.values()),
                           "coordinator_pass_ms": _ms(passes)}}
         row.update(_recovery(agent, gen, lost_ranks, lease_out, t_loss, t_done, held))
+        row.update(_steps(agent, timeline, gen, ranks - per_host, t_loss))
+        row["cpu_abort_to_all_hold_s"] = cpu  # CPU seconds; 2 cores give 2 per second
         row.update({"recovery_pass_ms": _ms(recovery), "deaths_before_loss": len(before),
                     "measured_until_s": time.time() - t_loss, "load": os.getloadavg()})
         return row
@@ -585,19 +641,66 @@ def _recovery(agent: Agent, gen: int, lost_ranks: set[int], lease_out: float, t_
                    and e.kind not in (EventKind.DEATH, EventKind.HANG)][:12]}
 
 
-def _until_held(run: _Run, gen: int, deadline: float) -> tuple[list[float], dict]:
+def _steps(agent: Agent, timeline: _Timeline, gen: int, survivors: int, t_loss: float
+           ) -> dict:
+    """The recovery's inner steps (seconds): the abort's publication after the host was
+    declared dead, every survivor's `Ready` taken in after that, the decision after the last
+    `Ready`, its publication after the decision; and between the abort and the decision, the
+    coordinator's share of the time spent in its passes (its one thread busy) and the CPU
+    time of its thread."""
+    def first(kind, pred=lambda e: True):
+        return min((e.t + agent.t0 for e in agent.events if e.kind is kind and e.t + agent.t0
+                    >= t_loss and pred(e)), default=None)
+    declared = first(EventKind.DEATH)
+    abort = first(EventKind.ABORT)
+    decided = first(EventKind.GENERATION, lambda e: e.data["gen"] == gen)
+    at = timeline.steps(survivors, t_loss, abort, decided)
+
+    def between(a, b):
+        return None if a is None or b is None else b - a
+    return {"declared_to_abort_published_s": between(declared, at["abort_published"]),
+            "abort_published_to_readies_in_s": between(at["abort_published"],
+                                                       at["readies_in"]),
+            "readies_in_to_decided_s": between(at["readies_in"], decided),
+            "decided_to_published_s": between(decided, at["decision_published"]),
+            "coordinator_busy_abort_to_decided": (
+                None if at["busy"] is None or not decided or decided <= abort
+                else at["busy"] / (decided - abort)),
+            "coordinator_cpu_abort_to_decided_s": at["cpu"]}
+
+
+def _until_held(run: _Run, gen: int, deadline: float, profiler: cProfile.Profile | None = None,
+                timed: list[tuple[float, float, float]] | None = None,
+                cpu: dict | None = None) -> tuple[list[float], dict]:
     """Pass the coordinator's loop until every live link's workers hold generation `gen` (asked
-    every quarter second), or `deadline`; its pass times, and when each held it."""
+    every quarter second), or `deadline`; its pass times, and when each held it. `profiler`
+    profiles the passes; `timed` gets each pass's start, length and CPU time; `cpu` the CPU
+    seconds used from the abort (the first pass that left the generation) to the end, by
+    the stand-in processes and by this process (the coordinator, its store's thread
+    included), and the wall time between."""
     agent, passes, asked = run.agent, [], 0.0
+    started = None
     while True:
+        if started is None and agent.phase is not Phase.RUNNING:
+            started = (time.time(), sum(run.ask("cpu")), time.process_time())
         now = time.time()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        if profiler is not None:
+            profiler.enable()
         agent._pass(now)
+        if profiler is not None:
+            profiler.disable()
         passes.append(time.perf_counter() - t0)
+        if timed is not None:
+            timed.append((now, passes[-1], time.thread_time() - cpu0))
         if now - asked > 0.25 or now > deadline:
             asked = now
             held = {k: t for part in run.ask("held", gen) for k, t in part.items()}
             if all(t is not None for t in held.values()) or now > deadline:
+                if cpu is not None and started is not None:
+                    cpu.update(wall=time.time() - started[0],
+                               stand_ins=sum(run.ask("cpu")) - started[1],
+                               coordinator=time.process_time() - started[2])
                 return passes, held
         time.sleep(agent.config.idle_poll if agent.phase is Phase.RUNNING
                    else agent.config.poll)
@@ -628,6 +731,15 @@ def main() -> None:
     parser.add_argument("--per-host", type=int, default=PER_HOST,
                         help="--recovery: ranks per stand-in host (%(default)s; 64 lets 2 "
                              "cores run 8,192 ranks as 128 hosts: 1,024 do not fit)")
+    parser.add_argument("--alone", action="store_true",
+                        help="--recovery: the coordinator's own part only (no stand-ins): CPU "
+                             "time from the last host's lease running out to the decision, "
+                             "with every other host's Readys queued at once "
+                             "(results/relay-recovery-alone.json)")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="--recovery: write the cProfile statistics of the coordinator's "
+                             "passes from the loss to every survivor holding the decision "
+                             "(read with `python -m pstats FILE`; one size only)")
     parser.add_argument("--per-link", type=int, default=1,
                         help="--recovery: ranks whose records share one stand-in link "
                              "(1: a link per rank, as workers have; --per-host: one per host, "
@@ -649,13 +761,52 @@ def main() -> None:
                                    row.get("linger") if args.memory else None))
 
 
+def alone(ranks: int, per_host: int, repeat: int = 3) -> dict:
+    """The coordinator's own part of a recovery, with nothing else running (what stays serial
+    on a cluster, where every host agent and worker has its own cores): the last host's
+    workers lose their lease, the abort is posted, then every other host's report of its
+    workers' `Ready`s is queued on the coordinator's store at once, and its passes run until
+    it has decided. CPU seconds of its thread, the least of `repeat` runs (each on a fresh
+    coordinator)."""
+    runs = []
+    for _ in range(repeat):
+        folder = tempfile.mkdtemp(prefix="bench-relay-alone-")
+        agent = _coordinator(ranks, "relay", f"{folder}/run", Counter(), 4.0, 4.0, per_host)
+        agent._pass(time.time())
+        for proc in agent.procs.values():
+            proc.hello = msg.Hello(proc.rank, 0, 0, "stand-in", "lib", 0)
+        t0 = time.thread_time()
+        for rank in range(ranks - per_host, ranks):
+            agent._lease_expired(agent.procs[rank], agent.config.lease)
+        agent.mail.flush()
+        declared = time.thread_time() - t0
+        for node in range(ranks // per_host - 1):
+            agent.store.queue_push(UP_QUEUE, HostReport(node, 1, tuple(
+                ("Ready", msg.Ready(1, r, 5, "failure").to_json())
+                for r in range(node * per_host, (node + 1) * per_host))).to_json())
+        t0, passes = time.thread_time(), 0
+        while agent.gen == 1:
+            agent._pass(time.time())
+            passes += 1
+        runs.append((declared, time.thread_time() - t0, passes))
+    best = min(runs, key=lambda r: r[1])
+    return {"ranks": ranks, "per_host": per_host, "readys": ranks - per_host,
+            "declare_and_abort_cpu_s": best[0], "readys_to_decided_cpu_s": best[1],
+            "passes": best[2], "runs_cpu_s": [r[1] for r in runs]}
+
+
 def _recoveries(args) -> None:
+    if args.alone:
+        rows = [alone(ranks, args.per_host) for ranks in args.ranks]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        return _write(ALONE_RESULTS, rows, lambda row: (row["ranks"], row["per_host"]))
     if args.per_host % args.per_link or any(r % args.per_host for r in args.ranks):
         sys.exit("--per-link must divide --per-host, and --per-host every --ranks")
     rows, failed = [], []
     for ranks in args.ranks:
         row = recover(ranks, args.per_host, args.per_link, args.seconds, args.iteration,
-                      args.warmup, args.procs, args.lease)
+                      args.warmup, args.procs, args.lease, args.profile)
         print(json.dumps(row), flush=True)
         if row["survivor_links_held"] < row["survivor_links"] or row["deaths_before_loss"] \
                 or row["deaths_not_of_lost_host"] or row["decisions_of_it"] != 1:

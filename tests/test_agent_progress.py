@@ -45,7 +45,7 @@ def test_progress_is_told_from_memory_not_from_the_run_folder(tmp_path, monkeypa
         _stage_files(run, 10)
         for s in range(STAGES):          # every stage reported its checkpoint of 10
             written = msg.CheckpointWritten(10, s)
-            agent.mail._take(written, written.to_json())
+            agent.mail._take(written)
         agent._checkpoints()
         agent._publish_progress(0.1)     # within a quarter lease: nothing new told
         assert agent.mail.get(msg.Progress) == msg.Progress(5, 5)

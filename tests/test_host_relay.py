@@ -39,8 +39,12 @@ LOCK = threading.Lock()
 
 
 def _client(port: int, timeout: float = 10.0):
-    return dist.TCPStore("127.0.0.1", port, is_master=False,
-                         timeout=timedelta(seconds=timeout))
+    """A store client whose calls time out after `timeout`; connecting may take longer (this
+    sandbox delays about one new connection in 25 by 5 s)."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=timedelta(seconds=max(timeout, 30.0)))
+    store.set_timeout(timedelta(seconds=timeout))
+    return store
 
 
 class _Counting:
@@ -122,8 +126,8 @@ def test_workers_reports_reach_the_coordinator_in_one_record_per_host(coordinato
         for _ in range(store.queue_len(UP_QUEUE)):
             report = HostReport.from_json(store.queue_pop(UP_QUEUE, False))
             reports.append(report)
-            for message, text in report.messages():
-                mail._take(message, text)
+            for message, _ in report.messages():
+                mail._take(message)
             mail.host_seq[report.node] = report.seq
 
     _until(lambda: mail.present(msg.Losses, [{"iteration": 0, "rank": r} for r in (0, 1)]),
@@ -268,6 +272,51 @@ def test_a_worker_whose_host_agent_falls_silent_loses_its_link_within_the_lease(
         relay.close()
 
 
+FAKE_AGENT = """
+import socket, sys, time
+from recycle_planner.executor.control.relay import encode
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(sys.argv[1])
+listener.listen(1)
+print("ready", flush=True)
+conn, _ = listener.accept()
+while True:                          # a host agent that only beats, every 50 ms
+    conn.sendall(encode({"push": "beat"}))
+    time.sleep(0.05)
+"""
+
+
+def test_a_worker_whose_training_thread_holds_the_gil_keeps_its_link(tmp_path):
+    """A training thread may hold the GIL for longer than the lease (user code in a C
+    extension): the link's threads cannot run, but the host agent, another process, beats on
+    and its frames wait in the socket. The process was busy, not paused (`pause.PauseClock`),
+    so the link reads what waits before it judges the agent's silence, in one thread, and
+    stays up; a judge on a thread of its own raced the reader and could take the unread
+    beats for silence."""
+    path = str(tmp_path / "agent.sock")
+    agent = subprocess.Popen([sys.executable, "-c", FAKE_AGENT, path], stdout=subprocess.PIPE,
+                             text=True, cwd=ROOT)
+    interval = sys.getswitchinterval()
+    try:
+        assert agent.stdout.readline().strip() == "ready"
+        lease = 1.0
+        link = HostLink(path, 0, 0, ("127.0.0.1", 1), 10.0, 0.05, lease)
+        time.sleep(0.3)
+        assert link.lost is None
+        sys.setswitchinterval(30.0)  # no other thread of this process runs until we wait
+        end = time.monotonic() + 1.5 * lease
+        while time.monotonic() < end:
+            pass
+        sys.setswitchinterval(interval)
+        time.sleep(0.3)
+        assert link.lost is None, link.lost
+        link.close()
+    finally:
+        sys.setswitchinterval(interval)
+        agent.kill()
+        agent.wait()
+
+
 STAND_IN = """
 import os, signal, sys, time
 from recycle_planner.executor.config import WorkerConfig
@@ -344,7 +393,9 @@ def test_a_relay_re_attached_to_a_new_coordinator_re_sends_and_moves_the_groups(
     """The coordinator is lost (`detach`): the worker keeps reporting, its record for other
     workers (`Shape`) and its question where to form groups wait; re-attached to a new
     coordinator's store, the relay re-sends what the lost one had not made durable and its
-    `Attach`, then answers: the record lands in the new store, the groups form there."""
+    `Attach`, then answers: the record lands in the new store, the groups form there. The
+    shape put on the lost store is put again (a worker restarted later waits for it), and the
+    `Attach` tells the switch iteration the members had agreed there."""
     old, new = (dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=10)) for _ in range(2))
     mails = [RelayMail(s, nnodes=1, per_host=1, beat_every=0.25) for s in (old, new)]
@@ -363,6 +414,11 @@ def test_a_relay_re_attached_to_a_new_coordinator_re_sends_and_moves_the_groups(
     link = HostLink(relay.path, 0, 0, ("127.0.0.1", old.port), 10.0, 0.05)
     link.watch(lambda: msg.Heartbeat(0, 0, time.time()), lambda: 0, lambda g, r: None)
     try:
+        mails[0].post_decision(Decision(gen=0, action="run", members=(0,), dead=(), restart=0))
+        mails[0].flush()
+        assert link.decision(0).gen == 0
+        assert link.send(msg.SwitchAt(0, 7)).iteration == 7
+        link.send(msg.Shape(1, "before"))
         link.send(msg.Losses(0, 0, 0, ((0, 0, 0.5),)))
         _until(lambda: mails[0].refresh() or mails[0].get(msg.Losses, iteration=0, rank=0))
         with lock:
@@ -382,8 +438,9 @@ def test_a_relay_re_attached_to_a_new_coordinator_re_sends_and_moves_the_groups(
         _until(lambda: mails[1].refresh() or mails[1].get(msg.Attach, node=0))
         for i in (0, 1):  # nothing was made durable: both losses re-sent
             assert mails[1].get(msg.Losses, iteration=i, rank=0) is not None
-        assert mails[1].get(msg.Attach, node=0).workers == ((0, 0),)
-        assert new.check(["shape/0"])
+        attach = mails[1].get(msg.Attach, node=0)
+        assert attach.workers == ((0, 0),) and (attach.gen, attach.switch_at) == (0, 7)
+        assert new.check(["shape/0", "shape/1"])
     finally:
         link.close()
         stop.set()

@@ -25,9 +25,14 @@ class DictMail:
     def __init__(self) -> None:
         self.records: dict[str, msg.Message] = {}
         self.reads: list[tuple[str, int]] = []    # (kind, iteration) of every record read
+        self.arrived: dict[type, int] = {}
 
     def send(self, message: msg.Message) -> None:
         self.records[message.key()] = message
+        self.arrived[type(message)] = self.arrived.get(type(message), 0) + 1
+
+    def arrivals(self, kind: type) -> int:
+        return self.arrived.get(kind, 0)
 
     def get(self, kind: type, **ids: Any):
         self.reads.append((kind.__name__, ids.get("iteration", -1)))
@@ -117,23 +122,64 @@ def test_an_iteration_never_reported_has_no_end(folder):
     assert math.isnan(log.ends[1])
 
 
-def test_a_pass_waiting_for_the_next_iteration_reads_only_its_losses(folder):
-    """Iteration 0's losses all arrived; while iteration 1's have not, each pass reads only
-    iteration 1's (what the first pass learned of 0 is kept); once 1's are there, 0 is read
-    again to be saved (a redo's report could be newer) and saved once."""
+def test_a_pass_waiting_for_the_next_iteration_reads_only_what_arrived(folder):
+    """Iteration 0's losses all arrived; while iteration 1's have not, a pass reads nothing
+    unless a `Losses` record arrived since the last (`Mail.arrivals`), and then only iteration
+    1's ranks not read yet (what the first pass learned of 0 is kept); once 1's are there, 0 is
+    read again to be saved (a redo's report could be newer) and saved once."""
     mail = DictMail()
     log = IterationLog(mail, folder, D, S, M, start=0, linger=1.0)
     report(mail, 0, 100.0)
     for now in range(3):
         log.save(now=float(now))
     losses_of = [i for kind, i in mail.reads if kind == "Losses"]
-    assert losses_of.count(0) == 1 and losses_of.count(1) == 3 * len(LAST)
+    assert losses_of.count(0) == 1 and losses_of.count(1) == len(LAST)
     assert log.next_loss == 0
     report(mail, 1, 101.0)
     mail.reads.clear()
     log.save(now=3.0)
     assert log.next_loss == 1 and read_losses(folder.run_dir) == {0: mean(0)}
     assert [i for kind, i in mail.reads if kind == "Losses"].count(0) == 1
+
+
+def own(i: int, p: int, gen: int = 0, shift: float = 0.0) -> msg.Losses:
+    """Iteration i's losses of pipeline p only, as its last-stage rank knows them."""
+    return msg.Losses(i, LAST[p], gen, tuple((q, m, v + shift) for q, m, v in loss(i)
+                                             if q == p))
+
+
+def test_losses_split_over_ranks_are_read_once_each_and_a_redo_is_saved(folder):
+    """Each last-stage rank reports only its own pipeline's losses: a pass after rank 1's
+    arrived reads rank 3's (still missing) but not rank 1's again; the iteration counts as
+    complete only once both arrived (a log that forgot what an earlier pass read would never
+    see it complete; one that skipped a rank after it arrived would wait forever); a
+    redo's report (a newer generation) that replaced a rank's first one is what is saved."""
+    mail = DictMail()
+    log = IterationLog(mail, folder, D, S, M, start=0, linger=1.0)
+    mail.send(own(0, 0))                      # iteration 0: pipeline 0
+    log.save(now=0.0)
+    assert 0 not in log.complete
+    mail.reads.clear()
+    mail.send(own(0, 1))                      # then pipeline 1
+    log.save(now=1.0)
+    assert mail.reads == [("Losses", 0), ("Losses", 1), ("Losses", 1)]  # 0: rank 3 only
+    assert 0 in log.complete and log.next_loss == 0
+    mail.send(own(1, 1))                      # iteration 1: pipeline 1 first
+    log.save(now=2.0)
+    mail.reads.clear()
+    log.save(now=2.5)                         # nothing arrived: nothing read
+    assert mail.reads == []
+    mail.send(own(0, 0, gen=1, shift=1.0))    # iteration 0 redone by generation 1
+    mail.send(own(1, 0))                      # iteration 1: pipeline 0
+    mail.reads.clear()
+    log.save(now=3.0)
+    # iteration 1's rank 1 (not rank 3 again), iteration 0's both (to save), then
+    # iteration 2's both (nothing yet)
+    assert [i for kind, i in mail.reads if kind == "Losses"] == [1, 0, 0, 2, 2]
+    assert log.next_loss == 1 and 1 in log.complete
+    redone = sum(v + (1.0 if p == 0 else 0.0) for p, _, v in loss(0)) / (D * M)
+    assert read_losses(folder.run_dir) == {0: pytest.approx(redone)}
+    assert read_rows(folder.run_dir)[0].gen == 1
 
 
 def test_the_steps_a_fault_waits_for_are_retired_with_their_iteration(folder):

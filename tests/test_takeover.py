@@ -1,6 +1,8 @@
 """The pure parts of a live takeover: what a host agent keeps and re-sends to a coordinator
 that takes over (`relay.Journal`), and what that coordinator adopts (`takeover.Adoption`)."""
 
+from dataclasses import replace
+
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.mail import RelayMail
 from recycle_planner.executor.control.protocol import Decision
@@ -87,6 +89,21 @@ def test_the_newest_decision_any_host_holds_is_adopted_with_what_was_said_of_it(
     assert not adoption.join and adoption.saved == 3
     assert dict(adoption.workers) == {0: 0, 1: 0, 2: 0, 3: 0}
     assert adoption.lost_members() == []
+
+
+def test_a_switch_agreed_on_the_lost_store_abandons_the_adopted_generation():
+    """Members that heard where to leave the generation (on the lost store) cannot have it
+    agreed again on the new one: the adopting coordinator abandons it; a join asked but not
+    yet agreed is asked again; the lost coordinator's own abort comes first."""
+    asked = [msg.Attach(0, 2, _decision(2).to_json(), ((0, 0), (1, 0)), join=True),
+             msg.Attach(1, 2, _decision(2).to_json(), ((2, 0), (3, 0)), join=True)]
+    assert Adoption.of(asked).join and Adoption.of(asked).abort_reason() is None
+    heard = [asked[0], replace(asked[1], switch_at=9),
+             msg.Attach(2, 1, _decision(1).to_json(), (), switch_at=4)]  # an older one's
+    adoption = Adoption.of(heard)
+    assert adoption.switch_at == 9 and "iteration 9" in adoption.abort_reason()
+    aborted = Adoption.of([replace(heard[1], abort="worker 1:0 died")])
+    assert aborted.abort_reason() == "worker 1:0 died"
 
 
 def test_members_no_host_runs_are_lost_and_nothing_held_is_nothing_to_adopt():

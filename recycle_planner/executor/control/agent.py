@@ -48,6 +48,7 @@ from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control import protocol as P
 from recycle_planner.executor.control.iterations import IterationLog
 from recycle_planner.executor.control.mail import Mail
+from recycle_planner.executor.control.pause import PauseClock
 from recycle_planner.executor.control.pool import LocalPool, Proc, WorkerPool, last_line
 from recycle_planner.executor.control.result import (Death, Event, EventKind, GenerationRecord,
                                                      LaunchResult, Recovery, Status)
@@ -306,6 +307,8 @@ class _Round:
     known: dict[int, dict[int, tuple[float, ...]]] = field(default_factory=dict)  # their sums
     aborted_at: float | None = None      # when its abort was posted
     join_posted: bool = False            # a re-join or plan switch was asked for
+    readys_scanned: bool = False         # every member's `Ready` looked up once (`_readys`)
+    done_seen: tuple | None = None       # what the last look at `Done` saw (`_looked`)
 
 
 @dataclass
@@ -367,7 +370,7 @@ class Agent:
         self.decision: P.Decision | None = None
         self.round = _Round()                      # what this generation gathered so far
         self.next_beat_check = 0.0
-        self.passed_at = (time.monotonic(), time.process_time())  # the last pass (`_awake`)
+        self.pause = PauseClock()                  # looked at each pass (`_awake`)
         self.next_checkpoint = config.checkpoint_every
         self.idle_reconfigurations = 0
         self.final_iterations = 0
@@ -496,31 +499,36 @@ class Agent:
             self._death(proc, ended.how)
 
     def _awake(self, now: float) -> None:
-        """This process, stopped or starved for over a second since its last pass, could not
-        hear the workers meanwhile: their silence counts from now (as a host agent's relay
-        counts theirs, `Relay._awake`), not from before the pause. A pause is time this
-        process did not run (its CPU time, all threads, lagging the clock): a long pass of a
-        large job runs, and so does the store's thread, which keeps the hosts' reports for
-        the next pass (the loop's thread alone waits for the GIL and the store: no pause)."""
-        (wall, cpu), self.passed_at = self.passed_at, (time.monotonic(), time.process_time())
-        if (self.passed_at[0] - wall) - (self.passed_at[1] - cpu) > 1.0:
+        """This process, paused since its last pass (`pause.PauseClock`: stopped or starved,
+        not a long busy pass of a large job), could not hear the workers meanwhile: their
+        silence counts from now (as a host agent's relay counts theirs, `Relay._awake`), not
+        from before the pause. Looked at after the pass refreshed its mail and before it
+        judges the heartbeats."""
+        if self.pause.look().paused:
             for proc in self.procs.values():
                 proc.last_beat = max(proc.last_beat, now)
 
     def _heartbeats(self, now: float) -> None:
         """A worker's lease: its heartbeat value must change at least every `lease`
-        seconds of this process's clock (never compared with the worker's clock)."""
+        seconds of this process's clock (never compared with the worker's clock). Checked
+        every heartbeat, and as the oldest lease runs out if that is sooner: a host's loss
+        is then declared within a pass of its lease's end, not up to a heartbeat later."""
         if now < self.next_beat_check or self.phase in OVER:
             return
-        self.next_beat_check = now + self.config.heartbeat
+        lease, beat_of = self.config.lease, self.mail.beat
+        oldest = now
         for rank, proc in list(self.procs.items()):
             if proc.hello is None or proc.killed:
                 continue
-            beat = self.mail.beat(rank, proc.incarnation)
+            beat = beat_of(rank, proc.incarnation)
             if beat is not None and beat != proc.beat:
                 proc.beat, proc.last_beat = beat, now
-            if now - proc.last_beat > self.config.lease:
+            if now - proc.last_beat > lease:
                 self._lease_expired(proc, now - proc.last_beat)
+            elif proc.last_beat < oldest:
+                oldest = proc.last_beat
+        self.next_beat_check = min(now + self.config.heartbeat,
+                                   oldest + lease + self.config.poll)
 
     def _lease_expired(self, proc: Proc, silent: float) -> None:
         self._event(EventKind.HANG, f"worker {self._name(proc.rank)} sent no heartbeat for "
@@ -653,8 +661,9 @@ class Agent:
             self.mail.put(msg.Kill(rank, inc))  # should its host come back
             self._death(Proc(rank, inc, None, self.log_dir, time.time()),
                         "was lost while the coordinators changed")
-        if adoption.abort is not None:
-            self._abort(adoption.abort)
+        abort = adoption.abort_reason()
+        if abort is not None:
+            self._abort(abort)
         elif self.phase is Phase.RUNNING and adoption.join:
             self.mail.put(msg.JoinRequest(d.gen))
             self.round.join_posted = True
@@ -705,14 +714,12 @@ class Agent:
             if self._check_done():
                 return
         members = self._live_members()
-        for rank in members:
-            if rank not in self.round.ready:
-                ready = self.mail.get(msg.Ready, gen=gen, rank=rank)
-                if ready is not None:
-                    self.round.ready[rank] = ready.steps
-                    if ready.pending is not None:
-                        self.round.pending[rank] = ready.pending
-                    self.round.known[rank] = ready.known()
+        for ready in self._readys(gen, members):
+            if ready.rank not in self.round.ready:
+                self.round.ready[ready.rank] = ready.steps
+                if ready.pending is not None:
+                    self.round.pending[ready.rank] = ready.pending
+                self.round.known[ready.rank] = ready.known()
         missing = [r for r in members if r not in self.round.ready]
         if missing:
             # A live worker blocked on a stuck peer notices within the group timeout; one that
@@ -826,7 +833,7 @@ class Agent:
         for rank in steps:
             proc = self.procs.get(rank)
             if proc is not None and self.mail.get(msg.Welcome, rank=rank,
-                                            incarnation=proc.incarnation) is None:
+                                                  incarnation=proc.incarnation) is None:
                 welcome = gen if decision.action == "run" or steps[rank] is not None else -1
                 self.mail.put(msg.Welcome(rank, proc.incarnation, welcome))
         if decision.action == "stop":
@@ -948,16 +955,48 @@ class Agent:
 
     def _live_members(self) -> list[int]:
         """Members of the current generation whose process (that incarnation) still runs."""
+        procs, incs = self.procs, self._member_inc()
         return [r for r in self.decision.members
-                if r in self.procs and self.procs[r].incarnation == self._member_inc().get(r)]
+                if r in procs and procs[r].incarnation == incs.get(r)]
 
     def _joiners(self) -> list[int]:
         """Processes that said hello but are not (this incarnation) members: restarted
         workers waiting to join."""
+        incs = self._member_inc()
         return sorted(r for r, p in self.procs.items()
-                      if p.hello is not None and self._member_inc().get(r) != p.incarnation)
+                      if p.hello is not None and incs.get(r) != p.incarnation)
+
+    def _readys(self, gen: int, members: list[int]) -> list[msg.Ready]:
+        """The live members' `Ready`s of generation `gen` to take in: the round's first look
+        reads every member's record; later ones only those taken in since the last look
+        (`Mail.take_new`), where the mail can say (else every missing member's again).
+        Looking up each missing member on every pass of a recovery cost the coordinator
+        about 10 ms a pass at 8,192 ranks."""
+        new = self.mail.take_new(msg.Ready)  # always taken: the next look starts here
+        if new is None or not self.round.readys_scanned:
+            self.round.readys_scanned = True
+            return [ready for r in members if r not in self.round.ready
+                    and (ready := self.mail.get(msg.Ready, gen=gen, rank=r)) is not None]
+        incs = self._member_inc()
+        return [ready for ready in new if ready.gen == gen and ready.rank in self.procs
+                and self.procs[ready.rank].incarnation == incs.get(ready.rank)]
+
+    def _looked(self, kind: type[msg.Message], seen: str) -> bool:
+        """Whether the members' records of `kind` were looked at since the last one arrived
+        and since the last death (which shrinks the members; `round.<seen>` keeps what that
+        look saw): then looking again finds nothing new. A mail that cannot count arrivals
+        (`Mail.arrivals` None) is always looked at. Scanning every member's record each
+        pass took milliseconds at 8,192 ranks (`benchmarks/bench_relay.py --recovery`)."""
+        arrived = self.mail.arrivals(kind)
+        now = (arrived, len(self.deaths))
+        if arrived is not None and getattr(self.round, seen) == now:
+            return True
+        setattr(self.round, seen, now)
+        return False
 
     def _check_done(self) -> bool:
+        if self._looked(msg.Done, "done_seen"):
+            return False
         members = self._live_members()  # Store.check is true when every key is there
         if not members or not self.mail.present(msg.Done,
                                           [{"gen": self.gen, "rank": r} for r in members]):

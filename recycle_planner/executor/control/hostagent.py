@@ -55,6 +55,7 @@ from recycle_planner.executor.config import (CONFIG_ENV, CONFIG_ERROR, CONFIG_KE
                                              COORDINATOR_LOST, RDZV_ID, RDZV_TIMEOUT,
                                              WorkerConfig)
 from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.pause import PauseClock
 from recycle_planner.executor.control.relay import RELAY_ENV, Relay, relay_path
 
 log = logging.getLogger(__name__)
@@ -285,14 +286,15 @@ class HostAgent:
         store thread, but one that blocked would block until TCP gives up (about 15 minutes)
         on a cut link: a loop that made no pass for twice the lease means the coordinator is
         lost. The workers notice it too and stop with a checkpoint; wait for
-        them, then leave with COORDINATOR_LOST."""
-        checked = time.monotonic()
+        them, then leave with COORDINATOR_LOST. A pause of this process (`pause.PauseClock`)
+        gives the loop its chance again; a loop busy for that long is no pause: it made no
+        pass either, and its workers, which hear nothing from it meanwhile, leave too."""
+        clock = PauseClock()
         while True:
             time.sleep(0.1)
-            now = time.monotonic()
-            if now - checked > 1.0:  # this process was stopped: give the loop its chance
+            now, paused = clock.look()
+            if paused:
                 self.loop_at = max(self.loop_at, now)
-            checked = now
             if now - self.loop_at > 2 * self.lease:
                 break
         code = self._coordinator_lost(f"no answer from the store for {2 * self.lease:g} s")

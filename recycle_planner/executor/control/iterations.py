@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from recycle_planner.executor.control import messages as msg
@@ -56,6 +56,7 @@ class IterationLog:
         self.stepped = dict(stepped or {})
         self.next_loss = start              # the next iteration to save to losses.jsonl
         self.complete: set[int] = set()     # iterations from it on whose losses all arrived
+        self.partial: dict[int, _Coverage] = {}         # the others': what arrived so far
         self.saved: deque[tuple[int, float]] = deque()   # (iteration, when saved), not retired
         self.rows: dict[int, LossRow] = {}               # their rows as saved
         rows = folder.saved_rows()                       # the iterations before `start`
@@ -72,18 +73,16 @@ class IterationLog:
         """Append to losses.jsonl every iteration whose D*M losses are final. Every last-stage
         worker reports all of them after the losses' all-reduce, so one report is usually
         enough; an attempt abandoned after its losses were known is redone, and its redo's
-        report replaces it (so they are read again when saved). What a pass learned (that an
-        iteration's losses all arrived) is kept for the next, so that a pass waiting for the
-        next iteration reads only its losses. At the end (`upto`): every iteration the run
+        report replaces it (so they are read again when saved). What a pass learned is kept
+        for the next (`_complete`), so that a pass waiting for the next iteration reads only
+        the reports that arrived since. At the end (`upto`): every iteration the run
         completed."""
         rows = []
-        fresh: dict[int, dict] = {}         # the losses read in this pass
         while upto is None or self.next_loss < upto:
             i = self.next_loss
-            if not self._complete(i, fresh) or upto is None and not self._complete(i + 1,
-                                                                                  fresh):
+            if not self._complete(i) or upto is None and not self._complete(i + 1):
                 break
-            values = fresh[i] if i in fresh else self.losses(i)  # a redo's report may be newer
+            values = self.losses(i)  # once per iteration: a redo's report may be newer
             if len(values) < self.need:
                 self.complete.discard(i)
                 break
@@ -95,16 +94,36 @@ class IterationLog:
             self.rows[i] = row
             self.saved.append((i, now))
             self.complete.discard(i)
+            self.partial.pop(i, None)
             self.next_loss += 1
         self.folder.add_losses(rows)
 
-    def _complete(self, i: int, fresh: dict[int, dict]) -> bool:
-        """Whether every loss of iteration i arrived (in this pass or an earlier one: once
-        they all have, the next iteration's forwards ran, which stays true)."""
-        if i not in self.complete:
-            fresh[i] = self.losses(i)
-            if len(fresh[i]) >= self.need:
-                self.complete.add(i)
+    def _complete(self, i: int) -> bool:
+        """Whether every loss of iteration i arrived. Once they all have, the next iteration's
+        forwards ran, which stays true; until then what the passes found is kept
+        (`_Coverage`): a pass reads only the last-stage ranks whose report it has not read,
+        and none while no `Losses` arrived since the last look (`Mail.arrivals`). A report
+        is never taken back (a redo's replaces it, covering the same micro-batches), so the
+        losses covered only grow: reading each rank's first report is enough to know."""
+        if i in self.complete:
+            return True
+        part = self.partial.setdefault(i, _Coverage(list(self.last)))
+        arrived = self.mail.arrivals(msg.Losses)
+        if arrived is not None and arrived == part.seen:
+            return False
+        part.seen = arrived
+        unread = []
+        for rank in part.unread:
+            rec = (None if len(part.covered) >= self.need
+                   else self.mail.get(msg.Losses, iteration=i, rank=rank))
+            if rec is None:
+                unread.append(rank)
+            else:
+                part.covered.update((p, m) for p, m, _ in rec.losses)
+        part.unread = unread
+        if len(part.covered) >= self.need:
+            self.complete.add(i)
+            del self.partial[i]
         return i in self.complete
 
     def retire(self, now: float) -> None:
@@ -170,6 +189,17 @@ class IterationLog:
                 + [msg.CheckpointWritten.key_for(iteration=i, stage=s)
                    for s in range(self.stages)]
                 + [msg.Stepped.key_for(iteration=i, rank=r) for r in self.stepped.get(i, ())])
+
+
+@dataclass
+class _Coverage:
+    """What the passes found of an iteration whose losses have not all arrived: the
+    (pipeline, micro-batch) pairs reported, the last-stage ranks whose report was not there
+    yet, and `Mail.arrivals(Losses)` when they last looked."""
+
+    unread: list[int]
+    covered: set[tuple[int, int]] = field(default_factory=set)
+    seen: int | None = None
 
 
 def _nan(end: float | None) -> float:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -43,6 +44,7 @@ from typing import Any, Callable, Protocol, TypeVar
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.config import LEASE
 from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.pause import PauseClock
 from recycle_planner.executor.control.protocol import Decision, decision_key
 
 log = logging.getLogger(__name__)
@@ -215,12 +217,13 @@ class HostLink:
     (`relay.Relay`): length-prefixed JSON frames of the records. One thread reads the socket
     (answers to the calls blocked in `wait`/`decision`, aborts pushed by the host agent,
     and its word that the coordinator is lost); one sends a heartbeat every `heartbeat`
-    seconds, which the host agent judges against the lease; one judges the host agent's
-    silence by this process's clock: the agent sends a frame at least every quarter of the
-    `lease` (`relay.Relay`'s beat), so nothing for a lease means it is stopped, hung or gone
-    (its socket is not closed when it is stopped), and the link is lost, `orphaned`. The
-    process groups are formed in the current coordinator's store (`group_store`: the host
-    agent names it; at first torchrun's MASTER_ADDR and MASTER_PORT)."""
+    seconds, which the host agent judges against the lease. The reader also judges the host
+    agent's silence by this process's clock, after reading: the agent sends a frame at least
+    every quarter of the `lease` (`relay.Relay`'s beat), so nothing for a lease means it is
+    stopped, hung or gone (its socket is not closed when it is stopped), and the link is lost,
+    `orphaned`. The process groups are formed in the current coordinator's store
+    (`group_store`: the host agent names it; at first torchrun's MASTER_ADDR and
+    MASTER_PORT)."""
 
     def __init__(self, path: str, rank: int, incarnation: int, master: tuple[str, int],
                  timeout: float, heartbeat: float, lease: float = LEASE):
@@ -251,7 +254,6 @@ class HostLink:
             raise ControlLost(f"cannot reach the host agent at {path}: {exc}") from None
         self._put({"op": "hi", "rank": rank, "incarnation": incarnation})
         threading.Thread(target=self._read, name="recycle-relay", daemon=True).start()
-        threading.Thread(target=self._judge, name="recycle-relay-silence", daemon=True).start()
 
     @classmethod
     def from_env(cls, config) -> "HostLink":
@@ -274,33 +276,37 @@ class HostLink:
             raise ControlLost(self.lost) from None
 
     def _read(self) -> None:
+        """Read the host agent's frames and judge its silence, in this one thread and in that
+        order: after a stretch in which this thread could not run (this process paused, or a
+        busy training thread holding the GIL), what the agent sent meanwhile is read before
+        its silence is judged (`pause.PauseClock`)."""
         frames = self._relay.Frames()
+        clock = PauseClock()
         while not self._closed:
             try:
-                data = self.sock.recv(1 << 16)
-            except OSError as exc:
-                data, why = b"", str(exc)
-            else:
-                why = "it closed the connection"
-            if not data:
-                return self._lose(f"host agent at {self.where}: {why}")
-            self._heard = time.monotonic()
-            for frame in frames.feed(data):
-                self._dispatch(frame)
+                ready = select.select([self.sock], [], [], min(0.1, self.lease / 8))[0]
+                data = self.sock.recv(1 << 16) if ready else None
+            except (OSError, ValueError) as exc:  # ValueError: closed by `close`
+                return self._lose(f"host agent at {self.where}: {exc}")
+            if data == b"":
+                return self._lose(f"host agent at {self.where}: it closed the connection")
+            if data:
+                self._heard = time.monotonic()
+                for frame in frames.feed(data):
+                    self._dispatch(frame)
+            if self.lost is None:
+                self._judge(clock)
 
-    def _judge(self) -> None:
-        """The host agent's silence, by this process's clock (see the class)."""
-        checked = time.monotonic()
-        while not self._closed and self.lost is None:
-            time.sleep(min(0.1, self.lease / 8))
-            now = time.monotonic()
-            if now - checked > 1.0:  # this process was stopped: give the agent its chance
-                self._heard = max(self._heard, now)
-            checked = now
-            silent = now - self._heard
-            if silent > self.lease:
-                self._lose(f"host agent at {self.where}: nothing from it for {silent:.1f} s "
-                           f"(lease {self.lease:g} s): stopped, hung or gone")
+    def _judge(self, clock: PauseClock) -> None:
+        """The host agent's silence, by this process's clock, counted from the end of a pause
+        of this process (see the class)."""
+        now, paused = clock.look()
+        if paused:
+            self._heard = max(self._heard, now)
+        silent = now - self._heard
+        if silent > self.lease:
+            self._lose(f"host agent at {self.where}: nothing from it for {silent:.1f} s "
+                       f"(lease {self.lease:g} s): stopped, hung or gone")
 
     def _dispatch(self, frame: dict) -> None:
         push = frame.get("push")

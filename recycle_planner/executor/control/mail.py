@@ -50,6 +50,12 @@ class Mail(Protocol):
         """How many records of `kind` were taken in so far (None: this mail cannot say, so a
         reader looks each one up every time)."""
 
+    def take_new(self, kind: type[M]) -> list[M] | None:
+        """The records of `kind` taken in since the last call for `kind` (for the kinds of
+        `AS_THEY_COME`, on the first call: since the start), in arrival order; None: this
+        mail cannot say, or the first call for another kind (from then on they are kept for
+        the next). One reader per kind."""
+
     def put(self, message: msg.Message) -> None:
         """Tell workers (or host agents) `message`."""
 
@@ -66,6 +72,10 @@ class Mail(Protocol):
         worker's write returns once the store holds it. Records workers exchange through the
         store (`ON_STORE`: the steps an injected fault waits for) leave it too."""
 
+
+AS_THEY_COME = (msg.Ready, msg.WorkerExit, msg.Spawned)
+"""The records the coordinator reads as they arrive (`Mail.take_new`), none missed: the
+members' `Ready`s of a recovery, the host agents' exits and restarts of workers."""
 
 PER_ITERATION = (msg.IterationDone, msg.Losses, msg.CheckpointWritten)
 """The records of one iteration (every rank's end, the last stage's losses, each stage's
@@ -124,6 +134,9 @@ class StoreMail:
     def arrivals(self, kind: type[msg.Message]) -> int | None:
         return None  # workers write the store directly: nothing passes through here
 
+    def take_new(self, kind: type[M]) -> list[M] | None:
+        return None
+
     def put(self, message: msg.Message) -> None:
         msg.put(self.store, message)
 
@@ -153,9 +166,11 @@ class RelayMail:
         self.store = store
         self.nnodes, self.per_host = nnodes, per_host
         self.beat_every = beat_every
-        self.records: dict[str, str] = {}        # key -> JSON, reported and posted
+        self.records: dict[str, msg.Message] = {}  # key -> record, reported and posted
         self.counts: dict[str, int] = {}
         self.arrived: dict[type, int] = {}       # record kind -> how many were taken in
+        # kinds read as they come (`take_new`): those of `AS_THEY_COME` from the start
+        self.new: dict[type, list[msg.Message]] = {kind: [] for kind in AS_THEY_COME}
         self.host_seq: dict[int, int] = {}       # node -> its latest report's number
         self.version = 0
         self.published_at = 0.0
@@ -175,22 +190,26 @@ class RelayMail:
         for _ in range(self.store.queue_len(UP_QUEUE)):
             report = HostReport.from_json(self.store.queue_pop(UP_QUEUE, False))
             self.host_seq[report.node] = report.seq
-            for message, text in report.messages():
-                self._take(message, text)
+            for message, _ in report.messages():
+                self._take(message)
 
-    def _take(self, message: msg.Message, text: str) -> None:
+    def _take(self, message: msg.Message) -> None:
         if isinstance(message, PER_ITERATION) and message.iteration < self.floor:
             return  # a late report of a forgotten iteration (a stale worker's)
         self.arrived[type(message)] = self.arrived.get(type(message), 0) + 1
+        new = self.new.get(type(message))
+        if new is not None:
+            new.append(message)
         key = message.key()
         if message.RULE == msg.COUNT:
             self.counts[key] = self.counts.get(key, 0) + 1
         elif message.RULE != msg.FIRST or key not in self.records:
-            self.records[key] = text
+            self.records[key] = message
 
     def get(self, kind: type[M], **ids: Any) -> M | None:
-        text = self.records.get(kind.key_for(**ids))
-        return kind.from_json(text) if text is not None else None
+        """The record as taken in (records are frozen: decoding it again for every read
+        cost the coordinator 8,128 decodes of `Ready` per recovery at 8,192 ranks)."""
+        return self.records.get(kind.key_for(**ids))
 
     def present(self, kind: type[msg.Message], ids: list[Mapping[str, Any]]) -> bool:
         return all(kind.key_for(**i) in self.records for i in ids)
@@ -202,16 +221,20 @@ class RelayMail:
         return self.counts.get(kind.key_for(**ids), 0)
 
     def beat(self, rank: int, incarnation: int) -> Any:
-        return self.host_seq.get(self.node_of(rank))
+        return self.host_seq.get(rank // self.per_host)  # `node_of`, inlined: once per rank
 
     def arrivals(self, kind: type[msg.Message]) -> int | None:
         return self.arrived.get(kind, 0)
+
+    def take_new(self, kind: type[M]) -> list[M] | None:
+        new, self.new[kind] = self.new.get(kind), []
+        return new
 
     # posting
     def put(self, message: msg.Message) -> None:
         assert isinstance(message, DOWN), f"{type(message).__name__} is not for the hosts"
         key, text = message.key(), message.to_json()
-        self.records[key] = text
+        self.records[key] = message
         if isinstance(message, PER_HOST):
             node = self.node_of(message.rank)
             if isinstance(message, msg.Welcome):  # one welcome per rank: its latest process

@@ -335,9 +335,10 @@ class Attach(Message):
     """Host agent `node` re-attached to a coordinator that took over from a lost one, its
     workers still running: `decision` is the newest decision JSON it holds (generation
     `gen`, -1 and "" if none), and what the lost coordinator had told about that generation
-    (`abort`: its abort's reason, `join`: a join or plan switch was asked, `finish`: the job
-    is complete). Sent after the records it relayed that the lost one may not have
-    processed (`relay.Journal`). `workers`: (rank, incarnation) of its live workers."""
+    (`abort`: its abort's reason, `join`: a join or plan switch was asked, `switch_at`: the
+    iteration its members agreed to leave it at, if one of this host's workers heard it).
+    Sent after the records it relayed that the lost one may not have processed
+    (`relay.Journal`). `workers`: (rank, incarnation) of its live workers."""
 
     KEY: ClassVar[str] = "attach/{node}"
     node: int
@@ -347,6 +348,7 @@ class Attach(Message):
     abort: str | None = None
     join: bool = False
     saved: int = -1                    # the latest `Progress.losses` it was told (-1: none)
+    switch_at: int = -1                # the agreed `SwitchAt` its workers heard (-1: none)
 
 
 @dataclass(frozen=True)

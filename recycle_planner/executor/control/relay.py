@@ -33,7 +33,10 @@ carry the typed records of `messages.py`. The host agent's `Relay`:
 
 The coordinator's side is `mail.RelayMail`. Records between workers of different hosts (a
 stage's output shape, the agreed switch iteration, the step reports an injected fault waits
-for) and the process groups stay on the coordinator's c10d store (`DIRECT`).
+for) and the process groups stay on the coordinator's c10d store (`DIRECT`). A coordinator
+that takes over starts a new store: the relay puts the shapes again (a worker restarted
+later waits for its input's), and tells in its `Attach` the switch iteration its workers
+heard (`takeover.Adoption.abort_reason`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from datetime import timedelta
 from typing import Any, Mapping
 
 from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.pause import PauseClock
 from recycle_planner.executor.control.protocol import decision_key
 
 log = logging.getLogger(__name__)
@@ -336,6 +340,8 @@ class Relay:
         self.attached = True            # False between a lost coordinator and the next
         self.journal = Journal()
         self.deferred: list[tuple[_Conn, dict]] = []  # worker records for the next store
+        self.shapes: dict[int, msg.Shape] = {}  # the stages' shapes put: again on a new store
+        self.switches: dict[int, int] = {}      # gen -> the switch iteration agreed (heard)
         self._direct: list[tuple[_Conn, dict]] = []   # answers of the store thread to send
         self._later: list[tuple[Any, Any, Any]] = []   # answers of `call` for the loop
         self.node, self.path = node, path
@@ -363,7 +369,7 @@ class Relay:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._closed = False
-        self._looked_at = time.monotonic()
+        self._pause = PauseClock()                 # `_awake`
         self._beaten_at = 0.0                      # when its workers were last sent a beat
         self._epoch = 0
         self._threads: list[threading.Thread] = []  # one per store watched, the last current
@@ -439,17 +445,16 @@ class Relay:
 
     # one pass
     def _awake(self) -> float:
-        """Now; if this process was stopped (or starved) for over a second since it last
-        looked, its workers and the coordinator were not silent: it could not hear them, so
-        their silence counts from now. Checked wherever silence is judged, as the process
-        may be stopped anywhere in between."""
-        now = time.monotonic()
-        if now - self._looked_at > 1.0:
+        """Now; if this process was paused (`pause.PauseClock`) since it last looked, its
+        workers and the coordinator were not silent: it could not hear them, so their silence
+        counts from now. Looked at wherever silence is judged (`step`, `silent`), as the
+        process may be stopped anywhere in between."""
+        now, paused = self._pause.look()
+        if paused:
             for c in self.conns.values():
                 if c.beat is not None:
                     c.beat = now
             self.noticed_at = max(self.noticed_at, now)
-        self._looked_at = now
         return now
 
     def step(self) -> None:
@@ -581,10 +586,22 @@ class Relay:
 
     def _put_direct(self, conn: _Conn, frame: dict, message: msg.Message) -> None:
         """A record between workers of different hosts, on the store itself (its answer, a
-        count, goes back to the worker once the store thread has it)."""
+        count, goes back to the worker once the store thread has it). An answer from a store
+        this relay left meanwhile is not given: the record waits for the next store, so that
+        what a worker hears is what the next `Attach` tells (`switches`)."""
+        epoch = self._epoch
+
         def done(result: Any) -> None:
-            text = result.to_json() if isinstance(result, msg.Message) else result
-            self._direct.append((conn, {"id": frame.get("id"), "rec": text}))
+            with self._lock:
+                if epoch != self._epoch:
+                    self.deferred.append((conn, frame))
+                    return
+                if isinstance(message, msg.Shape):
+                    self.shapes[message.stage] = message
+                elif isinstance(result, msg.SwitchAt):
+                    self.switches[result.gen] = result.iteration
+                text = result.to_json() if isinstance(result, msg.Message) else result
+                self._direct.append((conn, {"id": frame.get("id"), "rec": text}))
             self._wake()
 
         try:
@@ -648,6 +665,7 @@ class Relay:
             self.decisions[gen] = text
             for old in [g for g in self.decisions if g < gen - 1]:
                 del self.decisions[old]
+                self.switches.pop(old, None)
         return self.decisions[gen]
 
     def _push_aborts(self, conn: _Conn) -> None:
@@ -749,6 +767,8 @@ class Relay:
         self.noticed_at = time.monotonic()
         self._start_notices()
         self.calls = self._calls(store)
+        for shape in list(self.shapes.values()):  # a worker restarted later waits for them
+            self.calls.apply(lambda st, m=shape: msg.put(st, m), lambda _: None, lambda: None)
         self._redo_deferred()
         try:
             self._flush(time.monotonic(), force=True)
@@ -766,7 +786,8 @@ class Relay:
         abort = self.notice(msg.Abort, gen=gen)
         return msg.Attach(self.node, gen, self.decisions[gen], workers,
                           abort.reason if abort is not None else None,
-                          msg.JoinRequest.key_for(gen=gen) in self.bulletin.records, saved)
+                          msg.JoinRequest.key_for(gen=gen) in self.bulletin.records, saved,
+                          self.switches.get(gen, -1))
 
     def close(self) -> bool:
         """Stop; waits for the notice thread to leave its store call (the coordinator's next

@@ -23,7 +23,8 @@ from recycle_planner.executor.control.protocol import Decision
 @dataclass(frozen=True)
 class Adoption:
     """The running generation (`decision`), whether it was being abandoned (`abort`: the
-    reason) or left at a boundary for a join or plan switch (`join`), the live workers
+    reason) or left at a boundary for a join or plan switch (`join`; `switch_at`: the
+    iteration its members agreed, if a host heard it), the live workers
     (rank -> incarnation) of the hosts that re-attached, and how far the lost coordinator
     had saved the losses (`saved`, the latest mark any host was told: the journals hold
     every loss report from there on)."""
@@ -34,6 +35,7 @@ class Adoption:
     workers: Mapping[int, int]
     saved: int                          # every iteration before it has its loss saved (-1:
                                         # no host was told)
+    switch_at: int = -1                 # where its members agreed to leave it (-1: none heard)
 
     @classmethod
     def of(cls, attaches: Iterable[msg.Attach]) -> "Adoption | None":
@@ -51,7 +53,22 @@ class Adoption:
                    next((a.abort for a in same if a.abort), None),
                    any(a.join for a in same),
                    {rank: inc for a in attaches for rank, inc in a.workers},
-                   max(a.saved for a in attaches))
+                   max(a.saved for a in attaches), max(a.switch_at for a in same))
+
+    def abort_reason(self) -> str | None:
+        """Why the adopted generation is abandoned at once: the lost coordinator was
+        abandoning it, or its members had agreed on the lost store where to leave it for a
+        join or a plan switch (`SwitchAt`: the first proposal wins). That agreement cannot
+        be made again: a worker that had not heard it would propose its own iteration on the
+        new store, and the members would leave at different ones. Abandoned, the generation
+        ends for all at once (each undoes its iteration, as after any failure) and the next
+        decision takes the join in."""
+        if self.abort is not None:
+            return self.abort
+        if self.switch_at >= 0:
+            return (f"its members had agreed on the lost coordinator's store to leave it at "
+                    f"iteration {self.switch_at}, which the new store cannot agree again")
+        return None
 
     def lost_members(self) -> list[int]:
         """Members of the decision whose process (that incarnation) no host reported live:
