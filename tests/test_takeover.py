@@ -173,3 +173,40 @@ def test_a_host_agent_dials_a_store_that_listens_only_after_the_lease():
         assert time.monotonic() - t0 < 10 * lease
     finally:
         later.join()
+
+
+def test_a_host_agent_looks_again_past_a_successor_whose_store_does_not_answer():
+    """A successor that died after publishing leaves its key for a lease: the host agent
+    dials it, gets no answer within two leases, and looks again, finding the next one; with
+    none answering it gives up within `rdzv_timeout` (its thread), or a lease after it (its
+    loop, should a call hang)."""
+    import time
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from recycle_planner.executor.control.etcd_local import free_ports
+    from recycle_planner.executor.control.hostagent import HostAgent
+
+    live = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=10))
+    dead = f"127.0.0.1:{free_ports(1)[0]}"
+    published = [(dead, 7), (f"127.0.0.1:{live.port}", 9)]
+    agent = SimpleNamespace(lease=0.25, node_rank=0, on_event=lambda line: None,
+                            config=SimpleNamespace(rdzv_timeout=5.0, startup_timeout=10.0),
+                            successor=SimpleNamespace(find=lambda timeout: published.pop(0)))
+    finding = {"since": time.monotonic()}
+    HostAgent._find_successor(agent, finding)
+    endpoint, revision, stores = finding["found"]
+    assert (endpoint, revision) == (f"127.0.0.1:{live.port}", 9) and len(stores) == 2
+
+    agent.successor = SimpleNamespace(find=lambda timeout: (dead, 7))
+    agent.config.rdzv_timeout = 1.0
+    finding = {"since": time.monotonic()}
+    HostAgent._find_successor(agent, finding)
+    assert "failed" in finding and time.monotonic() - finding["since"] < 5.0
+    agent.finding = {"since": time.monotonic() - 2.0}  # a thread still inside a call
+    assert "no coordinator took over" in HostAgent._reattach_due(agent)
+    agent.finding = {"since": time.monotonic()}
+    assert HostAgent._reattach_due(agent) is None

@@ -101,12 +101,11 @@ class HostConfig:
 def dial(host: str, port: int, connect: float, timeout: float) -> dist.TCPStore:
     """A client of the coordinator's store that may take up to `connect` seconds to connect,
     whose calls then time out after `timeout`. A connection is not a call: a store just
-    published may not listen yet, and a connection's first packet can be lost (here about one
-    new connection in 25 waited 5 s). Connecting within the lease made such a connection fail
-    the host's start, or its re-attach to the next leader, at 1,024 ranks
-    (benchmarks/bench_relay_takeover.py)."""
-    store = dist.TCPStore(host, port, is_master=False,
-                          timeout=timedelta(seconds=max(connect, timeout)))
+    published may not listen yet, and c10d's store server looks every new client up in DNS on
+    its one thread (here a dropped query held it for 5 s, about one connection in 25).
+    Connecting within the lease made such a connection fail the host's start, or its
+    re-attach to the next leader, at 1,024 ranks (benchmarks/bench_relay_takeover.py)."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=connect))
     store.set_timeout(timedelta(seconds=timeout))
     return store
 
@@ -383,13 +382,26 @@ class HostAgent:
 
     def _find_successor(self, finding: dict[str, Any]) -> None:
         """On its own thread: the next leader's store (published on etcd after the one this
-        agent used), and two connections to it."""
+        agent used), and two connections to it, each given two leases to connect (`dial`).
+        A store that does not answer is looked for again: a successor that died after
+        publishing leaves its key for a lease, then the one after it publishes. All within
+        `rdzv_timeout`; `_reattach_due` gives up a lease after it (a call can hang past its
+        own timeout)."""
+        deadline = finding["since"] + self.config.rdzv_timeout
         try:
-            endpoint, revision = self.successor.find(self.config.rdzv_timeout)
-            host, _, port = endpoint.rpartition(":")
-            stores = [dial(host.strip("[]"), int(port), self.config.startup_timeout, t)
-                      for t in (self.config.startup_timeout, self.lease)]
-            finding["found"] = (endpoint, revision, stores)
+            while True:
+                endpoint, revision = self.successor.find(deadline - time.monotonic())
+                host, _, port = endpoint.rpartition(":")
+                try:
+                    stores = [dial(host.strip("[]"), int(port), 2 * self.lease, timeout)
+                              for timeout in (self.config.startup_timeout, self.lease)]
+                except (RuntimeError, dist.DistError):
+                    if time.monotonic() < deadline:
+                        time.sleep(self.lease / 4)
+                        continue
+                    raise
+                finding["found"] = (endpoint, revision, stores)
+                return
         except Exception as exc:  # noqa: BLE001 - any failure: no successor, stop
             finding["failed"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
@@ -404,7 +416,13 @@ class HostAgent:
                           f"{finding['failed']}")
             return f"no coordinator took over within {self.config.rdzv_timeout:g} s"
         if "found" not in finding:
-            return None
+            waited = time.monotonic() - finding["since"]
+            if waited <= self.config.rdzv_timeout + self.lease:
+                return None
+            # its store does not answer (a successor that died or stopped after publishing)
+            self.on_event(f"host {self.node_rank}: no coordinator took over: none answered "
+                          f"within {waited:.0f} s")
+            return f"no coordinator took over within {self.config.rdzv_timeout:g} s"
         endpoint, revision, (store, notices) = finding["found"]
         self.finding = None
         same = revision == self.successor.revision
