@@ -5,6 +5,12 @@ import os
 # CI machine, or a deterministic test would see a wall-time result. Set before any solver
 # runs, and inherited by every process the tests start.
 os.environ.setdefault("RECYCLE_CP_WALL_FACTOR", "1000")
+# c10d's store server looks every new client's address up (`getnameinfo`) on its one thread;
+# a loopback client seen as ::ffff:127.0.0.1 is not in /etc/hosts, so each is a DNS query, and
+# a resolver that drops one stops the whole store for glibc's 5 s retry, beyond the tests'
+# 2-4 s leases (benchmarks/README.md, "The leader's loss on the relay at scale"). The tests
+# make no DNS query of their own: one attempt with a 1 s timeout bounds such a stall at 1 s.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 from pathlib import Path
 
 import pytest
