@@ -61,7 +61,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_relay import MICROBATCHES, STAGES, _Lib, _Spec, _Workers  # noqa: E402
-from common import machine  # noqa: E402
+from common import machine, read_stamped  # noqa: E402
 
 from recycle_planner.executor.control import messages as msg  # noqa: E402
 from recycle_planner.executor.control.etcd_local import EtcdCluster, etcd_missing  # noqa: E402
@@ -327,16 +327,14 @@ class _Wrapper:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").rstrip("\n")
-            self.lines.append((time.time(), line))
-            self.log.write(line + "\n")
-            self.log.flush()
-            if line.startswith(MARK):
-                try:
-                    self.marks.append(json.loads(line[len(MARK):]))
-                except ValueError:  # a line cut short as the process was killed
-                    pass
+        read_stamped(self.proc.stdout, self.lines, self.log, self._mark)
+
+    def _mark(self, line: str) -> None:
+        if line.startswith(MARK):
+            try:
+                self.marks.append(json.loads(line[len(MARK):]))
+            except ValueError:  # a line cut short as the process was killed
+                pass
 
     def first(self, text: str) -> float | None:
         return next((t for t, line in list(self.lines) if text in line), None)

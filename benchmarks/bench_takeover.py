@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import machine
+from common import machine, read_stamped
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -64,11 +64,7 @@ class Stamped:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").rstrip("\n")
-            self.lines.append((time.time(), line))
-            self.log.write(line + "\n")
-            self.log.flush()
+        read_stamped(self.proc.stdout, self.lines, self.log)
 
     def first(self, text: str) -> float | None:
         return next((t for t, line in list(self.lines) if text in line), None)

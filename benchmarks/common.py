@@ -27,3 +27,15 @@ def stopwatch(times: dict, key: str):
     t0 = time.perf_counter()
     yield
     times[key] = time.perf_counter() - t0
+
+
+def read_stamped(stream, lines: list, log, each=lambda line: None) -> None:
+    """Each line of a process's output `stream`, stamped with this process's clock on
+    arrival into `lines` (so that several processes' lines share one clock), copied to `log`,
+    then given to `each`."""
+    for raw in stream:
+        line = raw.decode(errors="replace").rstrip("\n")
+        lines.append((time.time(), line))
+        log.write(line + "\n")
+        log.flush()
+        each(line)
