@@ -308,7 +308,7 @@ class _Round:
     aborted_at: float | None = None      # when its abort was posted
     join_posted: bool = False            # a re-join or plan switch was asked for
     readys_scanned: bool = False         # every member's `Ready` looked up once (`_readys`)
-    done_seen: tuple | None = None       # what the last look at `Done` saw (`_looked`)
+    done_seen: tuple | None = None       # what the last look at `Done` saw (`_check_done`)
 
 
 @dataclass
@@ -981,22 +981,15 @@ class Agent:
         return [ready for ready in new if ready.gen == gen and ready.rank in self.procs
                 and self.procs[ready.rank].incarnation == incs.get(ready.rank)]
 
-    def _looked(self, kind: type[msg.Message], seen: str) -> bool:
-        """Whether the members' records of `kind` were looked at since the last one arrived
-        and since the last death (which shrinks the members; `round.<seen>` keeps what that
-        look saw): then looking again finds nothing new. A mail that cannot count arrivals
-        (`Mail.arrivals` None) is always looked at. Scanning every member's record each
-        pass took milliseconds at 8,192 ranks (`benchmarks/bench_relay.py --recovery`)."""
-        arrived = self.mail.arrivals(kind)
-        now = (arrived, len(self.deaths))
-        if arrived is not None and getattr(self.round, seen) == now:
-            return True
-        setattr(self.round, seen, now)
-        return False
-
     def _check_done(self) -> bool:
-        if self._looked(msg.Done, "done_seen"):
+        """Whether every live member is done. Not looked again while no `Done` arrived and
+        no member died since the last look (`round.done_seen`; a mail that cannot count
+        arrivals, `Mail.arrivals` None, is always looked at): scanning every member's
+        record each pass took milliseconds at 8,192 ranks."""
+        seen = (self.mail.arrivals(msg.Done), len(self.deaths))
+        if seen[0] is not None and self.round.done_seen == seen:
             return False
+        self.round.done_seen = seen
         members = self._live_members()  # Store.check is true when every key is there
         if not members or not self.mail.present(msg.Done,
                                           [{"gen": self.gen, "rank": r} for r in members]):
