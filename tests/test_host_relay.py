@@ -126,7 +126,7 @@ def test_workers_reports_reach_the_coordinator_in_one_record_per_host(coordinato
         for _ in range(store.queue_len(UP_QUEUE)):
             report = HostReport.from_json(store.queue_pop(UP_QUEUE, False))
             reports.append(report)
-            for message, _ in report.messages():
+            for message in report.messages():
                 mail._take(message)
             mail.host_seq[report.node] = report.seq
 

@@ -190,7 +190,7 @@ class RelayMail:
         for _ in range(self.store.queue_len(UP_QUEUE)):
             report = HostReport.from_json(self.store.queue_pop(UP_QUEUE, False))
             self.host_seq[report.node] = report.seq
-            for message, _ in report.messages():
+            for message in report.messages():
                 self._take(message)
 
     def _take(self, message: msg.Message) -> None:

@@ -151,10 +151,9 @@ class HostReport:
         d = json.loads(text)
         return cls(int(d["node"]), int(d["seq"]), tuple(tuple(r) for r in d["records"]))
 
-    def messages(self) -> list[tuple[msg.Message, str]]:
-        """Each record, with the JSON it came as (kept as is: encoding it again cost the
-        coordinator most of its pass at 8,192 ranks)."""
-        return [(KINDS[kind].from_json(text), text) for kind, text in self.records]
+    def messages(self) -> list[msg.Message]:
+        """Each record, decoded once (the coordinator's mail keeps it as it is)."""
+        return [KINDS[kind].from_json(text) for kind, text in self.records]
 
 
 @dataclass(frozen=True)
@@ -342,7 +341,6 @@ class Relay:
         self.deferred: list[tuple[_Conn, dict]] = []  # worker records for the next store
         self.shapes: dict[int, msg.Shape] = {}  # the stages' shapes put: again on a new store
         self.switches: dict[int, int] = {}      # gen -> the switch iteration agreed (heard)
-        self._direct: list[tuple[_Conn, dict]] = []   # answers of the store thread to send
         self._later: list[tuple[Any, Any, Any]] = []   # answers of `call` for the loop
         self.node, self.path = node, path
         self.lease, self.heartbeat, self.flush_after = lease, heartbeat, flush
@@ -478,7 +476,6 @@ class Relay:
                 self._push_aborts(conn)
         for conn in list(self.conns.values()):
             self._answer(conn)
-        self._answer_direct()
         self._redo_deferred()
         self._run_later()
         self._beat_workers(now)
@@ -585,46 +582,31 @@ class Relay:
             conn.waits.append(frame)
 
     def _put_direct(self, conn: _Conn, frame: dict, message: msg.Message) -> None:
-        """A record between workers of different hosts, on the store itself (its answer, a
-        count, goes back to the worker once the store thread has it). An answer from a store
-        this relay left meanwhile is not given: the record waits for the next store, so that
-        what a worker hears is what the next `Attach` tells (`switches`)."""
-        epoch = self._epoch
-
+        """A record between workers of different hosts, on the store itself (`call`): its
+        answer, a count or the first record, goes back to the worker. Without one (no store
+        now, or an answer from a store this relay left meanwhile) the record waits for the
+        next store, so that what a worker hears is what the next `Attach` tells
+        (`switches`)."""
         def done(result: Any) -> None:
-            with self._lock:
-                if epoch != self._epoch:
-                    self.deferred.append((conn, frame))
-                    return
-                if isinstance(message, msg.Shape):
-                    self.shapes[message.stage] = message
-                elif isinstance(result, msg.SwitchAt):
-                    self.switches[result.gen] = result.iteration
+            if isinstance(message, msg.Shape):
+                self.shapes[message.stage] = message
+            elif isinstance(result, msg.SwitchAt):
+                self.switches[result.gen] = result.iteration
+            if frame.get("id") is not None and self.conns.get(conn.sock.fileno()) is conn:
                 text = result.to_json() if isinstance(result, msg.Message) else result
-                self._direct.append((conn, {"id": frame.get("id"), "rec": text}))
-            self._wake()
+                self._send(conn, {"id": frame["id"], "rec": text})
 
-        try:
-            self._ready().apply(lambda store: msg.put(store, message), done,
-                                lambda: self.deferred.append((conn, frame)))
-        except Detached:
-            self.deferred.append((conn, frame))  # answered once re-attached
+        self.call(lambda store: msg.put(store, message), done,
+                  lambda: self.deferred.append((conn, frame)))
 
     def _redo_deferred(self) -> None:
-        """The workers' records that waited for a store (one may come back from an abandoned
-        store's thread at any time): sent to the current one."""
+        """The workers' records that waited for a store: sent to the current one."""
         if not self.attached or self.lost is not None:
             return
         while self.deferred:
             conn, frame = self.deferred.pop(0)
             if self.conns.get(conn.sock.fileno()) is conn:
                 self._handle(conn, frame)
-
-    def _answer_direct(self) -> None:
-        while self._direct:
-            conn, answer = self._direct.pop(0)
-            if answer["id"] is not None and self.conns.get(conn.sock.fileno()) is conn:
-                self._send(conn, answer)
 
     def _answer(self, conn: _Conn) -> None:
         """Answer the calls `conn` is blocked in whose record is there now; a peek is answered
