@@ -63,7 +63,8 @@ from recycle_planner.executor.control.link import (LOST, ControlLost, HostLink, 
 from recycle_planner.executor.control.mail import StoreMail  # noqa: E402
 from recycle_planner.executor.control.pool import HostPool  # noqa: E402
 from recycle_planner.executor.control.protocol import Decision  # noqa: E402
-from recycle_planner.executor.control.relay import UP_QUEUE, HostReport, Relay  # noqa: E402
+from recycle_planner.executor.control.relay import HostReport, Relay  # noqa: E402
+from recycle_planner.executor.control.transport import UP_QUEUE, C10dHost  # noqa: E402
 from recycle_planner.executor.control.result import EventKind  # noqa: E402
 from recycle_planner.executor.control.runfolder import claim  # noqa: E402
 
@@ -155,7 +156,10 @@ def _coordinator(ranks: int, mode: str, run_dir: str, counter: Counter, lease: f
     pool = _StorePool if mode == "store" else HostPool
     agent = Agent(config, None, folder, pool, ranks // per_host)
     agent.store = Counting(agent.store, counter.counts["coordinator"])
-    agent.mail.store = agent.store
+    if isinstance(agent.mail, StoreMail):
+        agent.mail.store = agent.store
+    else:
+        agent.mail.transport.store = agent.store
     agent._start()
     pipelines = ranks // STAGES
     agent.lib, agent.stages = _Lib(_Spec(pipelines, STAGES, MICROBATCHES)), STAGES
@@ -208,8 +212,8 @@ def _relays(clients: dict, counter: Counter, folder: str, lease: float,
     """A real relay per host, on its two store clients (`clients[node]`)."""
     def relay(node: int) -> Relay:
         store, notices = clients[node]
-        relay = Relay(Counting(store, counter.counts["hosts"]),
-                      Counting(notices, counter.counts["hosts"]), node,
+        relay = Relay(C10dHost(Counting(store, counter.counts["hosts"]),
+                               Counting(notices, counter.counts["hosts"])), node,
                       f"{folder}/r{node}.sock", lease, 0.2)
         relay.report(msg.HostUp(node, f"host{node}", 0, tuple(
             range(node * per_host, (node + 1) * per_host))))

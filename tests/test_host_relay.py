@@ -30,8 +30,9 @@ from recycle_planner.executor.control import messages as msg  # noqa: E402
 from recycle_planner.executor.control.link import HostLink  # noqa: E402
 from recycle_planner.executor.control.mail import RelayMail  # noqa: E402
 from recycle_planner.executor.control.protocol import Decision, decision_key  # noqa: E402
-from recycle_planner.executor.control.relay import (UP_QUEUE, HostReport,  # noqa: E402
-                                                    Relay)
+from recycle_planner.executor.control.relay import HostReport, Relay  # noqa: E402
+from recycle_planner.executor.control.transport import (UP_QUEUE, C10dCoordinator,  # noqa: E402
+                                                        C10dHost)
 
 
 LOCK = threading.Lock()
@@ -67,7 +68,7 @@ class _Counting:
 def coordinator():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=10))
-    yield store, RelayMail(store, nnodes=1, per_host=2, beat_every=0.25)
+    yield store, RelayMail(C10dCoordinator(store), nnodes=1, per_host=2, beat_every=0.25)
 
 
 def _until(what, seconds: float = 10.0, every: float = 0.01, then=lambda: None):
@@ -82,7 +83,7 @@ def _until(what, seconds: float = 10.0, every: float = 0.01, then=lambda: None):
 def relay(coordinator, tmp_path):
     store, _ = coordinator
     up = _Counting(_client(store.port))
-    relay = Relay(up, _client(store.port, 2.0), 0, str(tmp_path / "relay.sock"), lease=1.0,
+    relay = Relay(C10dHost(up, _client(store.port, 2.0)), 0, str(tmp_path / "relay.sock"), lease=1.0,
                   heartbeat=0.2, flush=0.05)
     stop = threading.Event()
     _, mail = coordinator
@@ -198,7 +199,7 @@ def test_a_host_agent_stopped_between_its_looks_counts_its_workers_silence_from_
     workers by their beats from before the stop and killed them at once; then, with no
     look missed, a silent worker is named once the lease (1 s) has passed."""
     store, _ = coordinator
-    relay = Relay(_client(store.port), _client(store.port, 2.0), 0,
+    relay = Relay(C10dHost(_client(store.port), _client(store.port, 2.0)), 0,
                   str(tmp_path / "relay.sock"), lease=1.0, heartbeat=0.2, flush=0.05)
     quiet, _ = _link(relay, 0, store.port, heartbeat=30.0)   # one beat, then none
     try:
@@ -225,7 +226,7 @@ def test_a_worker_whose_host_agent_falls_silent_loses_its_link_within_the_lease(
 
     store, _ = coordinator
     lease = 0.5
-    relay = Relay(_client(store.port), _client(store.port, 2.0), 0, str(tmp_path / "r.sock"),
+    relay = Relay(C10dHost(_client(store.port), _client(store.port, 2.0)), 0, str(tmp_path / "r.sock"),
                   lease=lease, heartbeat=0.1, flush=0.05)
     stepping, stop = threading.Event(), threading.Event()
     stepping.set()
@@ -398,8 +399,8 @@ def test_a_relay_re_attached_to_a_new_coordinator_re_sends_and_moves_the_groups(
     `Attach` tells the switch iteration the members had agreed there."""
     old, new = (dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=10)) for _ in range(2))
-    mails = [RelayMail(s, nnodes=1, per_host=1, beat_every=0.25) for s in (old, new)]
-    relay = Relay(_client(old.port), _client(old.port, 2.0), 0, str(tmp_path / "r.sock"),
+    mails = [RelayMail(C10dCoordinator(s), nnodes=1, per_host=1, beat_every=0.25) for s in (old, new)]
+    relay = Relay(C10dHost(_client(old.port), _client(old.port, 2.0)), 0, str(tmp_path / "r.sock"),
                   lease=1.0, heartbeat=0.2, flush=0.01, endpoint=f"127.0.0.1:{old.port}")
     lock, stop = threading.Lock(), threading.Event()
 
@@ -431,8 +432,8 @@ def test_a_relay_re_attached_to_a_new_coordinator_re_sends_and_moves_the_groups(
         time.sleep(0.3)
         assert not formed and not new.check(["shape/0"])
         with lock:
-            relay.attach(_client(new.port), _client(new.port, 2.0), f"127.0.0.1:{new.port}",
-                         ((0, 0),))
+            relay.attach(C10dHost(_client(new.port), _client(new.port, 2.0)),
+                         f"127.0.0.1:{new.port}", ((0, 0),))
         asking.join(10)
         assert formed and link.master == ("127.0.0.1", new.port)
         _until(lambda: mails[1].refresh() or mails[1].get(msg.Attach, node=0))
@@ -473,9 +474,9 @@ def test_a_relay_leaves_a_hung_store_call_behind_and_never_acts_on_its_late_answ
     deposed coordinator's store is not acted on: it comes back as not done."""
     old, new = (dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=10)) for _ in range(2))
-    mails = [RelayMail(s, nnodes=1, per_host=1, beat_every=0.1) for s in (old, new)]
+    mails = [RelayMail(C10dCoordinator(s), nnodes=1, per_host=1, beat_every=0.1) for s in (old, new)]
     gated = _Gated(_client(old.port), "incarnation/0")
-    relay = Relay(gated, _client(old.port, 5.0), 0, str(tmp_path / "r.sock"), lease=5.0,
+    relay = Relay(C10dHost(gated, _client(old.port, 5.0)), 0, str(tmp_path / "r.sock"), lease=5.0,
                   heartbeat=0.2, flush=0.01, endpoint=f"127.0.0.1:{old.port}")
     lock, stepping, stop = threading.Lock(), threading.Event(), threading.Event()
     answers: list[tuple] = []
@@ -491,7 +492,7 @@ def test_a_relay_leaves_a_hung_store_call_behind_and_never_acts_on_its_late_answ
             time.sleep(0.005)
 
     def ask(key: str) -> None:
-        relay.call(lambda store: store.add(key, 1) - 1,
+        relay.call(lambda transport: transport.store.add(key, 1) - 1,
                    lambda value: answers.append((key, value)),
                    lambda: answers.append((key, "undone")))
 
@@ -508,7 +509,8 @@ def test_a_relay_leaves_a_hung_store_call_behind_and_never_acts_on_its_late_answ
             relay.detach()
         _until(lambda: answers == [("incarnation/1", "undone")])
         with lock:
-            relay.attach(_client(new.port), _client(new.port, 5.0), f"127.0.0.1:{new.port}")
+            relay.attach(C10dHost(_client(new.port), _client(new.port, 5.0)),
+                         f"127.0.0.1:{new.port}")
             ask("incarnation/1")
         _until(lambda: answers[1:] == [("incarnation/1", 0)])
         gated.gate.set()                      # the hung call ends (the link came back)

@@ -25,6 +25,7 @@ from recycle_planner.executor.control.link import HostLink, StoreLink  # noqa: E
 from recycle_planner.executor.control.mail import RelayMail, StoreMail  # noqa: E402
 from recycle_planner.executor.control.protocol import Decision  # noqa: E402
 from recycle_planner.executor.control.relay import Relay  # noqa: E402
+from recycle_planner.executor.control.transport import C10dCoordinator, C10dHost  # noqa: E402
 
 LEASE = 2.0
 
@@ -43,8 +44,8 @@ class Plane:
         if kind == "store":
             self.mail = StoreMail(self.server)
             return
-        self.mail = RelayMail(self.server, nnodes=1, per_host=4, beat_every=LEASE / 4)
-        self.relay = Relay(self._client(10.0), self._client(LEASE), 0,
+        self.mail = RelayMail(C10dCoordinator(self.server), nnodes=1, per_host=4, beat_every=LEASE / 4)
+        self.relay = Relay(C10dHost(self._client(10.0), self._client(LEASE)), 0,
                            str(folder / "relay.sock"), lease=LEASE, heartbeat=0.1, flush=0.02)
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()

@@ -10,20 +10,18 @@ from recycle_planner.executor.control.relay import HostReport, Journal, keeps
 from recycle_planner.executor.control.takeover import Adoption, awaited
 
 
-class _Store:
-    """Just what RelayMail calls: a dictionary and a queue."""
+class _Transport:
+    """Just what RelayMail calls here: the reports that arrived, and bulletins published."""
 
     def __init__(self):
-        self.kv, self.queue = {}, []
+        self.queue, self.published = [], []
 
-    def multi_set(self, keys, values):
-        self.kv.update(zip(keys, values))
+    def take(self):
+        taken, self.queue = self.queue, []
+        return taken
 
-    def queue_len(self, key):
-        return len(self.queue)
-
-    def queue_pop(self, key, block):
-        return self.queue.pop(0)
+    def publish(self, version, bulletins):
+        self.published.append(version)
 
 
 def _journal_of(*messages):
@@ -49,9 +47,9 @@ def test_a_count_re_sent_to_a_new_coordinator_counts_once():
     """What was batched but not sent, and what was sent, are both in the journal: the new
     coordinator's counts start from nothing, so each error counts once."""
     journal = _journal_of(msg.CommError(2, 0), msg.CommError(2, 1))
-    store = _Store()
-    mail = RelayMail(store, nnodes=1, per_host=2, beat_every=1.0)
-    store.queue.append(HostReport(0, 7, tuple(journal.records())).to_json())
+    transport = _Transport()
+    mail = RelayMail(transport, nnodes=1, per_host=2, beat_every=1.0)
+    transport.queue.append(HostReport(0, 7, tuple(journal.records())).to_json())
     mail.refresh()
     assert mail.count(msg.CommError, gen=2) == 2
 

@@ -57,6 +57,7 @@ from recycle_planner.executor.config import (CONFIG_ENV, CONFIG_ERROR, CONFIG_KE
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.pause import PauseClock
 from recycle_planner.executor.control.relay import RELAY_ENV, Relay, relay_path
+from recycle_planner.executor.control.transport import C10dHost
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ class HostAgent:
             self.grace = worker_config.grace
             self.log_dir = Path(worker_config.log_dir or Path(worker_config.run_dir) / "logs")
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self.relay = Relay(self.store, self._client(self.lease), self.node_rank,
+            self.relay = Relay(C10dHost(self.store, self._client(self.lease)), self.node_rank,
                                relay_path(str(self.log_dir), self.node_rank), self.lease,
                                worker_config.heartbeat, endpoint=c.endpoint)
             ranks = [self.node_rank * c.nproc_per_node + i for i in range(c.nproc_per_node)]
@@ -227,7 +228,7 @@ class HostAgent:
             self.restarts[rank] -= 1
             pending[rank] = 0.0
 
-        self.relay.call(lambda store: msg.next_incarnation(store, rank), spawn, later)
+        self.relay.call(lambda transport: transport.next_incarnation(rank), spawn, later)
 
     def _spawn(self, rank: int, local_rank: int, incarnation: int) -> None:
         c = self.config
@@ -439,7 +440,7 @@ class HostAgent:
                           f"(it was slow, or this host was cut off from it): re-attached to it")
         self.store = store
         self.successor = self.successor.after(revision)
-        self.relay.attach(store, notices, endpoint, tuple(
+        self.relay.attach(C10dHost(store, notices), endpoint, tuple(
             (r, w.incarnation) for r, w in sorted(self.workers.items())
             if w.popen.poll() is None))
         self.on_event(f"host {self.node_rank}: re-attached to the coordinator at {endpoint} "

@@ -5,12 +5,13 @@ one interface, two implementations.
   under its own key in the launcher's c10d store, read key by key (its workers are its own
   children on the same machine; see docs/runtime-engines.md for why it keeps that);
 - `RelayMail` (the coordinator of a cluster job, its workers on `link.HostLink` through their
-  host agents, `relay.py`): once per pass it drains the queue of per-host reports into memory,
-  and every read is then a dictionary lookup; what it tells workers goes into the bulletins
-  (one for every host, one per host), published once per pass with a new notice key that
-  wakes every host. A worker's lease is its host's: the host agent judges its own workers.
-  The store keeps only the decisions and what the members form their process groups with,
-  and a generation's keys are deleted once two newer generations were decided.
+  host agents, `relay.py`): once per pass it takes the per-host reports into memory, and
+  every read is then a dictionary lookup; what it tells workers goes into the bulletins (one
+  for every host, one per host), published once per pass, which wakes every host. What
+  carries them is its `transport.CoordinatorTransport`. A worker's lease is its host's: the
+  host agent judges its own workers. The store keeps only the decisions and what the members
+  form their process groups with, and a generation's keys are deleted once two newer
+  generations were decided.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from typing import Any, Mapping, Protocol, Sequence, TypeVar
 
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.protocol import Decision, decision_key
-from recycle_planner.executor.control.relay import (DOWN, GLOBAL_BULLETIN, PER_HOST, UP_QUEUE,
-                                                    Bulletin, HostReport, host_bulletin,
-                                                    notice_key)
+from recycle_planner.executor.control.relay import DOWN, PER_HOST, Bulletin, HostReport
+from recycle_planner.executor.control.transport import (GLOBAL_BULLETIN, CoordinatorTransport,
+                                                        delete_prefixed, host_bulletin)
 
 M = TypeVar("M", bound=msg.Message)
 
@@ -94,13 +95,6 @@ def _old_generations(gen: int, decided: list[int]) -> tuple[list[int], tuple[str
     return old, tuple(f"gen{g}/" for g in old)
 
 
-def _delete_prefixed(store: Any, prefixes: tuple[str, ...]) -> None:
-    if prefixes:
-        for key in store.list_keys():
-            if key.startswith(prefixes):
-                store.delete_key(key)
-
-
 class StoreMail:
     """Every record under its key in the launcher's store."""
 
@@ -146,7 +140,7 @@ class StoreMail:
         self.store.set(decision_key(decision.gen), decision.to_json())
         self.decided.append(decision.gen)
         old, prefixes = _old_generations(decision.gen, self.decided)
-        _delete_prefixed(self.store, prefixes)
+        delete_prefixed(self.store, prefixes)
         self.decided = [g for g in self.decided if g not in old]
 
     def flush(self) -> None:
@@ -158,12 +152,14 @@ class StoreMail:
 
 
 class RelayMail:
-    """The coordinator's side of the host agents' relays (see the module). `nnodes` hosts of
-    `per_host` consecutive ranks; `beat_every`: the longest time between two notice keys
-    (the coordinator's own beat, by which hosts know it is alive: a quarter of the lease)."""
+    """The coordinator's side of the host agents' relays (see the module), over `transport`
+    (`transport.py`). `nnodes` hosts of `per_host` consecutive ranks; `beat_every`: the
+    longest time between two publications (the coordinator's own beat, by which hosts know
+    it is alive: a quarter of the lease)."""
 
-    def __init__(self, store: Any, nnodes: int, per_host: int, beat_every: float):
-        self.store = store
+    def __init__(self, transport: CoordinatorTransport, nnodes: int, per_host: int,
+                 beat_every: float):
+        self.transport = transport
         self.nnodes, self.per_host = nnodes, per_host
         self.beat_every = beat_every
         self.records: dict[str, msg.Message] = {}  # key -> record, reported and posted
@@ -179,16 +175,17 @@ class RelayMail:
         self.dirty: set[int | None] = set()               # None: the global bulletin
         self.decided: list[int] = []
         self.floor = 0                                    # iterations before it: forgotten
-        store.multi_set([GLOBAL_BULLETIN, *(host_bulletin(n) for n in range(nnodes))],
-                        [Bulletin().to_json()] * (nnodes + 1))
+        # empty bulletins from the start: a host reads them before the first notice
+        transport.publish(0, [(key, Bulletin().to_json()) for key in
+                              (GLOBAL_BULLETIN, *(host_bulletin(n) for n in range(nnodes)))])
 
     def node_of(self, rank: int) -> int:
         return rank // self.per_host
 
     # reading
     def refresh(self) -> None:
-        for _ in range(self.store.queue_len(UP_QUEUE)):
-            report = HostReport.from_json(self.store.queue_pop(UP_QUEUE, False))
+        for text in self.transport.take():
+            report = HostReport.from_json(text)
             self.host_seq[report.node] = report.seq
             for message in report.messages():
                 self._take(message)
@@ -253,7 +250,7 @@ class RelayMail:
         generations older than the one before it leave the bulletin, and their keys (the
         decisions, the process groups' rendezvous) the store."""
         gen = decision.gen
-        self.store.set(decision_key(gen), decision.to_json())
+        self.transport.post(decision_key(gen), decision.to_json())
         self.everyone[decision_key(gen)] = (gen, "")
         self.everyone = {k: (g, v) for k, (g, v) in self.everyone.items()
                          if g < 0 or g >= gen - 1}
@@ -261,38 +258,29 @@ class RelayMail:
         self.decided.append(gen)
         old, prefixes = _old_generations(gen, self.decided)
         if old:
-            _delete_prefixed(self.store, prefixes)
+            self.transport.delete_prefixed(prefixes)
             for held in (self.records, self.counts):  # their reports (ready, done, errors)
                 for key in [k for k in held if k.startswith(prefixes)]:
                     del held[key]
             self.decided = [g for g in self.decided if g not in old]
 
     def flush(self) -> None:
-        """Publish the bulletins that changed, then the next notice key (also every
-        `beat_every` seconds when nothing changed: the coordinator's beat)."""
+        """Publish the bulletins that changed and wake the hosts (also every `beat_every`
+        seconds when nothing changed: the coordinator's beat)."""
         now = time.monotonic()
         if not self.dirty and now - self.published_at < self.beat_every:
             return
         self.version += 1
-        keys, values = [], []
-        for node in sorted(self.dirty, key=lambda n: -1 if n is None else n):
-            if node is not None:
-                keys.append(host_bulletin(node))
-                values.append(Bulletin(self.version, self.by_host[node]).to_json())
-        keys.append(GLOBAL_BULLETIN)
-        values.append(Bulletin(self.version, {k: v for k, (_, v) in self.everyone.items()})
-                      .to_json())
-        self.store.multi_set(keys, values)
-        self.store.set(notice_key(self.version), "")
-        if self.version > 2:
-            self.store.delete_key(notice_key(self.version - 2))
+        bulletins = [(host_bulletin(node), Bulletin(self.version, self.by_host[node]).to_json())
+                     for node in sorted(n for n in self.dirty if n is not None)]
+        bulletins.append((GLOBAL_BULLETIN, Bulletin(
+            self.version, {k: v for k, (_, v) in self.everyone.items()}).to_json()))
+        self.transport.publish(self.version, bulletins)
         self.dirty.clear()
         self.published_at = now
 
     def forget(self, iteration: int, keys: Sequence[str]) -> None:
+        self.transport.delete([key for key in keys if key.startswith(_ON_STORE_KEYS)])
         for key in keys:
-            if key.startswith(_ON_STORE_KEYS):
-                self.store.delete_key(key)
-            else:
-                self.records.pop(key, None)
+            self.records.pop(key, None)
         self.floor = max(self.floor, iteration + 1)

@@ -33,6 +33,7 @@ from recycle_planner.executor.control.failover import HostLeases
 from recycle_planner.executor.control.mail import Mail, RelayMail, StoreMail
 from recycle_planner.executor.control.result import EventKind
 from recycle_planner.executor.control.store import StoreUnavailable
+from recycle_planner.executor.control.transport import C10dCoordinator
 
 if TYPE_CHECKING:
     from recycle_planner.executor.control.agent import Agent
@@ -226,7 +227,7 @@ class HostPool:
 
     def mail(self, store: Any) -> Mail:
         c = self.agent.config
-        return RelayMail(store, self.nnodes, c.nproc // self.nnodes, c.lease / 4)
+        return RelayMail(C10dCoordinator(store), self.nnodes, c.nproc // self.nnodes, c.lease / 4)
 
     def start(self) -> list[Proc]:
         a = self.agent

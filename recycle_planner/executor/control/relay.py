@@ -31,9 +31,11 @@ carry the typed records of `messages.py`. The host agent's `Relay`:
   those records and an `Attach` naming the generation its workers run, which keep training
   meanwhile (their calls that need the coordinator wait).
 
-The coordinator's side is `mail.RelayMail`. Records between workers of different hosts (a
-stage's output shape, the agreed switch iteration, the step reports an injected fault waits
-for) and the process groups stay on the coordinator's c10d store (`DIRECT`). A coordinator
+The coordinator's side is `mail.RelayMail`; what carries the reports, bulletins, notices and
+direct records between them is a transport (`transport.py`), here described on c10d's store.
+Records between workers of different hosts (a stage's output shape, the agreed switch
+iteration, the step reports an injected fault waits for) and the process groups stay on the
+coordinator's c10d store (`DIRECT`). A coordinator
 that takes over starts a new store: the relay puts the shapes again (a worker restarted
 later waits for its input's), and tells in its `Attach` the switch iteration its workers
 heard (`takeover.Adoption.abort_reason`).
@@ -51,34 +53,18 @@ import struct
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from typing import Any, Mapping
 
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.pause import PauseClock
 from recycle_planner.executor.control.protocol import decision_key
+from recycle_planner.executor.control.transport import HostTransport
 
 log = logging.getLogger(__name__)
 
 RELAY_ENV = "RECYCLE_RELAY"
 """The environment variable that names a worker's relay socket (a path): set, the worker talks
 to its host agent (`HostLink`); unset, to the launcher's store (`StoreLink`)."""
-
-UP_QUEUE = "relay/up"
-"""The coordinator's queue of `HostReport`s."""
-GLOBAL_BULLETIN = "relay/all"
-"""The bulletin for every host: aborts, decisions, join requests, finish, the outcome."""
-
-
-def host_bulletin(node: int) -> str:
-    """The bulletin for host `node` only: its workers' welcomes and kill notices."""
-    return f"relay/host/{node}"
-
-
-def notice_key(version: int) -> str:
-    """Created when the bulletins reach `version`: the key every host waits on."""
-    return f"relay/v/{version}"
-
 
 KINDS: dict[str, type[msg.Message]] = {
     cls.__name__: cls for cls in msg.Message.__subclasses__()}
@@ -236,17 +222,18 @@ PENDING = object()
 
 
 class StoreCalls:
-    """The relay's calls on one coordinator's store, made on a thread of their own: the host
-    agent's loop hands it the reports to push (`push`) and the records to read (`read`: None
-    until the answer came, asked once per key at a time), and never waits on the store. The
+    """The relay's calls on one coordinator's transport (`transport.HostTransport`), made on a
+    thread of their own: the host agent's loop hands it the reports to push (`push`) and the
+    records to read (`read`: None until the answer came, asked once per key at a time), and
+    never waits on the coordinator. The
     first failure calls `on_failure(reason)` and ends the thread; a relay that moves to
     another coordinator `abandon`s it: what was queued behind a call stuck on the cut link is
     given back at once (`undone`: re-sent to the next store, not minutes later), and the stuck
     call, when it ends, says nothing and is not acted on (its `done` becomes `undone`: a late
     answer of a deposed coordinator's store must not count)."""
 
-    def __init__(self, store: Any, on_failure: Any):
-        self.store, self.on_failure = store, on_failure
+    def __init__(self, transport: HostTransport, on_failure: Any):
+        self.transport, self.on_failure = transport, on_failure
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._answers: dict[str, str | None] = {}
         self._asked: set[str] = set()
@@ -272,7 +259,7 @@ class StoreCalls:
         return PENDING
 
     def apply(self, fn: Any, done: Any, undone: Any) -> None:
-        """`done(fn(store))` on the thread; `undone()` if the call fails or never runs."""
+        """`done(fn(transport))` on the thread; `undone()` if the call fails or never runs."""
         self._todo.put(("apply", (fn, done, undone)))
 
     def abandon(self) -> None:
@@ -296,18 +283,17 @@ class StoreCalls:
 
     def _do(self, op: str, arg: Any) -> None:
         if op == "push":
-            self.store.queue_push(UP_QUEUE, arg[0])
+            self.transport.push(arg[0])
             arg[1].set()
         elif op == "apply":
             fn, done, undone = arg
-            result = fn(self.store)
+            result = fn(self.transport)
             if self._abandoned:
                 undone()
             else:
                 done(result)
         else:
-            self._answers[arg] = self.store.get(arg).decode() if self.store.check([arg]) \
-                else None
+            self._answers[arg] = self.transport.read(arg)
             self._asked.discard(arg)
 
     def _drop(self, op: str, arg: Any) -> None:
@@ -328,13 +314,13 @@ class Relay:
     `notice(kind, **ids)` reads a down record for the agent itself (kills, the outcome);
     `silent()` names the local workers whose lease ran out; `lose(reason)` tells every
     worker the coordinator is gone; `detach()` and `attach(...)` move it to a coordinator
-    that took over, the workers left running. `endpoint`: where the coordinator's store
-    listens (where the workers form their process groups)."""
+    that took over, the workers left running. `transport`: how it reaches the coordinator;
+    `endpoint`: where the coordinator's store listens (where the workers form their process
+    groups)."""
 
-    def __init__(self, store: Any, notices: Any, node: int, path: str, lease: float,
+    def __init__(self, transport: HostTransport, node: int, path: str, lease: float,
                  heartbeat: float, flush: float = 0.005, endpoint: str = ""):
-        self.store = store              # the agent's connection to the coordinator's store
-        self.notices = notices          # a second one, for the blocking waits
+        self.transport = transport
         self.endpoint = endpoint
         self.attached = True            # False between a lost coordinator and the next
         self.journal = Journal()
@@ -372,9 +358,9 @@ class Relay:
         self._epoch = 0
         self._threads: list[threading.Thread] = []  # one per store watched, the last current
         self._start_notices()
-        self.calls = self._calls(store)
+        self.calls = self._calls(transport)
 
-    def _calls(self, store: Any) -> StoreCalls:
+    def _calls(self, transport: HostTransport) -> StoreCalls:
         epoch = self._epoch
 
         def failed(reason: str) -> None:
@@ -382,31 +368,28 @@ class Relay:
                 self.lost = self.lost or reason
                 self._wake()
 
-        calls = StoreCalls(store, failed)
+        calls = StoreCalls(transport, failed)
         self._threads.append(calls.thread)
         return calls
 
     def _start_notices(self) -> None:
         self._thread = threading.Thread(target=self._watch_notices,
-                                        args=(self._epoch, self.notices),
+                                        args=(self._epoch, self.transport),
                                         name="relay-notices", daemon=True)
         self._threads.append(self._thread)
         self._thread.start()
 
     # the notice thread: the only place that blocks on the coordinator
-    def _watch_notices(self, epoch: int, notices: Any) -> None:
-        """Read the bulletins, then block until the coordinator creates the next notice key;
-        it does at least every lease / 4 (its beat), so bulletins whose version did not move
+    def _watch_notices(self, epoch: int, transport: HostTransport) -> None:
+        """Read the bulletins, then block until the coordinator's next notice; it comes at
+        least every lease / 4 (its beat), so bulletins whose version did not move
         for a lease mean the coordinator is gone (or this host is cut off from it). A cut
         link makes the read itself fail after the lease (the store client's timeout). A thread
         of an `epoch` the relay left (it re-attached elsewhere) ends without a word."""
-        import torch.distributed as dist
-
-        keys = [GLOBAL_BULLETIN, host_bulletin(self.node)]
         version, moved = -1, time.monotonic()
         while not self._closed and self._epoch == epoch:
             try:
-                everyone, mine = (Bulletin.from_json(v) for v in notices.multi_get(keys))
+                everyone, mine = (Bulletin.from_json(v) for v in transport.bulletins(self.node))
                 if self._epoch != epoch:
                     return
                 now = self.noticed_at = time.monotonic()
@@ -420,11 +403,7 @@ class Relay:
                         return
                     self._fresh = (everyone, mine)
                 self._wake()
-                try:
-                    notices.wait([notice_key(version + 1)], timedelta(seconds=self.lease))
-                except dist.DistStoreError as exc:
-                    if "timeout" not in str(exc).lower():
-                        raise
+                transport.wait_notice(version + 1, self.lease)
             except (RuntimeError, OSError) as exc:  # DistError is a RuntimeError
                 if not self._closed and self._epoch == epoch:
                     text = str(exc).strip().splitlines()
@@ -485,8 +464,8 @@ class Relay:
             pass  # the batch waits for the next coordinator
 
     def call(self, fn: Any, done: Any, undone: Any) -> None:
-        """`fn(store)` on the current coordinator's store, on the relay's store thread (the
-        host agent's loop never waits on the store); a later `step` calls, on the loop's
+        """`fn(transport)` on the current coordinator's transport, on the relay's store thread
+        (the host agent's loop never waits on the store); a later `step` calls, on the loop's
         thread, `done(result)`, or `undone()` when there is no store now, the call failed, or
         the relay moved to another coordinator before the answer was acted on (an answer of
         an abandoned store never counts)."""
@@ -596,7 +575,7 @@ class Relay:
                 text = result.to_json() if isinstance(result, msg.Message) else result
                 self._send(conn, {"id": frame["id"], "rec": text})
 
-        self.call(lambda store: msg.put(store, message), done,
+        self.call(lambda transport: transport.put_direct(message), done,
                   lambda: self.deferred.append((conn, frame)))
 
     def _redo_deferred(self) -> None:
@@ -736,21 +715,21 @@ class Relay:
         self.attached, self.lost = False, None
         return why
 
-    def attach(self, store: Any, notices: Any, endpoint: str,
+    def attach(self, transport: HostTransport, endpoint: str,
                workers: tuple[tuple[int, int], ...] = ()) -> None:
         """Re-attach to the coordinator that took over, at `endpoint`: re-send the journal
         (which holds every batched record too) and this host's `Attach`, answer the workers'
         calls that waited, and watch the new coordinator's notices."""
-        self.store, self.notices, self.endpoint = store, notices, endpoint
+        self.transport, self.endpoint = transport, endpoint
         self.pending = self.journal.records()
         self.pending.append((msg.Attach.__name__, self.attachment(workers).to_json()))
         self.pending_since = time.monotonic()
         self.attached, self.lost = True, None
         self.noticed_at = time.monotonic()
         self._start_notices()
-        self.calls = self._calls(store)
+        self.calls = self._calls(transport)
         for shape in list(self.shapes.values()):  # a worker restarted later waits for them
-            self.calls.apply(lambda st, m=shape: msg.put(st, m), lambda _: None, lambda: None)
+            self.calls.apply(lambda t, m=shape: t.put_direct(m), lambda _: None, lambda: None)
         self._redo_deferred()
         try:
             self._flush(time.monotonic(), force=True)
