@@ -4,9 +4,12 @@ the launcher's (or coordinator's) `Mail` must agree on every rule, whichever pai
 - "store": one machine, `StoreLink` and `StoreMail` on the launcher's c10d store (the embedded
   default: nothing to install, no network beyond loopback);
 - "relay": a cluster job, `HostLink` to a host agent's `Relay` and `RelayMail` on the
-  coordinator's store.
+  coordinator's store (`transport.C10dHost`, `C10dCoordinator`);
+- "etcd": the same relay and mail over the control store (`transport.EtcdHost`,
+  `EtcdCoordinator`), here the embedded `MemoryStore`; one case runs on a real 3-member etcd.
 
-Each case is written once and runs on both, on loopback against a real TCPStore. The relay
+Each case is written once and runs on all, on loopback against a real TCPStore (where the
+process groups form). The relay
 carries records asynchronously (batched per host), so reads are awaited, bounded."""
 
 from __future__ import annotations
@@ -25,16 +28,22 @@ from recycle_planner.executor.control.link import HostLink, StoreLink  # noqa: E
 from recycle_planner.executor.control.mail import RelayMail, StoreMail  # noqa: E402
 from recycle_planner.executor.control.protocol import Decision  # noqa: E402
 from recycle_planner.executor.control.relay import Relay  # noqa: E402
-from recycle_planner.executor.control.transport import C10dCoordinator, C10dHost  # noqa: E402
+from recycle_planner.executor.control.etcd_local import etcd_missing  # noqa: E402
+from recycle_planner.executor.control.store import MemoryStore  # noqa: E402
+from recycle_planner.executor.control.transport import (C10dCoordinator, C10dHost,  # noqa: E402
+                                                        EtcdCoordinator, EtcdHost)
 
 LEASE = 2.0
+PREFIX = "/recycle/job/relay/"
 
 
 class Plane:
-    """The launcher's side (`mail`, used under `lock`) and a way to connect workers."""
+    """The launcher's side (`mail`, used under `lock`) and a way to connect workers;
+    `control`: the control store of kind "etcd" (a `MemoryStore` unless given)."""
 
-    def __init__(self, kind: str, folder):
+    def __init__(self, kind: str, folder, control=None):
         self.kind = kind
+        self.control = control if control is not None or kind != "etcd" else MemoryStore()
         self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=10))
         self.lock = threading.Lock()
@@ -44,8 +53,14 @@ class Plane:
         if kind == "store":
             self.mail = StoreMail(self.server)
             return
-        self.mail = RelayMail(C10dCoordinator(self.server), nnodes=1, per_host=4, beat_every=LEASE / 4)
-        self.relay = Relay(C10dHost(self._client(10.0), self._client(LEASE)), 0,
+        if kind == "etcd":
+            up = EtcdHost(self.control, PREFIX, 0)
+            down = EtcdCoordinator(self.control, PREFIX, groups=self.server)
+        else:
+            up = C10dHost(self._client(10.0), self._client(LEASE))
+            down = C10dCoordinator(self.server)
+        self.mail = RelayMail(down, nnodes=1, per_host=4, beat_every=LEASE / 4)
+        self.relay = Relay(up, 0,
                            str(folder / "relay.sock"), lease=LEASE, heartbeat=0.1, flush=0.02)
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
@@ -79,6 +94,12 @@ class Plane:
         self.links.append(link)
         return link, aborts
 
+    def direct(self, key: str) -> bool:
+        """Whether a record workers exchange directly (`relay.DIRECT`) is held under `key`."""
+        if self.kind == "etcd":
+            return self.control.get(f"{PREFIX}rec/{key}") is not None
+        return self.server.check([key])
+
     def read(self, what, seconds: float = 10.0):
         """`what(mail)` once it is truthy, after taking in what arrived (bounded)."""
         deadline = time.monotonic() + seconds
@@ -105,9 +126,11 @@ class Plane:
         if self.thread is not None:
             self.thread.join(5)
             self.relay.close()
+        if self.kind == "etcd":
+            self.mail.transport.close()
 
 
-@pytest.fixture(params=["store", "relay"])
+@pytest.fixture(params=["store", "relay", "etcd"])
 def plane(request, tmp_path):
     p = Plane(request.param, tmp_path)
     yield p
@@ -162,7 +185,7 @@ def test_new_records_are_handed_once_each_where_the_mail_can_say(plane):
     (`Ready`: since the start) once, in arrival order (the coordinator's recovery takes in
     only the `Ready`s that arrived); the store's cannot say (None), and its reader looks
     every record up."""
-    assert plane.mail.take_new(msg.Ready) == ([] if plane.kind == "relay" else None)
+    assert plane.mail.take_new(msg.Ready) == ([] if plane.kind != "store" else None)
     link, _ = plane.link(0)
     link.send(msg.Ready(1, 0, 3, "failure"))
     link.send(msg.Ready(1, 1, 3, "failure"))
@@ -251,7 +274,7 @@ def test_the_mail_holds_a_window_of_iterations_not_the_run(plane, tmp_path):
         ids = [{"iteration": i, "rank": r} for r in range(4)]
         assert plane.read(lambda m: m.present(msg.IterationDone, ids)
                           and m.present(msg.Losses, [ids[1], ids[3]]))
-        assert plane.server.check([stepped]) or i != 3  # on the store until 3 is retired
+        assert plane.direct(stepped) or i != 3  # on the store until 3 is retired
         with plane.lock:
             log.save(now=0.5 * i)
             log.retire(now=0.5 * i)
@@ -259,7 +282,7 @@ def test_the_mail_holds_a_window_of_iterations_not_the_run(plane, tmp_path):
     assert log.next_loss == 29 and log.retired == 27  # saved once final; a lease later gone
     assert max(sizes[8:]) <= max(sizes[:8]), sizes   # a window: no more at 30 than at 8
     assert plane.mail.get(msg.IterationDone, iteration=3, rank=0) is None
-    assert not plane.server.check([stepped])
+    assert not plane.direct(stepped)
     assert plane.mail.get(msg.IterationDone, iteration=29, rank=0) is not None
     with plane.lock:
         log.save(now=15.0, upto=30)
@@ -271,3 +294,20 @@ def test_the_mail_holds_a_window_of_iterations_not_the_run(plane, tmp_path):
     assert ends == [100.0 + i + 0.03 for i in range(30)] and gens == [1] * 30
     assert [r["end"] for r in rows] == ends  # each row holds its iteration's end
     folder.release()
+
+
+@pytest.mark.skipif(etcd_missing() is not None, reason=f"{etcd_missing()}")
+def test_the_etcd_pair_carries_a_case_on_a_real_etcd(tmp_path):
+    """The etcd transport on a real 3-member etcd (its JSON gateway, its watch streams): the
+    welcome, the decision and the abort reach the worker, as on the embedded store."""
+    from recycle_planner.executor.control.etcd_local import EtcdCluster
+    from recycle_planner.executor.control.store import EtcdStore
+
+    with EtcdCluster() as etcd:
+        control = EtcdStore(etcd.endpoints)
+        plane = Plane("etcd", tmp_path, control)
+        try:
+            test_a_welcome_a_decision_and_an_abort_reach_the_worker(plane)
+        finally:
+            plane.close()
+            control.close()

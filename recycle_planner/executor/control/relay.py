@@ -712,6 +712,7 @@ class Relay:
             self._epoch += 1            # the lost store's threads say nothing more
             self._fresh = None
         self.calls.abandon()
+        self.transport.close()
         self.attached, self.lost = False, None
         return why
 
@@ -756,6 +757,7 @@ class Relay:
         thread returns from c10d is aborted. False if it is still inside one (a cut link):
         the process must then leave with `os._exit`."""
         self._closed = True
+        self.transport.close()
         if self._thread is not threading.current_thread():
             self._thread.join(self.lease + 1.0)
         self.calls.abandon()

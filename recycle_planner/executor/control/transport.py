@@ -17,8 +17,10 @@ that wakes every host blocked in the store's `wait`, the direct records under th
 
 from __future__ import annotations
 
+import contextlib
+import time
 from datetime import timedelta
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 from recycle_planner.executor.control import messages as msg
 
@@ -58,6 +60,10 @@ class HostTransport(Protocol):
     def wait_notice(self, version: int, timeout: float) -> bool:
         """Block until the bulletins reach `version` (True) or `timeout` seconds pass
         (False); a failure raises `RuntimeError` or `OSError`."""
+
+    def close(self) -> None:
+        """Done with this coordinator (the relay moved on, or stops): a blocked
+        `wait_notice` returns soon."""
 
 
 class CoordinatorTransport(Protocol):
@@ -112,6 +118,10 @@ class C10dHost:
             return False
         return True
 
+    def close(self) -> None:
+        """Nothing to release: the clients close when dropped, and a wait ends with the
+        coordinator's next beat or the lease (`relay.Relay.close` waits that long)."""
+
 
 class C10dCoordinator:
     """The coordinator's side on its own c10d store."""
@@ -148,3 +158,190 @@ def delete_prefixed(store: Any, prefixes: tuple[str, ...]) -> None:
         for key in store.list_keys():
             if key.startswith(prefixes):
                 store.delete_key(key)
+
+
+# -- on etcd (`store.ControlStore`) ---------------------------------------------------------------
+
+def _up(prefix: str) -> str:
+    return f"{prefix}up/"
+
+
+def _bulletin(prefix: str, name: str) -> str:
+    return f"{prefix}bulletin/{name}"
+
+
+def _record(prefix: str, key: str) -> str:
+    return f"{prefix}rec/{key}"
+
+
+def _count(store: Any, key: str, by: int = 1) -> int:
+    """Add `by` to the count under `key` (absent: 0) by compare-and-set; the new count."""
+    from recycle_planner.executor.control.store import Compare, absent
+
+    while True:
+        entry = store.get(key)
+        held = int(entry.value) if entry is not None else 0
+        guard = absent(key) if entry is None else Compare(key, "mod", entry.mod_revision)
+        if store.transaction([guard], [(key, str(held + by), 0)]):
+            return held + by
+
+
+@contextlib.contextmanager
+def _as_failure() -> Iterator[None]:
+    """A control store's failure as the relay takes any transport's: a `RuntimeError`."""
+    from recycle_planner.executor.control.store import StoreRefused, StoreUnavailable
+
+    try:
+        yield
+    except (StoreUnavailable, StoreRefused) as exc:
+        raise RuntimeError(str(exc)) from exc
+
+
+class EtcdHost:
+    """A host's side on etcd, every key under the job's `prefix`: a report is a key of its own
+    under `up/`, written with the host's `lease` (a lost host's unread reports go with it) and
+    deleted by the coordinator once taken; the bulletins are two keys the host reads, and the
+    notice is the watch on the global one (each publication rewrites it), resumed from the
+    revision the bulletins were read at, so no publication is missed; the direct records and
+    the decisions are keys under `rec/`, a `first` one created only if absent, a count
+    raised by compare-and-set. The keys are the same whoever leads: a coordinator taking over
+    reads what its predecessor left."""
+
+    def __init__(self, store: Any, prefix: str, node: int, lease: int = 0):
+        import uuid
+
+        self.store, self.prefix, self.node, self.lease = store, prefix, node, lease
+        self.sender = f"{node:06d}-{uuid.uuid4().hex[:8]}"  # a restarted host's keys differ
+        self.seq = 0
+        self.read_at = 0          # the revision the bulletins were last read at
+        self._watch: Any = None
+        self._closed = False
+
+    def push(self, report: str) -> None:
+        with _as_failure():
+            self.store.put(f"{_up(self.prefix)}{self.sender}-{self.seq:012d}", report,
+                           self.lease)
+        self.seq += 1
+
+    def read(self, key: str) -> str | None:
+        with _as_failure():
+            entry = self.store.get(_record(self.prefix, key))
+        return entry.value if entry is not None else None
+
+    def put_direct(self, message: msg.Message) -> Any:
+        with _as_failure():
+            return self._put_direct(message)
+
+    def _put_direct(self, message: msg.Message) -> Any:
+        key, text = _record(self.prefix, message.key()), message.to_json()
+        if message.RULE == msg.COUNT:
+            return _count(self.store, key)
+        if message.RULE == msg.FIRST:
+            from recycle_planner.executor.control.store import absent
+
+            if not self.store.transaction([absent(key)], [(key, text, 0)]):
+                held = self.store.get(key)
+                text = held.value if held is not None else text
+            return type(message).from_json(text)
+        self.store.put(key, text)
+        return None
+
+    def next_incarnation(self, rank: int) -> int:
+        with _as_failure():
+            return _count(self.store, _record(self.prefix, f"incarnation/{rank}")) - 1
+
+    def bulletins(self, node: int) -> tuple[str, str]:
+        with _as_failure():
+            return self._bulletins(node)
+
+    def _bulletins(self, node: int) -> tuple[str, str]:
+        from recycle_planner.executor.control.relay import Bulletin
+
+        everyone, read_at = self.store.get_prefix(_bulletin(self.prefix, "all"))
+        mine = self.store.get(_bulletin(self.prefix, f"host/{node}/"))
+        empty = Bulletin().to_json()
+        if self._watch is None:
+            self._watch = self.store.watch(_bulletin(self.prefix, "all"), read_at + 1)
+        self.read_at = read_at
+        return (everyone[0].value if everyone else empty,
+                mine.value if mine is not None else empty)
+
+    def wait_notice(self, version: int, timeout: float) -> bool:
+        """A publication after the bulletins were read (every one rewrites the global
+        bulletin); events the last read already saw are skipped."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0 and not self._closed:
+            with _as_failure():
+                event = self._watch.get(left)
+            if event is not None and event.revision > self.read_at:
+                return True
+        return False
+
+    def close(self) -> None:
+        self._closed = True
+        if self._watch is not None:
+            self._watch.cancel()
+
+
+class EtcdCoordinator:
+    """The coordinator's side on etcd (see `EtcdHost`): it watches the reports' prefix from
+    the revision it read them at and takes them as the watch brings them (no read per pass),
+    deleting each once taken; it publishes the bulletins in one transaction. Every write
+    carries `fence` (`election.Leadership.fence`, where an election exists): a deposed
+    coordinator's writes are refused by etcd itself (`election.Deposed`). `groups`: the
+    c10d store the generations' process groups form in, whose keys leave with their
+    generation's records."""
+
+    def __init__(self, store: Any, prefix: str, fence: Any = None, groups: Any = None):
+        self.store, self.prefix, self.groups = store, prefix, groups
+        self.compares = [fence] if fence is not None else []
+        entries, read_at = store.get_prefix(_up(prefix))   # what a predecessor left unread
+        self.waiting = [e for e in sorted(entries, key=lambda e: e.create_revision)]
+        self.watch = store.watch(_up(prefix), read_at + 1)
+
+    def _write(self, puts: Sequence[tuple[str, str, int]] = (), deletes: Sequence[str] = (),
+               delete_prefixes: Sequence[str] = ()) -> None:
+        from recycle_planner.executor.control.election import Deposed
+
+        if not self.store.transaction(self.compares, puts, deletes, delete_prefixes):
+            raise Deposed("the coordinator's write was fenced off: another one leads")
+
+    def take(self) -> list[str]:
+        from recycle_planner.executor.control.store import PUT
+
+        taken = [(e.key, e.value) for e in self.waiting]
+        self.waiting = []
+        while (event := self.watch.get(0)) is not None:
+            if event.kind == PUT:
+                taken.append((event.key, event.value))
+        for start in range(0, len(taken), 100):  # etcd takes 128 operations a transaction
+            self._write(deletes=[key for key, _ in taken[start:start + 100]])
+        return [value for _, value in taken]
+
+    def publish(self, version: int, bulletins: Sequence[tuple[str, str]]) -> None:
+        """One transaction: the hosts' watch on the global bulletin (the last) wakes them."""
+        def name(key: str) -> str:
+            if key == GLOBAL_BULLETIN:
+                return "all"
+            return f"host/{key.rsplit('/', 1)[1]}/"
+        puts = [(_bulletin(self.prefix, name(k)), v, 0) for k, v in bulletins]
+        for start in range(0, len(puts) - 1, 100):
+            self._write(puts[start:start + 100])
+        self._write(puts[-1:])
+
+    def post(self, key: str, text: str) -> None:
+        self._write([(_record(self.prefix, key), text, 0)])
+
+    def delete(self, keys: Sequence[str]) -> None:
+        keys = [_record(self.prefix, k) for k in keys]
+        for start in range(0, len(keys), 100):
+            self._write(deletes=keys[start:start + 100])
+
+    def delete_prefixed(self, prefixes: tuple[str, ...]) -> None:
+        if prefixes:
+            self._write(delete_prefixes=[_record(self.prefix, p) for p in prefixes])
+            if self.groups is not None:
+                delete_prefixed(self.groups, prefixes)
+
+    def close(self) -> None:
+        self.watch.cancel()
