@@ -1,0 +1,84 @@
+"""The relay's transport on the control store (`transport.EtcdHost`, `EtcdCoordinator`), on the
+embedded `MemoryStore`: what a takeover and a deposed coordinator mean for it, and that no key
+outlives its need. The mail contract itself runs on it in tests/test_mail_contract.py."""
+
+import pytest
+
+from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.election import Deposed, Election
+from recycle_planner.executor.control.mail import RelayMail
+from recycle_planner.executor.control.protocol import Decision
+from recycle_planner.executor.control.relay import Bulletin, HostReport
+from recycle_planner.executor.control.store import MemoryStore
+from recycle_planner.executor.control.transport import EtcdCoordinator, EtcdHost
+
+PREFIX = "/recycle/job/relay/"
+
+
+def _report(node: int, seq: int, *messages: msg.Message) -> str:
+    return HostReport(node, seq, tuple((type(m).__name__, m.to_json()) for m in messages)).to_json()
+
+
+def _keys(store: MemoryStore, under: str = PREFIX) -> list[str]:
+    return [e.key for e in store.get_prefix(under)[0]]
+
+
+def test_a_coordinator_taking_over_reads_what_its_predecessor_left_and_hosts_stay_put():
+    """Reports the lost leader did not take wait under their keys: its successor takes them
+    first, in the order they came, then what arrives; the host's watch (its notice) wakes on
+    the successor's publication without moving anywhere."""
+    store = MemoryStore()
+    host = EtcdHost(store, PREFIX, node=0)
+    old = RelayMail(EtcdCoordinator(store, PREFIX), nnodes=1, per_host=2, beat_every=1.0)
+    host.push(_report(0, 0, msg.CommError(1, 0)))
+    old.refresh()
+    assert old.count(msg.CommError, gen=1) == 1
+    host.push(_report(0, 1, msg.CommError(1, 1)))       # the leader is lost before it reads
+    everyone, _ = host.bulletins(0)
+    assert Bulletin.from_json(everyone).version == 0
+    new = RelayMail(EtcdCoordinator(store, PREFIX), nnodes=1, per_host=2, beat_every=1.0)
+    assert host.wait_notice(1, 1.0)                      # its empty bulletins: a publication
+    host.push(_report(0, 2, msg.CommError(1, 2)))
+    new.refresh()
+    assert new.count(msg.CommError, gen=1) == 2 and new.host_seq[0] == 2
+    assert _keys(store, f"{PREFIX}up/") == []            # taken: gone
+    host.close()
+
+
+def test_a_deposed_coordinators_writes_are_refused():
+    """Every write of the coordinator carries its election's fence: once another leads, the
+    store refuses them (`Deposed`), so at most one coordinator's bulletins land."""
+    store = MemoryStore()
+    first = Election(store, "/recycle/job/election/", "a", ttl=5.0)
+    leadership = first.campaign()
+    transport = EtcdCoordinator(store, PREFIX, fence=leadership.fence)
+    mail = RelayMail(transport, nnodes=1, per_host=1, beat_every=1.0)
+    mail.put(msg.Finish(1))
+    mail.flush()
+    first.resign()                                       # another may lead from here
+    mail.put(msg.Finish(2))
+    with pytest.raises(Deposed):
+        mail.flush()
+    held = Bulletin.from_json(store.get(f"{PREFIX}bulletin/all").value)
+    assert held.version == 1
+    transport.close()
+
+
+def test_no_key_outlives_its_need():
+    """A direct record of a forgotten iteration and an old generation's keys leave the store;
+    a report leaves once taken; a lost host's untaken report goes with its lease."""
+    store = MemoryStore()
+    lease = store.grant(60.0)
+    host = EtcdHost(store, PREFIX, node=0, lease=lease)
+    mail = RelayMail(EtcdCoordinator(store, PREFIX), nnodes=1, per_host=1, beat_every=1.0)
+    host.put_direct(msg.Stepped(3, 0))
+    assert host.read(msg.Stepped.key_for(iteration=3, rank=0)) is not None
+    mail.forget(3, [msg.Stepped.key_for(iteration=3, rank=0)])
+    assert host.read(msg.Stepped.key_for(iteration=3, rank=0)) is None
+    for gen in range(1, 5):
+        mail.post_decision(Decision(gen=gen, action="run", members=(0,), dead=(), restart=0))
+    assert _keys(store, f"{PREFIX}rec/") == [f"{PREFIX}rec/gen{g}/decision" for g in (3, 4)]
+    host.push(_report(0, 0))
+    store.revoke(lease)
+    assert _keys(store, f"{PREFIX}up/") == []
+    mail.transport.close()
