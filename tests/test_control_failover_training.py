@@ -9,7 +9,9 @@ leader is SIGKILLed mid-run, between checkpoints: the third takes over live, the
 re-attach with their workers running (same processes, no checkpoint round trip), a worker
 killed at iteration 8 (while the coordinators change, or just after: the timing decides which,
 and both must end well) is re-routed by the new leader in a generation whose groups form in its
-store, and training ends with the parameters and every loss of the fault-free run."""
+store, and training ends with the parameters and every loss of the fault-free run. The control
+traffic between the host agents and the coordinators runs on the etcd (`transport.EtcdHost`,
+`EtcdCoordinator`): the takeover moves none of it, the c10d stores serve the process groups."""
 
 import json
 import os

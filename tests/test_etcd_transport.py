@@ -23,25 +23,27 @@ def _keys(store: MemoryStore, under: str = PREFIX) -> list[str]:
     return [e.key for e in store.get_prefix(under)[0]]
 
 
-def test_a_coordinator_taking_over_reads_what_its_predecessor_left_and_hosts_stay_put():
-    """Reports the lost leader did not take wait under their keys: its successor takes them
-    first, in the order they came, then what arrives; the host's watch (its notice) wakes on
-    the successor's publication without moving anywhere."""
+def test_a_coordinator_taking_over_counts_what_a_host_re_sends_once_and_hosts_stay_put():
+    """A report the lost leader did not take waits under its key; its successor takes a
+    host's reports from its introduction on (the `Attach` after the re-sent journal), so an
+    error in both counts once. The host's notice (its watch on the global bulletin) wakes on
+    the successor's publication, which names another coordinator, without moving anywhere."""
     store = MemoryStore()
-    host = EtcdHost(store, PREFIX, node=0)
+    host = EtcdHost(store, PREFIX, node=0, groups=None)
     old = RelayMail(EtcdCoordinator(store, PREFIX), nnodes=1, per_host=2, beat_every=1.0)
-    host.push(_report(0, 0, msg.CommError(1, 0)))
+    host.push(_report(0, 0, msg.HostUp(0, "h", 1, (0, 1)), msg.CommError(1, 0)))
     old.refresh()
     assert old.count(msg.CommError, gen=1) == 1
     host.push(_report(0, 1, msg.CommError(1, 1)))       # the leader is lost before it reads
-    everyone, _ = host.bulletins(0)
-    assert Bulletin.from_json(everyone).version == 0
+    first = Bulletin.from_json(host.bulletins(0)[0])
     new = RelayMail(EtcdCoordinator(store, PREFIX), nnodes=1, per_host=2, beat_every=1.0)
-    assert host.wait_notice(1, 1.0)                      # its empty bulletins: a publication
-    host.push(_report(0, 2, msg.CommError(1, 2)))
+    assert host.wait_notice(first.version + 1, 1.0)      # its empty bulletins: a publication
+    assert Bulletin.from_json(host.bulletins(0)[0]).by not in ("", first.by)
+    host.push(_report(0, 2, msg.CommError(1, 0), msg.CommError(1, 1),
+                      msg.Attach(0, -1, "", ((0, 0), (1, 0)))))
     new.refresh()
     assert new.count(msg.CommError, gen=1) == 2 and new.host_seq[0] == 2
-    assert _keys(store, f"{PREFIX}up/") == []            # taken: gone
+    assert _keys(store, f"{PREFIX}up/") == []            # taken (or passed over): gone
     host.close()
 
 
@@ -69,7 +71,7 @@ def test_no_key_outlives_its_need():
     a report leaves once taken; a lost host's untaken report goes with its lease."""
     store = MemoryStore()
     lease = store.grant(60.0)
-    host = EtcdHost(store, PREFIX, node=0, lease=lease)
+    host = EtcdHost(store, PREFIX, node=0, groups=None, lease=lease)
     mail = RelayMail(EtcdCoordinator(store, PREFIX), nnodes=1, per_host=1, beat_every=1.0)
     host.put_direct(msg.Stepped(3, 0))
     assert host.read(msg.Stepped.key_for(iteration=3, rank=0)) is not None
@@ -78,7 +80,7 @@ def test_no_key_outlives_its_need():
     for gen in range(1, 5):
         mail.post_decision(Decision(gen=gen, action="run", members=(0,), dead=(), restart=0))
     assert _keys(store, f"{PREFIX}rec/") == [f"{PREFIX}rec/gen{g}/decision" for g in (3, 4)]
-    host.push(_report(0, 0))
+    host.push(_report(0, 0, msg.HostUp(0, "h", 1, (0,))))
     store.revoke(lease)
     assert _keys(store, f"{PREFIX}up/") == []
     mail.transport.close()

@@ -54,7 +54,7 @@ class Plane:
             self.mail = StoreMail(self.server)
             return
         if kind == "etcd":
-            up = EtcdHost(self.control, PREFIX, 0)
+            up = EtcdHost(self.control, PREFIX, 0, self.server)
             down = EtcdCoordinator(self.control, PREFIX, groups=self.server)
         else:
             up = C10dHost(self._client(10.0), self._client(LEASE))
@@ -62,6 +62,7 @@ class Plane:
         self.mail = RelayMail(down, nnodes=1, per_host=4, beat_every=LEASE / 4)
         self.relay = Relay(up, 0,
                            str(folder / "relay.sock"), lease=LEASE, heartbeat=0.1, flush=0.02)
+        self.relay.report(msg.HostUp(0, "host", 0, (0, 1, 2, 3)))  # as its host agent does
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 

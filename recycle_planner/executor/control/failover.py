@@ -248,6 +248,14 @@ class Successor:
         return published_coordinator(_etcd(self.etcd, self.lease), Keys(self.job), timeout,
                                      self.revision, same_after=self.lease)
 
+    def relay(self, node: int, groups: Any) -> Any:
+        """Host `node`'s side of the control traffic on this job's etcd (`transport.EtcdHost`:
+        under `--rdzv-backend etcd`, the relay's transport, whoever leads); `groups`: the
+        leader's c10d store."""
+        from recycle_planner.executor.control.transport import EtcdHost
+
+        return EtcdHost(_etcd(self.etcd, self.lease), Keys(self.job).relay, node, groups)
+
 
 HOSTS_ENV = "RECYCLE_HOSTS"
 """The environment variable by which `coordinate` tells its coordinator where the job's host
@@ -284,6 +292,22 @@ class HostLeases:
         """The nodes whose host lease is held now; `StoreUnavailable` if etcd cannot say."""
         entries, _ = self._store.get_prefix(Keys(self.job).hosts)
         return {HostRecord.from_json(e.value).node for e in entries}
+
+    def relay(self, groups: Any) -> Any:
+        """The leading coordinator's side of the control traffic on this job's etcd
+        (`transport.EtcdCoordinator`), every write fenced by its leader's publication (the
+        key the leader wrote under its election fence just before telling this coordinator
+        to lead, gone with its lease: a deposed coordinator's writes are refused).
+        `groups`: its c10d store, where the process groups form."""
+        from recycle_planner.executor.control.store import Compare
+        from recycle_planner.executor.control.transport import EtcdCoordinator
+
+        keys = Keys(self.job)
+        published = self._store.get(keys.coordinator)
+        if published is None:
+            raise Deposed("no coordinator is published: this one does not lead")
+        return EtcdCoordinator(self._store, keys.relay,
+                               Compare(keys.coordinator, "mod", published.mod_revision), groups)
 
     @staticmethod
     def hold(store: ControlStore, keys: Keys, record: HostRecord, ttl: float) -> LeaseKeeper:

@@ -163,6 +163,14 @@ class HostAgent:
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return self._client(c.startup_timeout)
 
+    def _transport(self, store: Any, notices: Callable[[float], Any]) -> Any:
+        """The relay's transport to the coordinator: on the job's etcd where coordinators
+        fail over on it (`successor`: its keys outlive a leader), else on the coordinator's
+        `store` (with `notices(lease)`, a second client for the blocking waits)."""
+        if self.successor is not None:
+            return self.successor.relay(self.node_rank, store)
+        return C10dHost(store, notices(self.lease))
+
     def _client(self, timeout: float) -> dist.TCPStore:
         c = self.config
         host, port = c.address
@@ -189,12 +197,12 @@ class HostAgent:
             self.grace = worker_config.grace
             self.log_dir = Path(worker_config.log_dir or Path(worker_config.run_dir) / "logs")
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self.relay = Relay(C10dHost(self.store, self._client(self.lease)), self.node_rank,
+            self.relay = Relay(self._transport(self.store, self._client), self.node_rank,
                                relay_path(str(self.log_dir), self.node_rank), self.lease,
                                worker_config.heartbeat, endpoint=c.endpoint)
             ranks = [self.node_rank * c.nproc_per_node + i for i in range(c.nproc_per_node)]
             for i, rank in enumerate(ranks):  # counted on the store: a rebooted host re-joins
-                self._spawn(rank, i, msg.next_incarnation(self.store, rank))
+                self._spawn(rank, i, self.relay.transport.next_incarnation(rank))
             self.relay.report(msg.HostUp(self.node_rank, socket.gethostname(), os.getpid(),
                                          tuple(ranks)))
             self.on_event(f"host {self.node_rank}: workers {ranks} started (logs in "
@@ -431,8 +439,9 @@ class HostAgent:
             return f"the next leader, at {endpoint}, took over"
         c = self.config
         # a new store counts incarnations (and hosts that came by arrival) from here on
+        transport = self._transport(store, lambda _: notices)
         for rank, incarnation in self.incarnations.items():
-            msg.count_incarnations_from(store, rank, incarnation + 1)
+            transport.raise_incarnations(rank, incarnation + 1)
         if c.node_rank is None and not same:
             store.add(f"rdzv/{c.rdzv_id}/nodes", 1)
         if same:
@@ -440,7 +449,7 @@ class HostAgent:
                           f"(it was slow, or this host was cut off from it): re-attached to it")
         self.store = store
         self.successor = self.successor.after(revision)
-        self.relay.attach(C10dHost(store, notices), endpoint, tuple(
+        self.relay.attach(transport, endpoint, tuple(
             (r, w.incarnation) for r, w in sorted(self.workers.items())
             if w.popen.poll() is None))
         self.on_event(f"host {self.node_rank}: re-attached to the coordinator at {endpoint} "

@@ -17,6 +17,7 @@ one interface, two implementations.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Mapping, Protocol, Sequence, TypeVar
 
 from recycle_planner.executor.control import messages as msg
@@ -160,6 +161,7 @@ class RelayMail:
     def __init__(self, transport: CoordinatorTransport, nnodes: int, per_host: int,
                  beat_every: float):
         self.transport = transport
+        self.by = uuid.uuid4().hex[:12]          # names its bulletins (`Bulletin.by`)
         self.nnodes, self.per_host = nnodes, per_host
         self.beat_every = beat_every
         self.records: dict[str, msg.Message] = {}  # key -> record, reported and posted
@@ -176,7 +178,7 @@ class RelayMail:
         self.decided: list[int] = []
         self.floor = 0                                    # iterations before it: forgotten
         # empty bulletins from the start: a host reads them before the first notice
-        transport.publish(0, [(key, Bulletin().to_json()) for key in
+        transport.publish(0, [(key, Bulletin(by=self.by).to_json()) for key in
                               (GLOBAL_BULLETIN, *(host_bulletin(n) for n in range(nnodes)))])
 
     def node_of(self, rank: int) -> int:
@@ -271,10 +273,11 @@ class RelayMail:
         if not self.dirty and now - self.published_at < self.beat_every:
             return
         self.version += 1
-        bulletins = [(host_bulletin(node), Bulletin(self.version, self.by_host[node]).to_json())
+        bulletins = [(host_bulletin(node),
+                      Bulletin(self.version, self.by_host[node], self.by).to_json())
                      for node in sorted(n for n in self.dirty if n is not None)]
         bulletins.append((GLOBAL_BULLETIN, Bulletin(
-            self.version, {k: v for k, (_, v) in self.everyone.items()}).to_json()))
+            self.version, {k: v for k, (_, v) in self.everyone.items()}, self.by).to_json()))
         self.transport.publish(self.version, bulletins)
         self.dirty.clear()
         self.published_at = now

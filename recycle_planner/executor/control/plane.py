@@ -110,6 +110,12 @@ class Keys:
         return self.to_hosts + "coordinator"
 
     @property
+    def relay(self) -> str:
+        """The control traffic between the coordinator and the host agents' relays
+        (`transport.EtcdHost`, `EtcdCoordinator`): the same keys whoever leads."""
+        return self.root + "relay/"
+
+    @property
     def led(self) -> str:
         """The store a leader of this job last published (kept when its leadership ends:
         the next leader takes over from it)."""

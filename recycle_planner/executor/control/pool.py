@@ -33,7 +33,7 @@ from recycle_planner.executor.control.failover import HostLeases
 from recycle_planner.executor.control.mail import Mail, RelayMail, StoreMail
 from recycle_planner.executor.control.result import EventKind
 from recycle_planner.executor.control.store import StoreUnavailable
-from recycle_planner.executor.control.transport import C10dCoordinator
+from recycle_planner.executor.control.transport import C10dCoordinator, CoordinatorTransport
 
 if TYPE_CHECKING:
     from recycle_planner.executor.control.agent import Agent
@@ -222,12 +222,17 @@ class HostPool:
         self.hosts: dict[int, msg.HostUp] = {}
         self.incarnation: dict[int, int] = {}
         self.leases = HostLeases.from_env()  # the hosts' leases on etcd (`failover.py`)
+        self.transport: CoordinatorTransport | None = None  # the mail's (`mail`)
         self._held: tuple[float, set[int] | None] = (float("-inf"), None)
         self._spawned, self._exited = _Arrivals(msg.Spawned), _Arrivals(msg.WorkerExit)
 
     def mail(self, store: Any) -> Mail:
+        """The relay's mail: on etcd where the coordinators fail over on it (`HostLeases`,
+        `--rdzv-backend etcd`: its keys outlive a leader), else on `store`."""
         c = self.agent.config
-        return RelayMail(C10dCoordinator(store), self.nnodes, c.nproc // self.nnodes, c.lease / 4)
+        self.transport = C10dCoordinator(store) if self.leases is None else \
+            self.leases.relay(store)
+        return RelayMail(self.transport, self.nnodes, c.nproc // self.nnodes, c.lease / 4)
 
     def start(self) -> list[Proc]:
         a = self.agent
@@ -292,7 +297,7 @@ class HostPool:
         for rank in range(self.agent.config.nproc):
             self.incarnation[rank] = running.get(rank, decision.incarnations.get(rank, 0))
             if rank not in running:
-                msg.count_incarnations_from(self.agent.store, rank, self.incarnation[rank] + 1)
+                self.transport.raise_incarnations(rank, self.incarnation[rank] + 1)
 
     def held(self, now: float) -> set[int] | None:
         """Read from etcd at most every quarter lease; None without etcd or when it cannot

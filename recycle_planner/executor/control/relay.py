@@ -146,19 +146,22 @@ class HostReport:
 class Bulletin:
     """What the coordinator currently tells hosts: record key -> record JSON (a decision's
     key maps to "": the decision itself is read from its own key, once per host). `version`
-    counts the global bulletin's changes (and the coordinator's beats)."""
+    counts the global bulletin's changes (and the coordinator's beats); `by` names the
+    coordinator's mail that wrote it (on keys that outlive a coordinator, `transport.EtcdHost`,
+    another name there means another coordinator took over)."""
 
     version: int = 0
     records: Mapping[str, str] = field(default_factory=dict)
+    by: str = ""
 
     def to_json(self) -> str:
-        return json.dumps({"version": self.version, "records": dict(self.records)},
-                          separators=(",", ":"))
+        return json.dumps({"version": self.version, "records": dict(self.records),
+                           "by": self.by}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Bulletin":
         d = json.loads(text)
-        return cls(int(d["version"]), d["records"])
+        return cls(int(d["version"]), d["records"], str(d.get("by", "")))
 
 
 class Journal:
@@ -386,12 +389,15 @@ class Relay:
         for a lease mean the coordinator is gone (or this host is cut off from it). A cut
         link makes the read itself fail after the lease (the store client's timeout). A thread
         of an `epoch` the relay left (it re-attached elsewhere) ends without a word."""
-        version, moved = -1, time.monotonic()
+        version, moved, by = -1, time.monotonic(), ""
         while not self._closed and self._epoch == epoch:
             try:
                 everyone, mine = (Bulletin.from_json(v) for v in transport.bulletins(self.node))
                 if self._epoch != epoch:
                     return
+                if by and everyone.by != by:  # its successor writes the same keys
+                    raise RuntimeError(f"another coordinator took over ({everyone.by})")
+                by = everyone.by
                 now = self.noticed_at = time.monotonic()
                 if everyone.version != version:
                     version, moved = everyone.version, now

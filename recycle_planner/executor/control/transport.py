@@ -18,6 +18,7 @@ that wakes every host blocked in the store's `wait`, the direct records under th
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from datetime import timedelta
 from typing import Any, Iterator, Protocol, Sequence
@@ -54,6 +55,10 @@ class HostTransport(Protocol):
     def next_incarnation(self, rank: int) -> int:
         """The incarnation of `rank` to spawn next (`messages.next_incarnation`)."""
 
+    def raise_incarnations(self, rank: int, first: int) -> None:
+        """Make `first` at least the next incarnation of `rank` given out
+        (`messages.count_incarnations_from`)."""
+
     def bulletins(self, node: int) -> tuple[str, str]:
         """The global bulletin and host `node`'s (JSON), as of one moment."""
 
@@ -83,6 +88,9 @@ class CoordinatorTransport(Protocol):
     def delete_prefixed(self, prefixes: tuple[str, ...]) -> None:
         """Remove every key under these prefixes (an old generation's)."""
 
+    def raise_incarnations(self, rank: int, first: int) -> None:
+        """As `HostTransport.raise_incarnations`: for the ranks no host runs."""
+
 
 class C10dHost:
     """A host's side on the coordinator's c10d store: `store` for the calls, `notices` (a
@@ -102,6 +110,9 @@ class C10dHost:
 
     def next_incarnation(self, rank: int) -> int:
         return msg.next_incarnation(self.store, rank)
+
+    def raise_incarnations(self, rank: int, first: int) -> None:
+        msg.count_incarnations_from(self.store, rank, first)
 
     def bulletins(self, node: int) -> tuple[str, str]:
         everyone, mine = self.notices.multi_get([GLOBAL_BULLETIN, host_bulletin(node)])
@@ -151,6 +162,9 @@ class C10dCoordinator:
     def delete_prefixed(self, prefixes: tuple[str, ...]) -> None:
         delete_prefixed(self.store, prefixes)
 
+    def raise_incarnations(self, rank: int, first: int) -> None:
+        msg.count_incarnations_from(self.store, rank, first)
+
 
 def delete_prefixed(store: Any, prefixes: tuple[str, ...]) -> None:
     """Remove every key of a c10d `store` under these prefixes."""
@@ -174,16 +188,16 @@ def _record(prefix: str, key: str) -> str:
     return f"{prefix}rec/{key}"
 
 
-def _count(store: Any, key: str, by: int = 1) -> int:
-    """Add `by` to the count under `key` (absent: 0) by compare-and-set; the new count."""
+def _count(store: Any, key: str) -> int:
+    """Add one to the count under `key` (absent: 0) by compare-and-set; the new count."""
     from recycle_planner.executor.control.store import Compare, absent
 
     while True:
         entry = store.get(key)
         held = int(entry.value) if entry is not None else 0
         guard = absent(key) if entry is None else Compare(key, "mod", entry.mod_revision)
-        if store.transaction([guard], [(key, str(held + by), 0)]):
-            return held + by
+        if store.transaction([guard], [(key, str(held + 1), 0)]):
+            return held + 1
 
 
 @contextlib.contextmanager
@@ -205,12 +219,15 @@ class EtcdHost:
     revision the bulletins were read at, so no publication is missed; the direct records and
     the decisions are keys under `rec/`, a `first` one created only if absent, a count
     raised by compare-and-set. The keys are the same whoever leads: a coordinator taking over
-    reads what its predecessor left."""
+    reads what its predecessor left. The ranks' incarnations are counted where the current
+    coordinator's process groups form (`groups`, its c10d store: a coordinator that starts
+    the run again counts from 0, as without etcd)."""
 
-    def __init__(self, store: Any, prefix: str, node: int, lease: int = 0):
+    def __init__(self, store: Any, prefix: str, node: int, groups: Any, lease: int = 0):
         import uuid
 
         self.store, self.prefix, self.node, self.lease = store, prefix, node, lease
+        self.groups = groups
         self.sender = f"{node:06d}-{uuid.uuid4().hex[:8]}"  # a restarted host's keys differ
         self.seq = 0
         self.read_at = 0          # the revision the bulletins were last read at
@@ -247,8 +264,10 @@ class EtcdHost:
         return None
 
     def next_incarnation(self, rank: int) -> int:
-        with _as_failure():
-            return _count(self.store, _record(self.prefix, f"incarnation/{rank}")) - 1
+        return msg.next_incarnation(self.groups, rank)
+
+    def raise_incarnations(self, rank: int, first: int) -> None:
+        msg.count_incarnations_from(self.groups, rank, first)
 
     def bulletins(self, node: int) -> tuple[str, str]:
         with _as_failure():
@@ -283,10 +302,20 @@ class EtcdHost:
             self._watch.cancel()
 
 
+INTRODUCTIONS = frozenset({"HostUp", "Attach"})
+"""The records by which a host introduces itself to a coordinator: from its first report
+holding one on, the coordinator takes its reports (`EtcdCoordinator.take`)."""
+
+
 class EtcdCoordinator:
     """The coordinator's side on etcd (see `EtcdHost`): it watches the reports' prefix from
     the revision it read them at and takes them as the watch brings them (no read per pass),
-    deleting each once taken; it publishes the bulletins in one transaction. Every write
+    deleting each once taken; it publishes the bulletins in one transaction. The reports
+    keys outlive a coordinator, so a host's reports are taken only from the one by which it
+    introduced itself to this coordinator on (`INTRODUCTIONS`): what it sent meanwhile to the
+    one before (which its successor left there, or which came before the host noticed the
+    change) is in the journal it re-sends with its `Attach` (`relay.Journal`), and a count
+    taken from both would count twice. Every write
     carries `fence` (`election.Leadership.fence`, where an election exists): a deposed
     coordinator's writes are refused by etcd itself (`election.Deposed`). `groups`: the
     c10d store the generations' process groups form in, whose keys leave with their
@@ -298,6 +327,7 @@ class EtcdCoordinator:
         entries, read_at = store.get_prefix(_up(prefix))   # what a predecessor left unread
         self.waiting = [e for e in sorted(entries, key=lambda e: e.create_revision)]
         self.watch = store.watch(_up(prefix), read_at + 1)
+        self.introduced: set[int] = set()    # the nodes whose reports it takes
 
     def _write(self, puts: Sequence[tuple[str, str, int]] = (), deletes: Sequence[str] = (),
                delete_prefixes: Sequence[str] = ()) -> None:
@@ -316,7 +346,14 @@ class EtcdCoordinator:
                 taken.append((event.key, event.value))
         for start in range(0, len(taken), 100):  # etcd takes 128 operations a transaction
             self._write(deletes=[key for key, _ in taken[start:start + 100]])
-        return [value for _, value in taken]
+        return [value for _, value in taken if self._introduced(value)]
+
+    def _introduced(self, report: str) -> bool:
+        d = json.loads(report)
+        if d["node"] not in self.introduced and \
+                any(kind in INTRODUCTIONS for kind, _ in d["records"]):
+            self.introduced.add(d["node"])
+        return d["node"] in self.introduced
 
     def publish(self, version: int, bulletins: Sequence[tuple[str, str]]) -> None:
         """One transaction: the hosts' watch on the global bulletin (the last) wakes them."""
@@ -342,6 +379,9 @@ class EtcdCoordinator:
             self._write(delete_prefixes=[_record(self.prefix, p) for p in prefixes])
             if self.groups is not None:
                 delete_prefixed(self.groups, prefixes)
+
+    def raise_incarnations(self, rank: int, first: int) -> None:
+        msg.count_incarnations_from(self.groups, rank, first)
 
     def close(self) -> None:
         self.watch.cancel()
