@@ -37,6 +37,13 @@ the new leader saved (losses.jsonl: no iteration missing or saved twice).
     cd benchmarks && python bench_relay_takeover.py --ranks 1024 --per-host 8 --repeat 3
     python bench_relay_takeover.py --ranks 8192 --per-host 64 --iteration 4 --repeat 3
     python bench_relay_takeover.py --ranks 1024 --per-host 8 --with-host
+
+The benchmark sets `RES_OPTIONS=timeout:1 attempts:1` for itself and every process it starts
+(as tests/conftest.py does): c10d's store server looks each new client's address up in DNS
+(`getnameinfo`) on its one thread, and this sandbox's resolver drops a query now and then,
+which glibc retries after 5 s: the whole coordinator's store stopped answering every host for
+longer than the lease. One attempt with a 1 s timeout bounds that stall at 1 s; nothing here
+needs a name resolved.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # see the module's docstring
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_relay import MICROBATCHES, STAGES, _Lib, _Spec, _Workers  # noqa: E402
