@@ -7,7 +7,7 @@ from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.mail import RelayMail
 from recycle_planner.executor.control.protocol import Decision
 from recycle_planner.executor.control.relay import HostReport, Journal, keeps
-from recycle_planner.executor.control.takeover import Adoption, awaited
+from recycle_planner.executor.control.takeover import Adoption, Waiting
 
 
 class _Store:
@@ -115,13 +115,37 @@ def test_members_no_host_runs_are_lost_and_nothing_held_is_nothing_to_adopt():
 
 
 def test_a_coordinator_taking_over_waits_for_the_hosts_etcd_holds_only():
-    nodes = range(4)
-    assert awaited(nodes, [0, 2], {0, 1, 2}) == [1]  # host 3's lease is gone: lost
-    assert awaited(nodes, [0, 2], {0, 1, 2, 3}) == [1, 3]
-    assert awaited(nodes, [0, 1, 2, 3], {0}) == []
+    def wait(answered, held, waited):
+        return Waiting.of(range(4), answered, held, waited, lease=4.0, bound=300.0)
+
+    assert wait([0, 2], {0, 1, 2}, 1.0).awaited == (1,)  # host 3's lease is gone: lost
+    assert wait([0, 2], {0, 1, 2}, 1.0).gone == (3,)
+    assert wait([0, 2], {0, 1, 2, 3}, 1.0).awaited == (1, 3)
+    done = wait([0, 1, 2, 3], {0}, 1.0)
+    assert done.awaited == done.gone == done.late == () and done.said() == ""
     # etcd cannot say, or no host holds a lease there (no node ranks): wait for every one
-    assert awaited(nodes, [0, 2], None) == [1, 3]
-    assert awaited(nodes, [0, 2], set()) == [1, 3]
+    assert wait([0, 2], None, 1.0).awaited == (1, 3)
+    assert wait([0, 2], set(), 1.0).awaited == (1, 3)
+
+
+def test_a_live_host_that_re_attaches_slowly_is_waited_for_up_to_the_rendezvous_timeout():
+    """A host whose lease etcd holds is alive: three leases (and far more) after the new
+    leader started it is still waited for, not declared dead with its workers (at 128
+    ranks, a leader that gave up after three leases declared 88 live workers dead); only
+    past the rendezvous timeout, when its own agent gives up too, is it lost. Without
+    etcd's word, a host absent for three leases is lost."""
+    def wait(held, waited):
+        return Waiting.of(range(4), [0], held, waited, lease=4.0, bound=300.0)
+
+    slow = wait({0, 1, 2}, 3 * 4.0 + 0.1)
+    assert slow.awaited == (1, 2) and slow.gone == (3,) and slow.late == ()
+    assert wait({0, 1, 2}, 299.0).awaited == (1, 2)
+    late = wait({0, 1, 2}, 300.0)
+    assert late.awaited == () and late.gone == (3,) and late.late == (1, 2)
+    assert "[3] hold no lease" in late.said() and "[1, 2] did not re-attach within 300 s" \
+        in late.said()
+    unknown = wait(None, 3 * 4.0)
+    assert unknown.awaited == () and unknown.late == (1, 2, 3) and unknown.limit == 12.0
 
 
 def test_a_new_store_counts_each_ranks_incarnations_on_from_the_runs():
