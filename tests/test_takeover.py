@@ -114,6 +114,21 @@ def test_members_no_host_runs_are_lost_and_nothing_held_is_nothing_to_adopt():
     assert Adoption.of([]) is None
 
 
+def test_the_new_coordinator_saves_losses_from_the_first_the_lost_one_had_not_saved():
+    """The lost coordinator (attempt 2) saved iterations 5 and 6 after telling the hosts
+    mark 5: the new one starts at 7, not 5 (which would write 5 and 6 twice); rows of
+    another attempt (a stopped worker's, an earlier run's) do not count."""
+    from recycle_planner.executor.control.runfolder import LossRow
+
+    adoption = Adoption.of([msg.Attach(0, 1, _decision(1).to_json(), ((0, 0),), saved=5)])
+    rows = {i: LossRow(i, 0.5, 1, 2) for i in range(7)}
+    assert adoption.saving_from(rows, lost_attempt=2) == 7
+    assert adoption.saving_from({**rows, 6: LossRow(6, 0.5, None, None)}, 2) == 6
+    assert adoption.saving_from({i: LossRow(i, 0.5, 1, 1) for i in range(9)}, 2) == 5
+    unmarked = replace(adoption, saved=-1)   # no host was told: from the restart (3)
+    assert unmarked.saving_from({}, 2) == 3 and unmarked.saving_from(rows, 2) == 7
+
+
 def test_a_coordinator_taking_over_waits_for_the_hosts_etcd_holds_only():
     def wait(answered, held, waited):
         return Waiting.of(range(4), answered, held, waited, lease=4.0, bound=300.0)

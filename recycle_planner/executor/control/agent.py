@@ -630,9 +630,9 @@ class Agent:
                waiting: Waiting) -> None:
         """Continue generation `adoption.decision` with the workers the hosts run: its
         decision posted again (a host may not have fetched it), the losses saved from the
-        mark the hosts were told, the next checkpoint after the latest complete one; members
-        that are gone (died meanwhile, or their host did not re-attach) are deaths of this
-        generation, as any other."""
+        first the lost coordinator had not saved, the next checkpoint after the latest
+        complete one; members that are gone (died meanwhile, or their host did not
+        re-attach) are deaths of this generation, as any other."""
         d = adoption.decision
         for rank, inc in adoption.workers.items():
             self.procs[rank] = Proc(rank, inc, None, self.log_dir, time.time())
@@ -643,7 +643,8 @@ class Agent:
         spec = self.lib.spec
         self.iterations = IterationLog(self.mail, self.folder, spec.pipelines, spec.stages,
                                        spec.microbatches,
-                                       adoption.saved if adoption.saved >= 0 else d.restart,
+                                       adoption.saving_from(self.folder.saved_rows(),
+                                                            self.folder.record.attempt - 1),
                                        self.config.lease, step_reports(self.config.faults))
         self.checkpointed = _on_disk(self.run_dir)  # stopped workers may have written one
         every = self.config.checkpoint_every

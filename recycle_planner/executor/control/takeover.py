@@ -19,6 +19,7 @@ from typing import Iterable, Mapping
 
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.protocol import Decision
+from recycle_planner.executor.control.runfolder import LossRow
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,19 @@ class Adoption:
             return (f"its members had agreed on the lost coordinator's store to leave it at "
                     f"iteration {self.switch_at}, which the new store cannot agree again")
         return None
+
+    def saving_from(self, rows: Mapping[int, LossRow], lost_attempt: int) -> int:
+        """The first iteration whose losses the new coordinator saves: from the mark the
+        hosts were told (else the generation's restart), past the rows that the lost
+        coordinator (the run folder's attempt `lost_attempt`) appended from there on. It
+        saves an iteration only once it is final, then tells the hosts at most every
+        quarter lease, so its last rows are often ahead of the mark; saving them again
+        would write an iteration twice (seen at 1,024 ranks). A row of another attempt (an
+        earlier run's, or one a stopped worker wrote) is not this generation's."""
+        i = self.saved if self.saved >= 0 else self.decision.restart
+        while (row := rows.get(i)) is not None and row.attempt == lost_attempt:
+            i += 1
+        return i
 
     def lost_members(self) -> list[int]:
         """Members of the decision whose process (that incarnation) no host reported live:
