@@ -389,8 +389,8 @@ def run_once(args, work: Path, with_host: bool) -> dict:
             _until(lambda: _all_held(children, 0) or _starved(wrappers), 600,
                    "generation 0 not held by every stand-in")
             if _starved(wrappers):
-                raise RuntimeError("stand-ins lost their lease at start-up (the machine "
-                                   "starved them): nothing to measure")
+                raise RuntimeError("stand-ins lost their lease at start-up: nothing to "
+                                   "measure; the leader's first deaths: " + _deaths(wrappers))
             for _, conn in children:
                 conn.send(("go", time.time() + args.iteration))
                 conn.recv()
@@ -433,6 +433,14 @@ def _until(ready, seconds: float, what: str) -> None:
 def _starved(wrappers: list) -> bool:
     """The first leader declared a worker dead before any fault."""
     return any(w.mark("event", kind="death") for w in wrappers)
+
+
+def _deaths(wrappers: list) -> str:
+    """The first deaths the leader declared, seconds after it started (what starved)."""
+    leader = next(w for w in wrappers if w.mark("store"))
+    t0 = leader.mark("store")["t"]
+    return "; ".join(f"{m['t'] - t0:.1f} s: {m['message']}" for m in leader.marks
+                     if m["ev"] == "event" and m["kind"] == "death")[:600]
 
 
 def _ask(children: list, command: str, arg=None) -> list:
@@ -514,12 +522,25 @@ def _row(args, standby, reports: dict, killed: float, lost, took: dict, next_gen
         "stand_in_iterations": len(ends),
         "hosts_stalled": sum(1 for n in survivors if reports[n]["stalled"] is not None),
         "take_over_event": took["message"],
+        "slow_hosts": _slow(reports, survivors, attached, killed),
         "events_after_kill": [(since(m["t"]), m["kind"], m["message"][:100])
                               for m in standby.marks if m["ev"] == "event"][:8],
         "progress_after": [m for m in standby.marks if m["ev"] == "progress"][-1:],
         "settled_s": round(time.time() - held_at, 3),
         "load": os.getloadavg(),
     }
+
+
+def _slow(reports: dict, survivors: list[int], attached: list, killed: float) -> dict:
+    """What the hosts that re-attached over 4 s after the median said after the kill (their
+    agent's events, seconds from the kill): where a slow re-attach spent its time."""
+    times = [a for a in attached if a is not None]
+    if not times:
+        return {}
+    median = statistics.median(times)
+    return {n: [(round(t - killed, 3), m[:140]) for t, m in reports[n]["events"]
+                if t >= killed][:8]
+            for n, a in zip(survivors, attached) if a is None or a > median + 4.0}
 
 
 def _spread(values: list) -> dict | None:
