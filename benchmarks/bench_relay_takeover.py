@@ -405,7 +405,11 @@ def run_once(args, work: Path, with_host: bool) -> dict:
                 owner = children[lost % args.procs][1]
                 owner.send(("vanish", lost))
                 owner.recv()
-            row = _follow(args, standby, children, killed, lost, nnodes)
+            try:
+                row = _follow(args, standby, children, killed, lost, nnodes)
+            except RuntimeError:
+                _keep_reports(children, work / "hosts.json")
+                raise
             row["load_at_kill"] = load
             row["leader_progress_at_kill"] = next(
                 (m for m in reversed(leader.marks) if m["ev"] == "progress"), None)
@@ -441,6 +445,13 @@ def _deaths(wrappers: list) -> str:
     t0 = leader.mark("store")["t"]
     return "; ".join(f"{m['t'] - t0:.1f} s: {m['message']}" for m in leader.marks
                      if m["ev"] == "event" and m["kind"] == "death")[:600]
+
+
+def _keep_reports(children: list, path: Path) -> None:
+    """Every host's events (and what else `report` gives) into `path`, for a run that failed
+    after the kill: which host did not re-attach, and what it said."""
+    reports = {n: r for part in _ask(children, "report") for n, r in part.items()}
+    path.write_text(json.dumps(reports))
 
 
 def _ask(children: list, command: str, arg=None) -> list:

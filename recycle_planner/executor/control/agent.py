@@ -387,6 +387,7 @@ class Agent:
         self.preempt_said = False
         self.progress: msg.Progress | None = None    # what the host agents were told
         self.progress_at = 0.0
+        self.awaited_said = 0.0                      # taking over: when the wait was logged
 
     # -- main loop ---------------------------------------------------------------------------
 
@@ -609,6 +610,11 @@ class Agent:
         waiting = Waiting.of(nodes, [*attaches, *fresh], self.pool.held(now), now - self.t0,
                              self.config.lease, self.config.rdzv_timeout)
         if waiting.awaited:
+            if now - self.awaited_said >= self.config.lease:
+                self.awaited_said = now
+                log.warning("taking over: %.0f s on, still waiting for hosts %s to re-attach "
+                            "(waited for up to %g s)", now - self.t0, list(waiting.awaited),
+                            waiting.limit)
             return
         adoption = Adoption.of(attaches.values())
         if adoption is None:
