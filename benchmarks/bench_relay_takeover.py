@@ -153,6 +153,7 @@ class _Members(_Workers):
         super().__init__(link, ranks, period)
         self.gen = -1
         self.ends: list[float] = []
+        self.lost: str | None = None  # why its link was lost before it held a decision
 
     def start(self) -> None:
         super().start()
@@ -162,7 +163,8 @@ class _Members(_Workers):
         try:
             welcome = self.link.wait(msg.Welcome, rank=self.ranks[0], incarnation=0)
             decision = self.link.decision(welcome.gen)
-        except ControlLost:
+        except ControlLost as exc:
+            self.lost = str(exc)  # it will never hold one: the harness stops waiting
             return
         with self.lock:
             self.held[decision.gen] = time.time()
@@ -294,6 +296,9 @@ def _hosts_main(nodes: list[int], nnodes: int, per_host: int, per_link: int, etc
         if command == "held":  # when each live link's stand-ins held generation `arg`
             conn.send({g.ranks[0]: g.held.get(arg) for a in agents.values()
                        for g in a.groups if not g.vanished})
+        elif command == "lost":  # the stand-ins whose link was lost at start-up
+            conn.send({g.ranks[0]: g.lost for a in agents.values() for g in a.groups
+                       if g.lost is not None})
         elif command == "go":  # every stand-in holds the first decision: train from `arg`
             for agent in agents.values():
                 for group in agent.groups:
@@ -386,11 +391,15 @@ def run_once(args, work: Path, with_host: bool) -> dict:
                 if not conn.poll(600):
                     raise RuntimeError("stand-in hosts did not connect")
                 conn.recv()
-            _until(lambda: _all_held(children, 0) or _starved(wrappers), 600,
-                   "generation 0 not held by every stand-in")
+            _until(lambda: _all_held(children, 0) or _starved(wrappers)
+                   or _lost_links(children), 600, "generation 0 not held by every stand-in")
             if _starved(wrappers):
                 raise RuntimeError("stand-ins lost their lease at start-up: nothing to "
                                    "measure; the leader's first deaths: " + _deaths(wrappers))
+            lost = _lost_links(children)
+            if lost:
+                raise RuntimeError(f"{len(lost)} stand-in links lost their host agent at "
+                                   f"start-up (the first: {next(iter(lost.values()))})")
             for _, conn in children:
                 conn.send(("go", time.time() + args.iteration))
                 conn.recv()
@@ -458,6 +467,10 @@ def _ask(children: list, command: str, arg=None) -> list:
     for _, conn in children:
         conn.send((command, arg))
     return [conn.recv() for _, conn in children]
+
+
+def _lost_links(children: list) -> dict:
+    return {k: why for part in _ask(children, "lost") for k, why in part.items()}
 
 
 def _all_held(children: list, gen: int) -> bool:

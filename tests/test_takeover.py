@@ -249,3 +249,38 @@ def test_a_host_agent_looks_again_past_a_successor_whose_store_does_not_answer()
     assert "no coordinator took over" in HostAgent._reattach_due(agent)
     agent.finding = {"since": time.monotonic()}
     assert HostAgent._reattach_due(agent) is None
+
+
+def test_a_host_agent_whose_re_attach_fails_on_the_new_store_looks_again():
+    """A connection reset while raising the incarnation counts on the next leader's store
+    (a store swamped by a takeover's connections) is no reason to stop the workers: the
+    host agent looks for the leader again, within the same `rdzv_timeout` from the loss."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from recycle_planner.executor.control.hostagent import HostAgent
+
+    class _Reset:
+        def compare_set(self, key, expected, desired):
+            raise dist.DistError("Connection reset by peer")
+
+    looked, said = threading.Event(), []
+
+    def find(timeout):
+        looked.set()
+        raise RuntimeError("stopped here")
+
+    agent = SimpleNamespace(
+        lease=0.25, node_rank=3, on_event=said.append, incarnations={192: 0, 193: 1},
+        config=SimpleNamespace(rdzv_timeout=5.0, startup_timeout=10.0, node_rank=3),
+        successor=SimpleNamespace(revision=7, find=find), relay=SimpleNamespace(decisions={0: ""}))
+    agent._look = lambda since: HostAgent._look(agent, since)
+    agent._find_successor = lambda finding: HostAgent._find_successor(agent, finding)
+    since = time.monotonic() - 1.0
+    agent.finding = {"since": since, "found": ("127.0.0.1:1", 9, (_Reset(), None))}
+    assert HostAgent._reattach_due(agent) is None          # not lost: looking again
+    assert agent.finding["since"] == since and looked.wait(5.0)
+    assert "Connection reset by peer" in said[-1] and said[-1].endswith("looking again")
