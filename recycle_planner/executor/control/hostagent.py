@@ -375,10 +375,15 @@ class HostAgent:
         reason = relay.detach()
         self.on_event(f"host {self.node_rank}: lost the coordinator ({reason}); the workers "
                       f"keep running while the next one takes over, or it comes back")
-        self.finding = {"since": time.monotonic()}
+        self._look(time.monotonic())
+        return True
+
+    def _look(self, since: float) -> None:
+        """Look for the next leader's store, or the same one's, on a thread; `since`: when
+        the coordinator was lost (`rdzv_timeout` bounds the whole search from there)."""
+        self.finding = {"since": since}
         threading.Thread(target=self._find_successor, args=(self.finding,),
                          name="recycle-successor", daemon=True).start()
-        return True
 
     def _find_successor(self, finding: dict[str, Any]) -> None:
         """On its own thread: the next leader's store (published on etcd after the one this
@@ -429,11 +434,19 @@ class HostAgent:
         if not same and not self.relay.decisions:
             return f"the next leader, at {endpoint}, took over"
         c = self.config
-        # a new store counts incarnations (and hosts that came by arrival) from here on
-        for rank, incarnation in self.incarnations.items():
-            msg.count_incarnations_from(store, rank, incarnation + 1)
-        if c.node_rank is None and not same:
-            store.add(f"rdzv/{c.rdzv_id}/nodes", 1)
+        try:  # a new store counts incarnations (and hosts that came by arrival) from here on
+            for rank, incarnation in self.incarnations.items():
+                msg.count_incarnations_from(store, rank, incarnation + 1)
+            if c.node_rank is None and not same:
+                store.add(f"rdzv/{c.rdzv_id}/nodes", 1)
+        except (RuntimeError, dist.DistError) as exc:
+            # a store swamped by a takeover's connections can reset one: that is no reason to
+            # stop the workers (16 of 128 live hosts did, at 8,192 ranks), look again
+            self.on_event(f"host {self.node_rank}: the store at {endpoint} failed while "
+                          f"re-attaching ({str(exc).splitlines()[0] if str(exc) else exc!r}): "
+                          f"looking again")
+            self._look(finding["since"])
+            return None
         if same:
             self.on_event(f"host {self.node_rank}: the coordinator at {endpoint} still leads "
                           f"(it was slow, or this host was cut off from it): re-attached to it")

@@ -294,8 +294,9 @@ class HostPool:
                 msg.count_incarnations_from(self.agent.store, rank, self.incarnation[rank] + 1)
 
     def held(self, now: float) -> set[int] | None:
-        """Read from etcd at most every quarter lease; None without etcd or when it cannot
-        answer (the coordinator then waits as if it knew nothing)."""
+        """Read from etcd at most every quarter lease; None without etcd or when it never
+        answered (the coordinator then waits as if it knew nothing); when a read fails, what
+        it said last (one failed read must not turn live hosts into unknown ones)."""
         if self.leases is None:
             return None
         at, held = self._held
@@ -303,7 +304,7 @@ class HostPool:
             try:
                 held = self.leases.held()
             except StoreUnavailable:
-                held = None
+                pass
             self._held = (now, held)
         return held
 
