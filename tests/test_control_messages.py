@@ -167,6 +167,8 @@ def test_a_decision_of_another_format_version_is_refused_in_one_line():
         with pytest.raises(RecycleError, match="format version") as caught:
             P.Decision.from_json(text)
         assert "\n" not in str(caught.value)
+    with pytest.raises(RecycleError, match="format version 1, "):  # before versions, 1
+        P.Decision.from_json(unnumbered)
 
 
 def test_only_an_error_with_a_frame_of_user_code_is_a_users_bug(tmp_path):

@@ -277,10 +277,33 @@ def test_a_host_agent_whose_re_attach_fails_on_the_new_store_looks_again():
         lease=0.25, node_rank=3, on_event=said.append, incarnations={192: 0, 193: 1},
         config=SimpleNamespace(rdzv_timeout=5.0, startup_timeout=10.0, node_rank=3),
         successor=SimpleNamespace(revision=7, find=find), relay=SimpleNamespace(decisions={0: ""}))
-    agent._look = lambda since: HostAgent._look(agent, since)
-    agent._find_successor = lambda finding: HostAgent._find_successor(agent, finding)
+    agent._look = lambda since, pause=0.0: HostAgent._look(agent, since, pause)
+    agent._find_successor = lambda finding, pause: HostAgent._find_successor(agent, finding,
+                                                                             pause)
     since = time.monotonic() - 1.0
     agent.finding = {"since": since, "found": ("127.0.0.1:1", 9, (_Reset(), None))}
     assert HostAgent._reattach_due(agent) is None          # not lost: looking again
+    assert not looked.wait(0.03)                           # after a quarter lease, not at once
     assert agent.finding["since"] == since and looked.wait(5.0)
     assert "Connection reset by peer" in said[-1] and said[-1].endswith("looking again")
+    # past the rdzv timeout from the loss, a failing store is no reason to look on forever
+    agent.finding = {"since": time.monotonic() - 6.0,
+                     "found": ("127.0.0.1:1", 9, (_Reset(), None))}
+    assert HostAgent._reattach_due(agent) == "no coordinator took over within 5 s"
+
+
+def test_a_counter_raised_again_counts_nothing_twice():
+    """A host re-attaching raises the arrival counter (and its workers' incarnation counts)
+    on the new store to what it holds; a retry after a lost answer changes nothing, an add
+    counts on from there, and a counter is never lowered."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from recycle_planner.executor.control.messages import raise_counter
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+    raise_counter(store, "nodes", 4)
+    raise_counter(store, "nodes", 4)                       # the same host again
+    raise_counter(store, "nodes", 2)                       # a lower rank: not lowered
+    assert store.add("nodes", 1) == 5

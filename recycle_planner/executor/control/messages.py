@@ -404,15 +404,20 @@ def next_incarnation(store: Any, rank: int) -> int:
 def count_incarnations_from(store: Any, rank: int, first: int) -> None:
     """Make `first` at least the next incarnation of `rank` the store gives out. A store the
     coordinator started when it took over counts from zero: the host agents that re-attach
-    raise it for their workers, the new coordinator for the ranks no host runs. Raised by
-    compare-and-set, never lowered, whoever comes first."""
-    key = INCARNATIONS.format(rank=rank)
-    held = store.compare_set(key, "", str(first))
-    for _ in range(16):  # raced only by spawns of the same rank, which raise it too
-        if int(held) >= first:
+    raise it for their workers, the new coordinator for the ranks no host runs."""
+    raise_counter(store, INCARNATIONS.format(rank=rank), first)
+
+
+def raise_counter(store: Any, key: str, least: int) -> None:
+    """Make the counter `key` (one `store.add` counts on) at least `least`: by
+    compare-and-set, never lowered, whoever comes first, and safe to repeat after a call
+    whose answer was lost (an `add` repeated would count twice)."""
+    held = store.compare_set(key, "", str(least))
+    for _ in range(16):  # raced only by adds to the same key, which raise it too
+        if int(held) >= least:
             return
-        held = store.compare_set(key, held, str(first))
-    raise RuntimeError(f"the incarnation count of rank {rank} kept changing under {key!r}")
+        held = store.compare_set(key, held, str(least))
+    raise RuntimeError(f"the counter {key!r} kept changing")
 
 
 def get(store: Any, kind: type[M], **ids: Any) -> M | None:

@@ -166,7 +166,7 @@ class Decision:
     @classmethod
     def from_json(cls, text: str | bytes) -> "Decision":
         d = json.loads(text)
-        version = d.get("v") if isinstance(d, dict) else None
+        version = d.get("v", 1) if isinstance(d, dict) else None  # unnumbered: version 1
         if version != DECISION_VERSION:
             raise RecycleError(f"a decision in format version {version}, this build reads "
                                f"version {DECISION_VERSION}: the coordinator and the workers "
