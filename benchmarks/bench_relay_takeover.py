@@ -37,6 +37,13 @@ the new leader saved (losses.jsonl: no iteration missing or saved twice).
     cd benchmarks && python bench_relay_takeover.py --ranks 1024 --per-host 8 --repeat 3
     python bench_relay_takeover.py --ranks 8192 --per-host 64 --iteration 4 --repeat 3
     python bench_relay_takeover.py --ranks 1024 --per-host 8 --with-host
+
+The benchmark sets `RES_OPTIONS=timeout:1 attempts:1` for itself and every process it starts
+(as tests/conftest.py does): c10d's store server looks each new client's address up in DNS
+(`getnameinfo`) on its one thread, and this sandbox's resolver drops a query now and then,
+which glibc retries after 5 s: the whole coordinator's store stopped answering every host for
+longer than the lease. One attempt with a 1 s timeout bounds that stall at 1 s; nothing here
+needs a name resolved.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # see the module's docstring
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_relay import MICROBATCHES, STAGES, _Lib, _Spec, _Workers  # noqa: E402
@@ -145,6 +153,7 @@ class _Members(_Workers):
         super().__init__(link, ranks, period)
         self.gen = -1
         self.ends: list[float] = []
+        self.lost: str | None = None  # why its link was lost before it held a decision
 
     def start(self) -> None:
         super().start()
@@ -154,7 +163,8 @@ class _Members(_Workers):
         try:
             welcome = self.link.wait(msg.Welcome, rank=self.ranks[0], incarnation=0)
             decision = self.link.decision(welcome.gen)
-        except ControlLost:
+        except ControlLost as exc:
+            self.lost = str(exc)  # it will never hold one: the harness stops waiting
             return
         with self.lock:
             self.held[decision.gen] = time.time()
@@ -286,6 +296,9 @@ def _hosts_main(nodes: list[int], nnodes: int, per_host: int, per_link: int, etc
         if command == "held":  # when each live link's stand-ins held generation `arg`
             conn.send({g.ranks[0]: g.held.get(arg) for a in agents.values()
                        for g in a.groups if not g.vanished})
+        elif command == "lost":  # the stand-ins whose link was lost at start-up
+            conn.send({g.ranks[0]: g.lost for a in agents.values() for g in a.groups
+                       if g.lost is not None})
         elif command == "go":  # every stand-in holds the first decision: train from `arg`
             for agent in agents.values():
                 for group in agent.groups:
@@ -378,11 +391,15 @@ def run_once(args, work: Path, with_host: bool) -> dict:
                 if not conn.poll(600):
                     raise RuntimeError("stand-in hosts did not connect")
                 conn.recv()
-            _until(lambda: _all_held(children, 0) or _starved(wrappers), 600,
-                   "generation 0 not held by every stand-in")
+            _until(lambda: _all_held(children, 0) or _starved(wrappers)
+                   or _lost_links(children), 600, "generation 0 not held by every stand-in")
             if _starved(wrappers):
-                raise RuntimeError("stand-ins lost their lease at start-up (the machine "
-                                   "starved them): nothing to measure")
+                raise RuntimeError("stand-ins lost their lease at start-up: nothing to "
+                                   "measure; the leader's first deaths: " + _deaths(wrappers))
+            lost = _lost_links(children)
+            if lost:
+                raise RuntimeError(f"{len(lost)} stand-in links lost their host agent at "
+                                   f"start-up (the first: {next(iter(lost.values()))})")
             for _, conn in children:
                 conn.send(("go", time.time() + args.iteration))
                 conn.recv()
@@ -397,7 +414,11 @@ def run_once(args, work: Path, with_host: bool) -> dict:
                 owner = children[lost % args.procs][1]
                 owner.send(("vanish", lost))
                 owner.recv()
-            row = _follow(args, standby, children, killed, lost, nnodes)
+            try:
+                row = _follow(args, standby, children, killed, lost, nnodes)
+            except RuntimeError:
+                _keep_reports(children, work / "hosts.json")
+                raise
             row["load_at_kill"] = load
             row["leader_progress_at_kill"] = next(
                 (m for m in reversed(leader.marks) if m["ev"] == "progress"), None)
@@ -427,10 +448,29 @@ def _starved(wrappers: list) -> bool:
     return any(w.mark("event", kind="death") for w in wrappers)
 
 
+def _deaths(wrappers: list) -> str:
+    """The first deaths the leader declared, seconds after it started (what starved)."""
+    leader = next(w for w in wrappers if w.mark("store"))
+    t0 = leader.mark("store")["t"]
+    return "; ".join(f"{m['t'] - t0:.1f} s: {m['message']}" for m in leader.marks
+                     if m["ev"] == "event" and m["kind"] == "death")[:600]
+
+
+def _keep_reports(children: list, path: Path) -> None:
+    """Every host's events (and what else `report` gives) into `path`, for a run that failed
+    after the kill: which host did not re-attach, and what it said."""
+    reports = {n: r for part in _ask(children, "report") for n, r in part.items()}
+    path.write_text(json.dumps(reports))
+
+
 def _ask(children: list, command: str, arg=None) -> list:
     for _, conn in children:
         conn.send((command, arg))
     return [conn.recv() for _, conn in children]
+
+
+def _lost_links(children: list) -> dict:
+    return {k: why for part in _ask(children, "lost") for k, why in part.items()}
 
 
 def _all_held(children: list, gen: int) -> bool:
@@ -506,12 +546,25 @@ def _row(args, standby, reports: dict, killed: float, lost, took: dict, next_gen
         "stand_in_iterations": len(ends),
         "hosts_stalled": sum(1 for n in survivors if reports[n]["stalled"] is not None),
         "take_over_event": took["message"],
+        "slow_hosts": _slow(reports, survivors, attached, killed),
         "events_after_kill": [(since(m["t"]), m["kind"], m["message"][:100])
                               for m in standby.marks if m["ev"] == "event"][:8],
         "progress_after": [m for m in standby.marks if m["ev"] == "progress"][-1:],
         "settled_s": round(time.time() - held_at, 3),
         "load": os.getloadavg(),
     }
+
+
+def _slow(reports: dict, survivors: list[int], attached: list, killed: float) -> dict:
+    """What the hosts that re-attached over 4 s after the median said after the kill (their
+    agent's events, seconds from the kill): where a slow re-attach spent its time."""
+    times = [a for a in attached if a is not None]
+    if not times:
+        return {}
+    median = statistics.median(times)
+    return {n: [(round(t - killed, 3), m[:140]) for t, m in reports[n]["events"]
+                if t >= killed][:8]
+            for n, a in zip(survivors, attached) if a is None or a > median + 4.0}
 
 
 def _spread(values: list) -> dict | None:

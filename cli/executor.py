@@ -277,10 +277,15 @@ def launch(target: str, args: tuple[str, ...], nproc: int, nnodes: int | None,
                    "generation (a new attempt; if no host runs one, start again from the "
                    "latest checkpoint). What a coordinator that leads after another runs "
                    "with (--rdzv-backend etcd).")
+@click.option("--rdzv-timeout", type=number("rdzv_timeout"), default=RDZV_TIMEOUT,
+              show_default=True, metavar="SECONDS",
+              help="Taking over: how long to wait for a host whose lease etcd still holds "
+                   "to re-attach before its workers count as lost (give the host agents' "
+                   "launch the same: they give up on finding a coordinator after it).")
 @_settings
 def coordinator(nnodes: int, nproc_per_node: int, port: int, rdzv_backend: str,
                 rdzv_endpoint: str | None, rdzv_id: str, advertise: str | None, take_over: bool,
-                as_json: bool, **settings) -> None:
+                rdzv_timeout: float, as_json: bool, **settings) -> None:
     """Coordinate a cluster job from a machine that does not train.
 
     Hosts the store, declares a worker dead when its lease expires or its host agent
@@ -320,7 +325,7 @@ def coordinator(nnodes: int, nproc_per_node: int, port: int, rdzv_backend: str,
     if word == TAKE_OVER:
         settings["resume"], take_over = False, True
     config = _launch_config(nnodes * nproc_per_node, master_port=port, take_over=take_over,
-                            **settings)
+                            rdzv_timeout=rdzv_timeout, **settings)
     result = coordinate(config, nnodes, on_event=_show(as_json))
     _finish(result, as_json)
 

@@ -56,6 +56,16 @@ def test_every_record_has_a_sample_a_key_over_its_fields_and_survives_json():
     assert len(keys) == len(SAMPLES)  # one key pattern per record type
 
 
+def test_a_records_json_is_its_fields_as_dataclasses_writes_them():
+    """The encoding reads the fields without `dataclasses.asdict`'s deep copy: the text is
+    the same, so the records on the wire did not change."""
+    import json
+
+    for record in [*SAMPLES.values(), msg.Ready(2, 3, None, "switch", 4, ((4, (0.5, 2.0)),))]:
+        assert record.to_json() == json.dumps(dataclasses.asdict(record),
+                                              separators=(",", ":"))
+
+
 def test_a_record_missing_a_field_is_refused():
     with pytest.raises(TypeError):
         msg.Ready.from_json('{"gen": 1, "rank": 2}')
@@ -93,9 +103,72 @@ def test_a_decision_names_the_incarnations_it_counts_on_and_excludes_the_rest():
     assert not back.excludes(2, 1)
     assert back.excludes(2, 0)          # the stale process of a restarted rank
     assert back.excludes(3, 0)          # a rank declared dead
-    old = P.Decision.from_json('{"gen": 1, "action": "run", "members": [0], "dead": [], '
-                               '"restart": 0, "sources": {}}')
-    assert not old.excludes(0, 7)       # a decision that names none counts on any
+    anyone = P.Decision.from_json(P.Decision(1, "run", (0,), (), 0).to_json())
+    assert anyone.incarnations == {}
+    assert not anyone.excludes(0, 7)    # a decision that names none counts on any
+
+
+def _random_decision(rng, ranks: int):
+    """A decision with holes in its members (dead hosts and single ranks), incarnations for
+    all, some or none of them (mostly 0, a few restarts), and sources for some."""
+    from recycle_planner.executor.control import protocol as P
+
+    members = tuple(r for r in range(ranks) if rng.random() > rng.choice((0.0, 0.05, 0.5)))
+    named = [r for r in members if rng.random() < rng.choice((0.0, 0.7, 1.0))]
+    incarnations = {r: rng.choice((0, 0, 0, 1, 2, 7)) for r in named}
+    sources = {r: rng.choice((r % 4, 0, 1)) for r in members if rng.random() < 0.3}
+    return P.Decision(rng.randrange(9), rng.choice(("run", "stop")), members,
+                      tuple((r // 4, r % 4) for r in range(ranks) if r not in members),
+                      rng.randrange(5), sources, rng.choice((None, "k.json.gz")),
+                      rng.choice((None, 0.25)), rng.choice(("", "why")), incarnations,
+                      rng.choice(({}, {3: (1.5, float("inf"))})))
+
+
+def test_a_decision_survives_its_compact_wire_format_and_fences_the_same_processes():
+    """Members as runs, incarnations and sources as arithmetic runs: every decision comes
+    back equal, and excludes exactly the worker processes it excluded (holes, restarted
+    ranks, ranks it names no incarnation for, an empty one)."""
+    import random
+
+    from recycle_planner.executor.control import protocol as P
+
+    rng = random.Random(22)
+    cases = [_random_decision(rng, rng.choice((1, 5, 40, 300))) for _ in range(200)]
+    cases.append(P.Decision(4, "stop", (), ((0, 0), (0, 1)), 0, reason="no live worker"))
+    for decision in cases:
+        back = P.Decision.from_json(decision.to_json())
+        assert back == decision
+        ranks = range(max(decision.members, default=0) + 2)
+        assert [back.excludes(r, i) for r in ranks for i in range(8)] == \
+            [decision.excludes(r, i) for r in ranks for i in range(8)]
+
+
+def test_a_host_lost_at_8192_ranks_is_a_decision_of_under_a_kilobyte():
+    """The decision every survivor decodes after a host's loss names 8,128 members and their
+    incarnations: a run each, not 112 kB of ranks spelled out."""
+    from recycle_planner.executor.control import protocol as P
+
+    lost = set(range(8128, 8192))
+    decision = P.decide(2, 1024, 8, {r: 7 for r in range(8192) if r not in lost},
+                        lambda dead: ("k.json.gz", 0.1), incarnations=dict.fromkeys(
+                            range(8192), 0))
+    text = decision.to_json()
+    assert len(text) < 1000 and P.Decision.from_json(text) == decision
+    assert not decision.excludes(0, 0) and decision.excludes(8128, 0)
+
+
+def test_a_decision_of_another_format_version_is_refused_in_one_line():
+    from recycle_planner.errors import RecycleError
+    from recycle_planner.executor.control import protocol as P
+
+    unnumbered = ('{"gen": 1, "action": "run", "members": [0], "dead": [], "restart": 0, '
+                  '"sources": {}}')
+    for text in (unnumbered, '{"v": 3, "gen": 1}', "[]"):
+        with pytest.raises(RecycleError, match="format version") as caught:
+            P.Decision.from_json(text)
+        assert "\n" not in str(caught.value)
+    with pytest.raises(RecycleError, match="format version 1, "):  # before versions, 1
+        P.Decision.from_json(unnumbered)
 
 
 def test_only_an_error_with_a_frame_of_user_code_is_a_users_bug(tmp_path):

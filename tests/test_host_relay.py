@@ -111,6 +111,22 @@ def _link(relay, rank: int, port: int, heartbeat: float = 0.05):
     return link, aborts
 
 
+def test_frames_come_out_whole_however_the_stream_is_cut():
+    """A burst of frames read in pieces of any size (one byte, a frame and a half, all at
+    once) gives each frame once, in order, and keeps only the partial one."""
+    from recycle_planner.executor.control.relay import Frames, encode
+
+    frames = [{"op": "send", "id": i, "rec": "x" * (i % 7)} for i in range(300)]
+    stream = b"".join(encode(f) for f in frames)
+    for size in (1, 5, len(encode(frames[0])) * 3 // 2, 4096, len(stream)):
+        reader, out = Frames(), []
+        for at in range(0, len(stream), size):
+            out.extend(reader.feed(stream[at:at + size]))
+        assert out == frames and reader.buffer == b""
+    reader = Frames()
+    assert reader.feed(stream[:-3]) == frames[:-1] and reader.buffer == encode(frames[-1])[:-3]
+
+
 def test_workers_reports_reach_the_coordinator_in_one_record_per_host(coordinator, relay):
     """Two workers' iteration ends and losses, sent together, arrive in one host report; the
     coordinator reads them from memory (no key per rank on its store); the host's lease is its
@@ -142,6 +158,37 @@ def test_workers_reports_reach_the_coordinator_in_one_record_per_host(coordinato
     assert {name for name, _ in up.calls} == {"queue_push"}  # no per-rank key
     for link in links:
         link.close()
+
+
+def test_the_relay_batches_a_workers_record_as_sent_and_encodes_nothing_again(
+        coordinator, relay, monkeypatch):
+    """What a worker's link sent reaches the host report and the relay's journal as the
+    worker's own JSON: the relay decodes each record once (it must know its kind and rule)
+    and never encodes it again (that was two encodes per record on the host agent's thread:
+    16,000 for a recovery's `Ready`s at 8,192 ranks)."""
+    store, _ = coordinator
+    relay, _ = relay
+    encoded = Counter()
+    to_json = msg.Message.to_json
+
+    def counted(self):
+        encoded[threading.current_thread() is threading.main_thread()] += 1
+        return to_json(self)
+    monkeypatch.setattr(msg.Message, "to_json", counted)
+    link, _ = _link(relay, 0, store.port)
+    sent = [msg.Ready(3, 0, 7, "failure", 6, ((5, (0.5, 1.0)),)), msg.IterationDone(4, 0, 3, 1.5)]
+    for message in sent:
+        link.send(message)
+    reports = []
+    _until(lambda: reports.extend(HostReport.from_json(store.queue_pop(UP_QUEUE, False))
+                                  for _ in range(store.queue_len(UP_QUEUE)))
+           or sum(len(r.records) for r in reports) >= 2)
+    records = [record for r in reports for record in r.records]
+    assert records == [(type(m).__name__, to_json(m)) for m in sent]
+    assert [m for r in reports for m in r.messages()] == sent
+    assert [text for _, text in relay.journal.records()] == [to_json(m) for m in sent]
+    assert encoded == {True: 2}  # the link's, one per record; none on the relay's loop
+    link.close()
 
 
 def test_an_abort_and_a_decision_are_read_once_per_host_and_pushed_to_every_worker(

@@ -203,3 +203,12 @@ def test_the_steps_a_fault_waits_for_are_retired_with_their_iteration(folder):
     log.retire(now=0.0)
     assert log.retired == 2
     assert not any(key.startswith("stepped/") for key in mail.records)
+
+
+def test_a_row_appended_after_a_line_cut_short_by_a_crash_is_kept(tmp_path):
+    """A coordinator killed while appending leaves half a line; the one that takes over
+    appends the next iteration after it, and that row must not be glued onto it."""
+    (tmp_path / "losses.jsonl").write_text('{"iteration":0,"loss":1.0}\n{"iteration":1,"lo')
+    append_losses(tmp_path, [{"iteration": 1, "loss": 2.0}])
+    rows = read_rows(tmp_path)
+    assert sorted(rows) == [0, 1] and rows[1].loss == 2.0

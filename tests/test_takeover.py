@@ -7,7 +7,7 @@ from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.mail import RelayMail
 from recycle_planner.executor.control.protocol import Decision
 from recycle_planner.executor.control.relay import HostReport, Journal, keeps
-from recycle_planner.executor.control.takeover import Adoption, awaited
+from recycle_planner.executor.control.takeover import Adoption, Waiting
 
 
 class _Transport:
@@ -112,14 +112,53 @@ def test_members_no_host_runs_are_lost_and_nothing_held_is_nothing_to_adopt():
     assert Adoption.of([]) is None
 
 
+def test_the_new_coordinator_saves_losses_from_the_first_the_lost_one_had_not_saved():
+    """The lost coordinator (attempt 2) saved iterations 5 and 6 after telling the hosts
+    mark 5: the new one starts at 7, not 5 (which would write 5 and 6 twice); rows of
+    another attempt (a stopped worker's, an earlier run's) do not count."""
+    from recycle_planner.executor.control.runfolder import LossRow
+
+    adoption = Adoption.of([msg.Attach(0, 1, _decision(1).to_json(), ((0, 0),), saved=5)])
+    rows = {i: LossRow(i, 0.5, 1, 2) for i in range(7)}
+    assert adoption.saving_from(rows, lost_attempt=2) == 7
+    assert adoption.saving_from({**rows, 6: LossRow(6, 0.5, None, None)}, 2) == 6
+    assert adoption.saving_from({i: LossRow(i, 0.5, 1, 1) for i in range(9)}, 2) == 5
+    unmarked = replace(adoption, saved=-1)   # no host was told: from the restart (3)
+    assert unmarked.saving_from({}, 2) == 3 and unmarked.saving_from(rows, 2) == 7
+
+
 def test_a_coordinator_taking_over_waits_for_the_hosts_etcd_holds_only():
-    nodes = range(4)
-    assert awaited(nodes, [0, 2], {0, 1, 2}) == [1]  # host 3's lease is gone: lost
-    assert awaited(nodes, [0, 2], {0, 1, 2, 3}) == [1, 3]
-    assert awaited(nodes, [0, 1, 2, 3], {0}) == []
+    def wait(answered, held, waited):
+        return Waiting.of(range(4), answered, held, waited, lease=4.0, bound=300.0)
+
+    assert wait([0, 2], {0, 1, 2}, 1.0).awaited == (1,)  # host 3's lease is gone: lost
+    assert wait([0, 2], {0, 1, 2}, 1.0).gone == (3,)
+    assert wait([0, 2], {0, 1, 2, 3}, 1.0).awaited == (1, 3)
+    done = wait([0, 1, 2, 3], {0}, 1.0)
+    assert done.awaited == done.gone == done.late == () and done.said() == ""
     # etcd cannot say, or no host holds a lease there (no node ranks): wait for every one
-    assert awaited(nodes, [0, 2], None) == [1, 3]
-    assert awaited(nodes, [0, 2], set()) == [1, 3]
+    assert wait([0, 2], None, 1.0).awaited == (1, 3)
+    assert wait([0, 2], set(), 1.0).awaited == (1, 3)
+
+
+def test_a_live_host_that_re_attaches_slowly_is_waited_for_up_to_the_rendezvous_timeout():
+    """A host whose lease etcd holds is alive: three leases (and far more) after the new
+    leader started it is still waited for, not declared dead with its workers (at 128
+    ranks, a leader that gave up after three leases declared 88 live workers dead); only
+    past the rendezvous timeout, when its own agent gives up too, is it lost. Without
+    etcd's word, a host absent for three leases is lost."""
+    def wait(held, waited):
+        return Waiting.of(range(4), [0], held, waited, lease=4.0, bound=300.0)
+
+    slow = wait({0, 1, 2}, 3 * 4.0 + 0.1)
+    assert slow.awaited == (1, 2) and slow.gone == (3,) and slow.late == ()
+    assert wait({0, 1, 2}, 299.0).awaited == (1, 2)
+    late = wait({0, 1, 2}, 300.0)
+    assert late.awaited == () and late.gone == (3,) and late.late == (1, 2)
+    assert "[3] hold no lease" in late.said() and "[1, 2] did not re-attach within 300 s" \
+        in late.said()
+    unknown = wait(None, 3 * 4.0)
+    assert unknown.awaited == () and unknown.late == (1, 2, 3) and unknown.limit == 12.0
 
 
 def test_a_new_store_counts_each_ranks_incarnations_on_from_the_runs():
@@ -208,3 +247,63 @@ def test_a_host_agent_looks_again_past_a_successor_whose_store_does_not_answer()
     assert "no coordinator took over" in HostAgent._reattach_due(agent)
     agent.finding = {"since": time.monotonic()}
     assert HostAgent._reattach_due(agent) is None
+
+
+def test_a_host_agent_whose_re_attach_fails_on_the_new_store_looks_again():
+    """A connection reset while raising the incarnation counts on the next leader's store
+    (a store swamped by a takeover's connections) is no reason to stop the workers: the
+    host agent looks for the leader again, within the same `rdzv_timeout` from the loss."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from recycle_planner.executor.control.hostagent import HostAgent
+    from recycle_planner.executor.control.transport import C10dHost
+
+    class _Reset:
+        def compare_set(self, key, expected, desired):
+            raise dist.DistError("Connection reset by peer")
+
+    looked, said = threading.Event(), []
+
+    def find(timeout):
+        looked.set()
+        raise RuntimeError("stopped here")
+
+    agent = SimpleNamespace(
+        lease=0.25, node_rank=3, on_event=said.append, incarnations={192: 0, 193: 1},
+        config=SimpleNamespace(rdzv_timeout=5.0, startup_timeout=10.0, node_rank=3),
+        successor=SimpleNamespace(revision=7, find=find), relay=SimpleNamespace(decisions={0: ""}))
+    agent._look = lambda since, pause=0.0: HostAgent._look(agent, since, pause)
+    agent._transport = lambda store, notices: C10dHost(store, None)  # counts on the store
+    agent._find_successor = lambda finding, pause: HostAgent._find_successor(agent, finding,
+                                                                             pause)
+    since = time.monotonic() - 1.0
+    agent.finding = {"since": since, "found": ("127.0.0.1:1", 9, (_Reset(), None))}
+    assert HostAgent._reattach_due(agent) is None          # not lost: looking again
+    assert not looked.wait(0.03)                           # after a quarter lease, not at once
+    assert agent.finding["since"] == since and looked.wait(5.0)
+    assert "Connection reset by peer" in said[-1] and said[-1].endswith("looking again")
+    # past the rdzv timeout from the loss, a failing store is no reason to look on forever
+    agent.finding = {"since": time.monotonic() - 6.0,
+                     "found": ("127.0.0.1:1", 9, (_Reset(), None))}
+    assert HostAgent._reattach_due(agent) == "no coordinator took over within 5 s"
+
+
+def test_a_counter_raised_again_counts_nothing_twice():
+    """A host re-attaching raises the arrival counter (and its workers' incarnation counts)
+    on the new store to what it holds; a retry after a lost answer changes nothing, an add
+    counts on from there, and a counter is never lowered."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from recycle_planner.executor.control.messages import raise_counter
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+    raise_counter(store, "nodes", 4)
+    raise_counter(store, "nodes", 4)                       # the same host again
+    raise_counter(store, "nodes", 2)                       # a lower rank: not lowered
+    assert store.add("nodes", 1) == 5

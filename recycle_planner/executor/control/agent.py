@@ -53,14 +53,14 @@ from recycle_planner.executor.control.pool import LocalPool, Proc, WorkerPool, l
 from recycle_planner.executor.control.result import (Death, Event, EventKind, GenerationRecord,
                                                      LaunchResult, Recovery, Status)
 from recycle_planner.executor.control.runfolder import RunFolder, claim
-from recycle_planner.executor.control.takeover import Adoption, awaited
+from recycle_planner.executor.control.takeover import Adoption, Waiting
 from recycle_planner.executor.faults import Fault, step_reports
 from recycle_planner.executor.job import Job, load_job
 from recycle_planner.executor.data.state import latest_checkpoint, write_manifest
 from recycle_planner.executor.config import (BACKEND, BUCKET_MB, CHECKPOINT_EVERY,
                                              CONFIG_ERROR, GRACE, HEARTBEAT, LEASE,
-                                             MAX_RESTARTS, PG_TIMEOUT, RUN_DIR,
-                                             STARTUP_TIMEOUT, UNDO_COPY, UNDO_PLACES,
+                                             MAX_RESTARTS, PG_TIMEOUT, RDZV_TIMEOUT,
+                                             RUN_DIR, STARTUP_TIMEOUT, UNDO_COPY, UNDO_PLACES,
                                              WorkerConfig)
 from recycle_planner.files.planfile import read_plan
 from recycle_planner.job.spec import load_spec
@@ -124,6 +124,8 @@ class LaunchConfig:
     checkpoint_every: int = CHECKPOINT_EVERY  # iterations between checkpoints (0: final only)
     resume: bool = False                  # start from the run folder's latest checkpoint
     take_over: bool = False               # adopt a lost coordinator's running workers
+    rdzv_timeout: float = RDZV_TIMEOUT    # taking over: the longest wait for a live host
+                                          # (its agent gives up on a coordinator after it)
     start_over: bool = False              # discard the run folder's earlier run (runfolder.py)
     grace: float = GRACE                  # SIGTERM: a consistent checkpoint within this long
     library: str | None = None            # overrides the job's plan library
@@ -385,6 +387,7 @@ class Agent:
         self.preempt_said = False
         self.progress: msg.Progress | None = None    # what the host agents were told
         self.progress_at = 0.0
+        self.awaited_said = 0.0                      # taking over: when the wait was logged
 
     # -- main loop ---------------------------------------------------------------------------
 
@@ -596,16 +599,22 @@ class Agent:
 
     def _phase_adopting(self, now: float) -> None:
         """Taking over from a lost coordinator: wait until every host agent re-attached (or
-        came back fresh, its workers stopped with a checkpoint) but those etcd knows are lost
-        (`takeover.awaited`), at most three leases; then adopt the generation the workers
-        run, or, when no host runs one, start again from the latest checkpoint as --resume
-        does."""
+        came back fresh, its workers stopped with a checkpoint) but those etcd knows are lost,
+        however slowly a live one re-attaches (`takeover.Waiting`: up to the rendezvous
+        timeout); then adopt the generation the workers run, or, when no host runs one,
+        start again from the latest checkpoint as --resume does."""
         nodes = range(self.pool.nnodes)
         attaches = {n: a for n in nodes if (a := self.mail.get(msg.Attach, node=n)) is not None}
         fresh = [n for n in nodes if n not in attaches
                  and self.mail.get(msg.HostUp, node=n) is not None]
-        held = self.pool.held(now)
-        if awaited(nodes, [*attaches, *fresh], held) and now - self.t0 < 3 * self.config.lease:
+        waiting = Waiting.of(nodes, [*attaches, *fresh], self.pool.held(now), now - self.t0,
+                             self.config.lease, self.config.rdzv_timeout)
+        if waiting.awaited:
+            if now - self.awaited_said >= self.config.lease:
+                self.awaited_said = now
+                log.warning("taking over: %.0f s on, still waiting for hosts %s to re-attach "
+                            "(waited for up to %g s)", now - self.t0, list(waiting.awaited),
+                            waiting.limit)
             return
         adoption = Adoption.of(attaches.values())
         if adoption is None:
@@ -621,16 +630,15 @@ class Agent:
         if not any(self.mail.get(msg.Hello, rank=r, incarnation=i) is not None
                    for r, i in adoption.workers.items()):
             return  # the hellos come in the same reports: not there yet
-        unheld = sorted(set(nodes) - set(attaches) - set(fresh) - (held or set(nodes)))
-        self._adopt(adoption, sorted(attaches), now, unheld)
+        self._adopt(adoption, sorted(attaches), now, waiting)
 
     def _adopt(self, adoption: Adoption, attached: list[int], now: float,
-               unheld: list[int]) -> None:
+               waiting: Waiting) -> None:
         """Continue generation `adoption.decision` with the workers the hosts run: its
         decision posted again (a host may not have fetched it), the losses saved from the
-        mark the hosts were told, the next checkpoint after the latest complete one; members
-        that are gone (died meanwhile, or their host did not re-attach) are deaths of this
-        generation, as any other."""
+        first the lost coordinator had not saved, the next checkpoint after the latest
+        complete one; members that are gone (died meanwhile, or their host did not
+        re-attach) are deaths of this generation, as any other."""
         d = adoption.decision
         for rank, inc in adoption.workers.items():
             self.procs[rank] = Proc(rank, inc, None, self.log_dir, time.time())
@@ -641,7 +649,8 @@ class Agent:
         spec = self.lib.spec
         self.iterations = IterationLog(self.mail, self.folder, spec.pipelines, spec.stages,
                                        spec.microbatches,
-                                       adoption.saved if adoption.saved >= 0 else d.restart,
+                                       adoption.saving_from(self.folder.saved_rows(),
+                                                            self.folder.record.attempt - 1),
                                        self.config.lease, step_reports(self.config.faults))
         self.checkpointed = _on_disk(self.run_dir)  # stopped workers may have written one
         every = self.config.checkpoint_every
@@ -649,8 +658,7 @@ class Agent:
             self.next_checkpoint = (max(d.restart, self.checkpointed) // every + 1) * every
         self._event(EventKind.TAKE_OVER, f"took over generation {d.gen} from the lost "
                     f"coordinator: {len(adoption.workers)} workers kept running on hosts "
-                    f"{attached}" + (f"; hosts {unheld} hold no lease on etcd (lost), not "
-                                     f"waited for" if unheld else ""),
+                    f"{attached}" + waiting.said(),
                     gen=d.gen, hosts=attached)
         if d.action == "stop":
             self.phase, self.exit_started = Phase.STOPPING, time.time()

@@ -310,13 +310,59 @@ class HostLeases:
                                Compare(keys.coordinator, "mod", published.mod_revision), groups)
 
     @staticmethod
-    def hold(store: ControlStore, keys: Keys, record: HostRecord, ttl: float) -> LeaseKeeper:
-        """Hold `record`'s host key under a lease of its own (close the keeper to leave)."""
-        keeper = LeaseKeeper(store, ttl, lambda reason: log.warning(
-            "host %d's lease on etcd was lost (%s): a coordinator that takes over waits for "
-            "it as long as for a host it cannot see", record.node, reason))
-        store.put(keys.host(record.node), record.to_json(), lease=keeper.lease)
+    def hold(store: ControlStore, keys: Keys, record: HostRecord, ttl: float) -> "HostHold":
+        """Hold `record`'s host key under a lease of its own (close the holder to leave)."""
+        return HostHold(store, keys.host(record.node), record, ttl)
+
+
+class HostHold:
+    """A live host's key on etcd, under a lease taken again whenever it is lost (etcd did not
+    answer for a lease, or a renewal found it expired): a coordinator that takes over does
+    not wait for a host whose key is gone (`takeover.Waiting`), so one lapse must not make a
+    live host look lost for the rest of the job. Raises `StoreUnavailable` when etcd cannot
+    answer at the start."""
+
+    def __init__(self, store: ControlStore, key: str, record: HostRecord, ttl: float):
+        self.store, self.key, self.record, self.ttl = store, key, record, ttl
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self.keeper = self._take()
+
+    def _take(self) -> LeaseKeeper:
+        keeper = LeaseKeeper(self.store, self.ttl, self._lost)
+        try:
+            self.store.put(self.key, self.record.to_json(), lease=keeper.lease)
+        except StoreUnavailable:
+            keeper.close(revoke=False)  # the lease expires by itself
+            raise
         return keeper
+
+    def _lost(self, reason: str) -> None:
+        log.warning("host %d's lease on etcd was lost (%s): taking it again",
+                    self.record.node, reason)
+        threading.Thread(target=self._retake, name="host-lease", daemon=True).start()
+
+    def _retake(self) -> None:
+        """Every third of the TTL until etcd answers or the host leaves."""
+        while not self._closed.wait(self.ttl / 3):
+            try:
+                keeper = self._take()
+            except StoreUnavailable:
+                continue
+            with self._lock:
+                if not self._closed.is_set():
+                    self.keeper = keeper
+                    log.info("host %d holds its lease on etcd again", self.record.node)
+                    return
+            keeper.close()
+            return
+
+    def close(self, revoke: bool = True) -> None:
+        """Leave: with `revoke`, the key goes at once; without, it goes a lease later."""
+        with self._lock:
+            self._closed.set()
+            keeper = self.keeper
+        keeper.close(revoke=revoke)
 
 
 STANDBY_ENV = "RECYCLE_STANDBY"

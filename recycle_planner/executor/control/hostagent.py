@@ -384,12 +384,18 @@ class HostAgent:
         reason = relay.detach()
         self.on_event(f"host {self.node_rank}: lost the coordinator ({reason}); the workers "
                       f"keep running while the next one takes over, or it comes back")
-        self.finding = {"since": time.monotonic()}
-        threading.Thread(target=self._find_successor, args=(self.finding,),
-                         name="recycle-successor", daemon=True).start()
+        self._look(time.monotonic())
         return True
 
-    def _find_successor(self, finding: dict[str, Any]) -> None:
+    def _look(self, since: float, pause: float = 0.0) -> None:
+        """Look for the next leader's store, or the same one's, on a thread, after `pause`;
+        `since`: when the coordinator was lost (`rdzv_timeout` bounds the whole search from
+        there)."""
+        self.finding = {"since": since}
+        threading.Thread(target=self._find_successor, args=(self.finding, pause),
+                         name="recycle-successor", daemon=True).start()
+
+    def _find_successor(self, finding: dict[str, Any], pause: float = 0.0) -> None:
         """On its own thread: the next leader's store (published on etcd after the one this
         agent used), and two connections to it, each given two leases to connect (`dial`).
         A store that does not answer is looked for again: a successor that died after
@@ -397,6 +403,7 @@ class HostAgent:
         `rdzv_timeout`; `_reattach_due` gives up a lease after it (a call can hang past its
         own timeout)."""
         deadline = finding["since"] + self.config.rdzv_timeout
+        time.sleep(pause)
         try:
             while True:
                 endpoint, revision = self.successor.find(deadline - time.monotonic())
@@ -438,12 +445,26 @@ class HostAgent:
         if not same and not self.relay.decisions:
             return f"the next leader, at {endpoint}, took over"
         c = self.config
-        # a new store counts incarnations (and hosts that came by arrival) from here on
         transport = self._transport(store, lambda _: notices)
-        for rank, incarnation in self.incarnations.items():
-            transport.raise_incarnations(rank, incarnation + 1)
-        if c.node_rank is None and not same:
-            store.add(f"rdzv/{c.rdzv_id}/nodes", 1)
+        try:  # a new store counts incarnations (and hosts that came by arrival) from here on,
+            # each raised to at least what this host holds, so a retry counts nothing twice
+            for rank, incarnation in self.incarnations.items():
+                transport.raise_incarnations(rank, incarnation + 1)
+            if c.node_rank is None:
+                msg.raise_counter(store, f"rdzv/{c.rdzv_id}/nodes", self.node_rank + 1)
+        except (RuntimeError, dist.DistError) as exc:
+            # a store swamped by a takeover's connections can reset one: that is no reason to
+            # stop the workers (16 of 128 live hosts did, at 8,192 ranks), look again a
+            # quarter lease later, within the same rdzv timeout
+            why = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            if time.monotonic() - finding["since"] > c.rdzv_timeout:
+                self.on_event(f"host {self.node_rank}: no coordinator took over: the store "
+                              f"at {endpoint} failed while re-attaching ({why})")
+                return f"no coordinator took over within {c.rdzv_timeout:g} s"
+            self.on_event(f"host {self.node_rank}: the store at {endpoint} failed while "
+                          f"re-attaching ({why}): looking again")
+            self._look(finding["since"], pause=self.lease / 4)
+            return None
         if same:
             self.on_event(f"host {self.node_rank}: the coordinator at {endpoint} still leads "
                           f"(it was slow, or this host was cut off from it): re-attached to it")

@@ -300,8 +300,9 @@ class HostPool:
                 self.transport.raise_incarnations(rank, self.incarnation[rank] + 1)
 
     def held(self, now: float) -> set[int] | None:
-        """Read from etcd at most every quarter lease; None without etcd or when it cannot
-        answer (the coordinator then waits as if it knew nothing)."""
+        """Read from etcd at most every quarter lease; None without etcd or when it never
+        answered (the coordinator then waits as if it knew nothing); when a read fails, what
+        it said last (one failed read must not turn live hosts into unknown ones)."""
         if self.leases is None:
             return None
         at, held = self._held
@@ -309,7 +310,7 @@ class HostPool:
             try:
                 held = self.leases.held()
             except StoreUnavailable:
-                held = None
+                pass
             self._held = (now, held)
         return held
 

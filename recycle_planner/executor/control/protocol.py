@@ -27,6 +27,7 @@ every worker failure. The messages themselves are the typed records of `messages
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -54,6 +55,66 @@ def rank_of(worker: Worker, stages: int) -> int:
 
 def dumps(data: Any) -> str:
     return json.dumps(data, separators=(",", ":"))
+
+
+DECISION_VERSION = 2
+"""The version of `Decision`'s wire format (1, unnumbered: every member, incarnation and
+source spelled out). A decision of another version is refused in one line."""
+
+
+def rank_runs(ranks: Sequence[int]) -> list[list[int]]:
+    """Ranks as runs of consecutive ones, [first, count] each, in their order: a
+    generation's members are every rank but the dead, so a few runs."""
+    runs: list[list[int]] = []
+    first = end = None
+    for r in ranks:
+        if r != end:
+            if first is not None:
+                runs.append([first, end - first])
+            first = r
+        end = r + 1
+    if first is not None:
+        runs.append([first, end - first])
+    return runs
+
+
+def ranks_of(runs: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The ranks `rank_runs` wrote."""
+    return tuple(itertools.chain.from_iterable(range(r, r + n) for r, n in runs))
+
+
+def int_runs(mapping: Mapping[int, int]) -> list[list[int]]:
+    """A map of ranks to integers as arithmetic runs, [first rank, count, first value, step]
+    each: ranks first .. first+count-1 map to value, value+step, ... Keys in order; a run is
+    extended while the next key follows and its value keeps the run's step. Incarnations are
+    a constant over the members but a restarted host's (a few runs); the sources of the first
+    generation step through the stages (a run per pipeline); a restarted host's sources are
+    one run."""
+    runs: list[list[int]] = []
+    first = n = start = step = 0
+    for k in sorted(mapping):
+        v = mapping[k]
+        if n and k == first + n and (n == 1 or v == start + n * step):
+            if n == 1:
+                step = v - start
+            n += 1
+            continue
+        if n:
+            runs.append([first, n, start, step])
+        first, n, start, step = k, 1, v, 0
+    if n:
+        runs.append([first, n, start, step])
+    return runs
+
+
+def ints_of(runs: Sequence[Sequence[int]]) -> dict[int, int]:
+    """The map `int_runs` wrote."""
+    out: dict[int, int] = {}
+    for first, n, value, step in runs:
+        keys = range(first, first + n)
+        out.update(zip(keys, range(value, value + n * step, step)) if step
+                   else dict.fromkeys(keys, value))
+    return out
 
 
 @dataclass(frozen=True)
@@ -89,26 +150,33 @@ class Decision:
         return rank not in self.members or self.incarnations.get(rank, incarnation) != incarnation
 
     def to_json(self) -> str:
-        return dumps({"gen": self.gen, "action": self.action, "members": list(self.members),
+        """The wire format, version `DECISION_VERSION`: members as runs of consecutive ranks,
+        `incarnations` and `sources` as arithmetic runs (`int_runs`). At 8,192 ranks, a
+        host's loss: 0.1 kB instead of 112 kB (every member and its incarnation spelled out),
+        which each survivor decodes and the coordinator's store sends once per host."""
+        return dumps({"v": DECISION_VERSION, "gen": self.gen, "action": self.action,
+                      "members": rank_runs(self.members),
                       "dead": [list(w) for w in self.dead], "restart": self.restart,
-                      "sources": {str(k): v for k, v in self.sources.items()},
+                      "sources": int_runs(self.sources),
                       "plan": self.plan, "degradation": self.degradation,
                       "reason": self.reason,
-                      "incarnations": {str(k): v for k, v in self.incarnations.items()},
+                      "incarnations": int_runs(self.incarnations),
                       "sums": {str(k): list(v) for k, v in self.sums.items()}})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Decision":
         d = json.loads(text)
-        return cls(gen=int(d["gen"]), action=d["action"], members=tuple(d["members"]),
+        version = d.get("v", 1) if isinstance(d, dict) else None  # unnumbered: version 1
+        if version != DECISION_VERSION:
+            raise RecycleError(f"a decision in format version {version}, this build reads "
+                               f"version {DECISION_VERSION}: the coordinator and the workers "
+                               f"run different versions of recycle-planner")
+        return cls(gen=int(d["gen"]), action=d["action"], members=ranks_of(d["members"]),
                    dead=tuple(tuple(w) for w in d["dead"]), restart=int(d["restart"]),
-                   sources={int(k): int(v) for k, v in d["sources"].items()},
-                   plan=d.get("plan"), degradation=d.get("degradation"),
-                   reason=d.get("reason", ""),
-                   incarnations={int(k): int(v)
-                                 for k, v in d.get("incarnations", {}).items()},
-                   sums={int(k): tuple(float(x) for x in v)
-                         for k, v in d.get("sums", {}).items()})
+                   sources=ints_of(d["sources"]), plan=d["plan"],
+                   degradation=d["degradation"], reason=d["reason"],
+                   incarnations=ints_of(d["incarnations"]),
+                   sums={int(k): tuple(float(x) for x in v) for k, v in d["sums"].items()})
 
     def group_rank(self, rank: int) -> int:
         return self.members.index(rank)

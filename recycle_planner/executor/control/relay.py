@@ -93,20 +93,23 @@ def encode(frame: Mapping[str, Any]) -> bytes:
 
 
 class Frames:
-    """Bytes from a stream in, whole frames out."""
+    """Bytes from a stream in, whole frames out. The frames of one read are cut at their
+    offsets and what is left of a partial one kept once (cutting the buffer after each frame
+    copied the rest of it every time: quadratic in the frames of a read)."""
 
     def __init__(self) -> None:
         self.buffer = b""
 
     def feed(self, data: bytes) -> list[dict]:
-        self.buffer += data
-        out = []
-        while len(self.buffer) >= HEADER.size:
-            (n,) = HEADER.unpack_from(self.buffer)
-            if len(self.buffer) < HEADER.size + n:
+        buffer = self.buffer + data if self.buffer else data
+        out, at, end = [], 0, len(buffer)
+        while end - at >= HEADER.size:
+            (n,) = HEADER.unpack_from(buffer, at)
+            if end - at < HEADER.size + n:
                 break
-            out.append(json.loads(self.buffer[HEADER.size:HEADER.size + n]))
-            self.buffer = self.buffer[HEADER.size + n:]
+            out.append(json.loads(buffer[at + HEADER.size:at + HEADER.size + n]))
+            at += HEADER.size + n
+        self.buffer = buffer[at:]
         return out
 
 
@@ -174,8 +177,10 @@ class Journal:
     def __init__(self) -> None:
         self.entries: dict[str, list[tuple[str, str, msg.Message]]] = {}
 
-    def add(self, message: msg.Message) -> None:
-        key, entry = message.key(), (type(message).__name__, message.to_json(), message)
+    def add(self, message: msg.Message, text: str | None = None) -> None:
+        """Keep `message` (`text`: its JSON, when the caller has it)."""
+        text = message.to_json() if text is None else text
+        key, entry = message.key(), (type(message).__name__, text, message)
         if message.RULE == msg.COUNT:
             self.entries.setdefault(key, []).append(entry)
         elif message.RULE != msg.FIRST or key not in self.entries:
@@ -558,7 +563,7 @@ class Relay:
                 self._put_direct(conn, frame, message)
                 return
             else:
-                self.report(message)
+                self.report(message, frame["rec"])
                 if isinstance(message, URGENT):
                     self.flush()
             if "id" in frame:
@@ -656,13 +661,15 @@ class Relay:
             self._drop(conn)
 
     # the report
-    def report(self, message: msg.Message) -> None:
-        """Batch `message` into the host's next report."""
+    def report(self, message: msg.Message, text: str | None = None) -> None:
+        """Batch `message` into the host's next report; `text`: its JSON as a worker sent it
+        (relayed as it came, encoded once for the report and the journal otherwise)."""
         if self.pending_since is None:
             self.pending_since = time.monotonic()
-        self.pending.append((type(message).__name__, message.to_json()))
+        text = message.to_json() if text is None else text
+        self.pending.append((type(message).__name__, text))
         if not isinstance(message, msg.Attach):
-            self.journal.add(message)
+            self.journal.add(message, text)
 
     def _flush(self, now: float, force: bool = False, wait: float = 0.0) -> None:
         due = self.pending_since is not None and now - self.pending_since >= self.flush_after

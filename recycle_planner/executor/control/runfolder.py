@@ -146,10 +146,14 @@ class LossRow:
 def append_losses(run_dir: str | Path, rows: list[dict]) -> None:
     """Append iterations' rows (`LossRow.to_json()`; a worker's may lack `end`) to
     losses.jsonl (by the launcher as they become final; by last-stage workers that lost the
-    control plane)."""
+    control plane). A line a crash cut short is ended first, so that the next row is not
+    glued onto it (a coordinator taking over appends after its lost predecessor)."""
     if rows:
-        with open(Path(run_dir) / LOSSES, "a") as out:
-            out.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+        with open(Path(run_dir) / LOSSES, "a+b") as out:
+            torn = out.tell() > 0 and (out.seek(-1, os.SEEK_END), out.read(1))[1] != b"\n"
+            out.write(((b"\n" if torn else b"")
+                       + "".join(json.dumps(r, separators=(",", ":")) + "\n"
+                                 for r in rows).encode()))
             out.flush()
             os.fsync(out.fileno())
 

@@ -8,7 +8,8 @@ new store and sends what it relayed that the lost coordinator may not have made 
 `Attach`: the newest decision it holds, what the bulletin said of that generation (an abort, a
 join request) and its live workers. `Adoption.of` turns those into what the new coordinator
 continues from; the durable rest (losses.jsonl, the complete checkpoints) it reads from the
-run folder. Nothing here reads a store: a pure function of the records, tested on its own.
+run folder. Whom it waits for before adopting is `Waiting`'s decision. Nothing here reads a
+store: pure functions of the records, tested on their own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Iterable, Mapping
 
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.protocol import Decision
+from recycle_planner.executor.control.runfolder import LossRow
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,19 @@ class Adoption:
                     f"iteration {self.switch_at}, which the new store cannot agree again")
         return None
 
+    def saving_from(self, rows: Mapping[int, LossRow], lost_attempt: int) -> int:
+        """The first iteration whose losses the new coordinator saves: from the mark the
+        hosts were told (else the generation's restart), past the rows that the lost
+        coordinator (the run folder's attempt `lost_attempt`) appended from there on. It
+        saves an iteration only once it is final, then tells the hosts at most every
+        quarter lease, so its last rows are often ahead of the mark; saving them again
+        would write an iteration twice (seen at 1,024 ranks). A row of another attempt (an
+        earlier run's, or one a stopped worker wrote) is not this generation's."""
+        i = self.saved if self.saved >= 0 else self.decision.restart
+        while (row := rows.get(i)) is not None and row.attempt == lost_attempt:
+            i += 1
+        return i
+
     def lost_members(self) -> list[int]:
         """Members of the decision whose process (that incarnation) no host reported live:
         they died while the coordinators changed, or their host did not re-attach."""
@@ -77,10 +92,44 @@ class Adoption:
         return [r for r in d.members if self.workers.get(r) != d.incarnations.get(r, 0)]
 
 
-def awaited(nodes: Iterable[int], answered: Iterable[int], held: set[int] | None) -> list[int]:
-    """The hosts a coordinator taking over still waits for: those that neither re-attached
-    nor came back fresh (`answered`), less those whose lease the control store no longer
-    holds (`held`: etcd deleted a lost host's key). Every one when the store cannot say
-    (`held` None, or empty: no host holds a lease there, as when no node rank was given)."""
-    done = set(answered)
-    return [n for n in nodes if n not in done and (not held or n in held)]
+@dataclass(frozen=True)
+class Waiting:
+    """Whom a coordinator taking over still waits for (`awaited`), and whom it gives up on
+    (`gone`, `late`: their workers are dead to it), `waited` seconds after it started.
+
+    A host that neither re-attached nor came back fresh (`answered`) is alive while etcd
+    holds its host lease (`held`, `failover.HostLeases`: the host's own wrapper renews it,
+    and etcd deletes it a lease after the host is lost). Such a host is waited for, however
+    slowly it re-attaches (a new store's accepts are serial: at 1,024 hosts the last one
+    re-attaches seconds after the first), up to `bound` (the rendezvous timeout, after which
+    its own agent gives up on finding a coordinator and stops its workers). Declaring it
+    dead sooner would turn a slow re-attach into lost workers and a new generation without
+    them (three leases did, at 128 ranks). A host whose lease is gone is lost at once
+    (`gone`). When etcd cannot say (`held` None, or empty: no host holds a lease there, as
+    when no node rank was given), nothing tells a slow host from a lost one: a host absent
+    for three leases is taken for lost."""
+
+    awaited: tuple[int, ...]
+    gone: tuple[int, ...]          # their host lease is gone: lost, not waited for
+    late: tuple[int, ...]          # alive (or unknown), but not there within `limit`
+    limit: float                   # seconds: how long a host not known lost is waited for
+
+    @classmethod
+    def of(cls, nodes: Iterable[int], answered: Iterable[int], held: set[int] | None,
+           waited: float, lease: float, bound: float) -> "Waiting":
+        done = set(answered)
+        missing = [n for n in nodes if n not in done]
+        known = bool(held)
+        gone = tuple(n for n in missing if known and n not in held)
+        alive = [n for n in missing if n not in gone]
+        limit = bound if known else 3 * lease
+        if waited < limit:
+            return cls(tuple(alive), gone, (), limit)
+        return cls((), gone, tuple(alive), limit)
+
+    def said(self) -> str:
+        """The hosts given up on, and why (for the take-over event; "" when none)."""
+        return ((f"; hosts {list(self.gone)} hold no lease on etcd (lost), not waited for"
+                 if self.gone else "")
+                + (f"; hosts {list(self.late)} did not re-attach within {self.limit:g} s "
+                   f"(lost)" if self.late else ""))
