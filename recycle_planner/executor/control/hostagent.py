@@ -470,7 +470,7 @@ class HostAgent:
                           f"(it was slow, or this host was cut off from it): re-attached to it")
         self.store = store
         self.successor = self.successor.after(revision)
-        self.relay.attach(transport, endpoint, tuple(
+        self.relay.attach(transport, endpoint, another=not same, workers=tuple(
             (r, w.incarnation) for r, w in sorted(self.workers.items())
             if w.popen.poll() is None))
         self.on_event(f"host {self.node_rank}: re-attached to the coordinator at {endpoint} "

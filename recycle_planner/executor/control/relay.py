@@ -380,15 +380,15 @@ class Relay:
         self._threads.append(calls.thread)
         return calls
 
-    def _start_notices(self) -> None:
+    def _start_notices(self, stale: str = "") -> None:
         self._thread = threading.Thread(target=self._watch_notices,
-                                        args=(self._epoch, self.transport),
+                                        args=(self._epoch, self.transport, stale),
                                         name="relay-notices", daemon=True)
         self._threads.append(self._thread)
         self._thread.start()
 
     # the notice thread: the only place that blocks on the coordinator
-    def _watch_notices(self, epoch: int, transport: HostTransport) -> None:
+    def _watch_notices(self, epoch: int, transport: HostTransport, stale: str = "") -> None:
         """Read the bulletins, then block until the coordinator's next notice; it comes at
         least every lease / 4 (its beat), so bulletins whose version did not move
         for a lease mean the coordinator is gone (or this host is cut off from it). A cut
@@ -398,6 +398,12 @@ class Relay:
         while not self._closed and self._epoch == epoch:
             try:
                 everyone, mine = (Bulletin.from_json(v) for v in transport.bulletins(self.node))
+                if stale and everyone.by == stale:  # the lost one's, before its successor's
+                    if time.monotonic() - moved > self.lease:
+                        raise TimeoutError(f"the coordinator that took over published "
+                                           f"nothing for {self.lease:g} s")
+                    transport.wait_notice(version + 1, self.lease)
+                    continue
                 if self._epoch != epoch:
                     return
                 if by and everyone.by != by:  # its successor writes the same keys
@@ -730,7 +736,7 @@ class Relay:
         return why
 
     def attach(self, transport: HostTransport, endpoint: str,
-               workers: tuple[tuple[int, int], ...] = ()) -> None:
+               workers: tuple[tuple[int, int], ...] = (), another: bool = False) -> None:
         """Re-attach to the coordinator that took over, at `endpoint`: re-send the journal
         (which holds every batched record too) and this host's `Attach`, answer the workers'
         calls that waited, and watch the new coordinator's notices."""
@@ -740,7 +746,9 @@ class Relay:
         self.pending_since = time.monotonic()
         self.attached, self.lost = True, None
         self.noticed_at = time.monotonic()
-        self._start_notices()
+        # `another` coordinator, on keys that outlive one: its predecessor's bulletins may
+        # still be there until its first publication, and are not its own
+        self._start_notices(self.bulletin.by if another else "")
         self.calls = self._calls(transport)
         for shape in list(self.shapes.values()):  # a worker restarted later waits for them
             self.calls.apply(lambda t, m=shape: t.put_direct(m), lambda _: None, lambda: None)
