@@ -192,12 +192,13 @@ def _count(store: Any, key: str) -> int:
     """Add one to the count under `key` (absent: 0) by compare-and-set; the new count."""
     from recycle_planner.executor.control.store import Compare, absent
 
-    while True:
+    for _ in range(16):  # raced only by the same record's other counters
         entry = store.get(key)
         held = int(entry.value) if entry is not None else 0
         guard = absent(key) if entry is None else Compare(key, "mod", entry.mod_revision)
         if store.transaction([guard], [(key, str(held + 1), 0)]):
             return held + 1
+    raise RuntimeError(f"the count under {key!r} kept changing")
 
 
 @contextlib.contextmanager
