@@ -222,3 +222,33 @@ def test_a_worker_waits_on_a_peer_while_the_device_waits_for_an_incomplete_work(
     assert not comm.waiting_on_peer() and not comm.failed()
     comm.wait(_Work(error=RuntimeError("boom")), "receive")
     assert comm.failed()  # what makes a user-code exception after it a failure, not a bug
+
+
+class _NcclWork(_Work):
+    """A work as NCCL's binding gives one to Python: `exception()` raises a TypeError (its
+    C++ `exception_ptr` has no conversion; seen on an H200 with torch 2.11, success or not);
+    `wait()` on a completed work returns at once or raises its error."""
+
+    def exception(self):
+        raise TypeError("Unable to convert function return value to a Python type!")
+
+    def wait(self, timeout=None):
+        if self.done and self.error is not None:
+            raise self.error
+        return True
+
+
+def test_the_step_gate_reads_success_and_failure_of_nccl_works():
+    from recycle_planner.executor.data.comm import PeerFailure
+
+    comm = _comm()
+    comm.wait(_NcclWork(), "receive")
+    comm.confirm_received("the iteration")  # a good NCCL work is no failure
+    assert comm.sent(_NcclWork())
+    work = _NcclWork(done=False)  # the device waits; the work fails later
+    comm.wait(work, "all-reduce")
+    work.done, work.error = True, RuntimeError("NCCL error: remote process exited")
+    with pytest.raises(PeerFailure, match="remote process exited"):
+        comm.confirm_received("the iteration")
+    with pytest.raises(PeerFailure, match="send failed"):
+        comm.sent(_NcclWork(error=RuntimeError("NCCL error: unhandled system error")))

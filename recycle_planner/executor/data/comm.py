@@ -552,11 +552,22 @@ class SendReaper:
 
 def _error_of(work) -> BaseException | None:
     """The error a completed work ended with (torch's `Work.exception`, which it marks as
-    deprecated without a replacement that does not raise), or None."""
+    deprecated without a replacement that does not raise), or None.
+
+    NCCL's works cannot answer `exception()` from Python (seen on an H200, torch 2.11: a
+    `TypeError`, its C++ `exception_ptr` has no Python conversion, raised on success too).
+    There `wait()` answers instead: on a completed work it returns at once, or raises the
+    work's error; on NCCL it only orders the current stream after the work's kernel."""
     try:
         return work.exception()
     except RuntimeError as exc:
         return exc
+    except TypeError:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            return exc
+        return None
 
 
 def _drop(groups: list) -> None:
