@@ -235,8 +235,9 @@ def test_a_host_agent_looks_again_past_a_successor_whose_store_does_not_answer()
                             successor=SimpleNamespace(find=lambda timeout: published.pop(0)))
     finding = {"since": time.monotonic()}
     HostAgent._find_successor(agent, finding)
-    endpoint, revision, stores = finding["found"]
-    assert (endpoint, revision) == (f"127.0.0.1:{live.port}", 9) and len(stores) == 2
+    endpoint, revision, store = finding["found"]  # one connection: the relay stays on etcd
+    assert (endpoint, revision) == (f"127.0.0.1:{live.port}", 9)
+    assert isinstance(store, dist.TCPStore) and store.add("probe", 1) == 1
 
     agent.successor = SimpleNamespace(find=lambda timeout: (dead, 7))
     agent.config.rdzv_timeout = 1.0
@@ -275,20 +276,21 @@ def test_a_host_agent_whose_re_attach_fails_on_the_new_store_looks_again():
     agent = SimpleNamespace(
         lease=0.25, node_rank=3, on_event=said.append, incarnations={192: 0, 193: 1},
         config=SimpleNamespace(rdzv_timeout=5.0, startup_timeout=10.0, node_rank=3),
-        successor=SimpleNamespace(revision=7, find=find), relay=SimpleNamespace(decisions={0: ""}))
+        successor=SimpleNamespace(revision=7, find=find,
+                                  relay=lambda node, store: C10dHost(store, None)),
+        relay=SimpleNamespace(decisions={0: ""}))  # the transport counts on the store
     agent._look = lambda since, pause=0.0: HostAgent._look(agent, since, pause)
-    agent._transport = lambda store, notices: C10dHost(store, None)  # counts on the store
     agent._find_successor = lambda finding, pause: HostAgent._find_successor(agent, finding,
                                                                              pause)
     since = time.monotonic() - 1.0
-    agent.finding = {"since": since, "found": ("127.0.0.1:1", 9, (_Reset(), None))}
+    agent.finding = {"since": since, "found": ("127.0.0.1:1", 9, _Reset())}
     assert HostAgent._reattach_due(agent) is None          # not lost: looking again
     assert not looked.wait(0.03)                           # after a quarter lease, not at once
     assert agent.finding["since"] == since and looked.wait(5.0)
     assert "Connection reset by peer" in said[-1] and said[-1].endswith("looking again")
     # past the rdzv timeout from the loss, a failing store is no reason to look on forever
     agent.finding = {"since": time.monotonic() - 6.0,
-                     "found": ("127.0.0.1:1", 9, (_Reset(), None))}
+                     "found": ("127.0.0.1:1", 9, _Reset())}
     assert HostAgent._reattach_due(agent) == "no coordinator took over within 5 s"
 
 

@@ -397,7 +397,10 @@ class HostAgent:
 
     def _find_successor(self, finding: dict[str, Any], pause: float = 0.0) -> None:
         """On its own thread: the next leader's store (published on etcd after the one this
-        agent used), and two connections to it, each given two leases to connect (`dial`).
+        agent used), and one connection to it, given two leases to connect (`dial`): the
+        relay's traffic stays on etcd, the store only counts incarnations (a second
+        connection, for notices, doubled what a takeover's new store accepts on its one
+        thread: 256 connections at 1,024 ranks).
         A store that does not answer is looked for again: a successor that died after
         publishing leaves its key for a lease, then the one after it publishes. All within
         `rdzv_timeout`; `_reattach_due` gives up a lease after it (a call can hang past its
@@ -409,14 +412,14 @@ class HostAgent:
                 endpoint, revision = self.successor.find(deadline - time.monotonic())
                 host, _, port = endpoint.rpartition(":")
                 try:
-                    stores = [dial(host.strip("[]"), int(port), 2 * self.lease, timeout)
-                              for timeout in (self.config.startup_timeout, self.lease)]
+                    store = dial(host.strip("[]"), int(port), 2 * self.lease,
+                                 self.config.startup_timeout)
                 except (RuntimeError, dist.DistError):
                     if time.monotonic() < deadline:
                         time.sleep(self.lease / 4)
                         continue
                     raise
-                finding["found"] = (endpoint, revision, stores)
+                finding["found"] = (endpoint, revision, store)
                 return
         except Exception as exc:  # noqa: BLE001 - any failure: no successor, stop
             finding["failed"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -439,13 +442,13 @@ class HostAgent:
             self.on_event(f"host {self.node_rank}: no coordinator took over: none answered "
                           f"within {waited:.0f} s")
             return f"no coordinator took over within {self.config.rdzv_timeout:g} s"
-        endpoint, revision, (store, notices) = finding["found"]
+        endpoint, revision, store = finding["found"]
         self.finding = None
         same = revision == self.successor.revision
         if not same and not self.relay.decisions:
             return f"the next leader, at {endpoint}, took over"
         c = self.config
-        transport = self._transport(store, lambda _: notices)
+        transport = self.successor.relay(self.node_rank, store)  # on etcd, as it was
         try:  # a new store counts incarnations (and hosts that came by arrival) from here on,
             # each raised to at least what this host holds, so a retry counts nothing twice
             for rank, incarnation in self.incarnations.items():
