@@ -63,6 +63,9 @@ def test_a_deposed_coordinators_writes_are_refused():
         mail.flush()
     held = Bulletin.from_json(store.get(f"{PREFIX}bulletin/all").value)
     assert held.version == 1
+    with pytest.raises(Deposed):                         # nor does it clear the job's keys
+        mail.end()
+    assert _keys(store) != []
     transport.close()
 
 
@@ -83,4 +86,26 @@ def test_no_key_outlives_its_need():
     host.push(_report(0, 0, msg.HostUp(0, "h", 1, (0,))))
     store.revoke(lease)
     assert _keys(store, f"{PREFIX}up/") == []
+    mail.transport.close()
+
+
+def test_the_jobs_traffic_leaves_etcd_once_every_host_said_goodbye():
+    """The relay's keys outlive a coordinator, not the job: the pool's close posts the
+    outcome, and once every host's `Bye` is in, every key under the prefix goes."""
+    from types import SimpleNamespace
+
+    from recycle_planner.executor.control.pool import HostPool
+
+    store = MemoryStore()
+    hosts = [EtcdHost(store, PREFIX, node=n, groups=None) for n in (0, 1)]
+    mail = RelayMail(EtcdCoordinator(store, PREFIX), nnodes=2, per_host=1, beat_every=1.0)
+    for n, host in enumerate(hosts):
+        host.put_direct(msg.Stepped(3, n))
+        host.push(_report(n, 0, msg.HostUp(n, "h", 1, (n,)), msg.Bye(n)))
+    assert _keys(store) != []
+    HostPool.close(SimpleNamespace(agent=SimpleNamespace(mail=mail), hosts=[0, 1]), {},
+                   ("completed", "done"))
+    assert _keys(store) == []
+    for host in hosts:
+        host.close()
     mail.transport.close()

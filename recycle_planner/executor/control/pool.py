@@ -19,6 +19,7 @@ Each pool names the `mail.Mail` its workers' records travel by (`mail`).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -29,15 +30,18 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from recycle_planner.executor.config import CONFIG_ENV, CONFIG_KEY, STALLED
 from recycle_planner.executor.control import messages as msg
+from recycle_planner.executor.control.election import Deposed
 from recycle_planner.executor.control.failover import HostLeases
 from recycle_planner.executor.control.mail import Mail, RelayMail, StoreMail
 from recycle_planner.executor.control.result import EventKind
-from recycle_planner.executor.control.store import StoreUnavailable
+from recycle_planner.executor.control.store import StoreRefused, StoreUnavailable
 from recycle_planner.executor.control.transport import C10dCoordinator, CoordinatorTransport
 
 if TYPE_CHECKING:
     from recycle_planner.executor.control.agent import Agent
     from recycle_planner.executor.control.protocol import Decision
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -322,15 +326,15 @@ class HostPool:
         deadline = time.time() + 10
         try:
             mail.put(msg.Outcome(str(status), message))
-            while True:
+            while time.time() < deadline:
                 mail.flush()
                 mail.refresh()
-                if time.time() >= deadline or all(
-                        mail.get(msg.Bye, node=n) is not None for n in self.hosts):
+                if all(mail.get(msg.Bye, node=n) is not None for n in self.hosts):
+                    mail.end()  # not before: a host that has not read the outcome needs it
                     return
                 time.sleep(0.05)
-        except (RuntimeError, OSError):
-            return
+        except (RuntimeError, OSError, Deposed, StoreUnavailable, StoreRefused) as exc:
+            log.warning("the host agents' traffic was not cleared at the end: %s", exc)
 
     def describe(self) -> str:
         c = self.agent.config

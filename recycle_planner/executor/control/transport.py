@@ -91,6 +91,9 @@ class CoordinatorTransport(Protocol):
     def raise_incarnations(self, rank: int, first: int) -> None:
         """As `HostTransport.raise_incarnations`: for the ranks no host runs."""
 
+    def end(self) -> None:
+        """The job is over and every host said goodbye: remove what is left of the traffic."""
+
 
 class C10dHost:
     """A host's side on the coordinator's c10d store: `store` for the calls, `notices` (a
@@ -164,6 +167,9 @@ class C10dCoordinator:
 
     def raise_incarnations(self, rank: int, first: int) -> None:
         msg.count_incarnations_from(self.store, rank, first)
+
+    def end(self) -> None:
+        """Nothing to remove: the store ends with the coordinator's process."""
 
 
 def delete_prefixed(store: Any, prefixes: tuple[str, ...]) -> None:
@@ -383,6 +389,11 @@ class EtcdCoordinator:
 
     def raise_incarnations(self, rank: int, first: int) -> None:
         msg.count_incarnations_from(self.groups, rank, first)
+
+    def end(self) -> None:
+        """Every key of the job's traffic, in one fenced transaction: they outlive a
+        coordinator, not the job."""
+        self._write(delete_prefixes=[self.prefix])
 
     def close(self) -> None:
         self.watch.cancel()
