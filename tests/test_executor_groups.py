@@ -224,31 +224,19 @@ def test_a_worker_waits_on_a_peer_while_the_device_waits_for_an_incomplete_work(
     assert comm.failed()  # what makes a user-code exception after it a failure, not a bug
 
 
-class _NcclWork(_Work):
-    """A work as NCCL's binding gives one to Python: `exception()` raises a TypeError (its
-    C++ `exception_ptr` has no conversion; seen on an H200 with torch 2.11, success or not);
-    `wait()` on a completed work returns at once or raises its error."""
+class _OldTorchWork(_Work):
+    """A work as torch 2.11 gives one to Python (seen on an H200): `exception()` raises a
+    TypeError (its C++ `exception_ptr` has no conversion), success or not."""
 
     def exception(self):
         raise TypeError("Unable to convert function return value to a Python type!")
 
-    def wait(self, timeout=None):
-        if self.done and self.error is not None:
-            raise self.error
-        return True
 
-
-def test_the_step_gate_reads_success_and_failure_of_nccl_works():
-    from recycle_planner.executor.data.comm import PeerFailure
+def test_a_torch_that_cannot_report_a_works_error_is_refused_in_one_line():
+    from recycle_planner.errors import RecycleError
 
     comm = _comm()
-    comm.wait(_NcclWork(), "receive")
-    comm.confirm_received("the iteration")  # a good NCCL work is no failure
-    assert comm.sent(_NcclWork())
-    work = _NcclWork(done=False)  # the device waits; the work fails later
-    comm.wait(work, "all-reduce")
-    work.done, work.error = True, RuntimeError("NCCL error: remote process exited")
-    with pytest.raises(PeerFailure, match="remote process exited"):
-        comm.confirm_received("the iteration")
-    with pytest.raises(PeerFailure, match="send failed"):
-        comm.sent(_NcclWork(error=RuntimeError("NCCL error: unhandled system error")))
+    with pytest.raises(RecycleError, match=r"needs torch 2\.13\.0"):
+        comm.wait(_OldTorchWork(), "receive")  # never a step on an unknown outcome
+    with pytest.raises(RecycleError, match="cannot tell the executor"):
+        comm.sent(_OldTorchWork())

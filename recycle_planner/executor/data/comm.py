@@ -554,20 +554,19 @@ def _error_of(work) -> BaseException | None:
     """The error a completed work ended with (torch's `Work.exception`, which it marks as
     deprecated without a replacement that does not raise), or None.
 
-    NCCL's works cannot answer `exception()` from Python (seen on an H200, torch 2.11: a
-    `TypeError`, its C++ `exception_ptr` has no Python conversion, raised on success too).
-    There `wait()` answers instead: on a completed work it returns at once, or raises the
-    work's error; on NCCL it only orders the current stream after the work's kernel."""
+    torch before 2.13 cannot hand that error to Python: on an H200 with torch 2.11, every
+    completed work's `exception()` raised a `TypeError` (its C++ `exception_ptr` has no
+    conversion), success or not. No other call says it on every backend (NCCL's `wait()`
+    returns without raising), so such a torch is refused in one line rather than a failed
+    operation taken for a good one."""
     try:
         return work.exception()
     except RuntimeError as exc:
         return exc
     except TypeError:
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            return exc
-        return None
+        raise RecycleError(f"torch {torch.__version__} cannot tell the executor whether a "
+                           f"collective or message failed (Work.exception); it needs torch "
+                           f"2.13.0, as `pip install 'recycle-planner[torch]'` installs") from None
 
 
 def _drop(groups: list) -> None:
