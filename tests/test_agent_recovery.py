@@ -127,3 +127,20 @@ def test_a_silent_host_is_declared_lost_as_its_lease_runs_out(agent):
     agent._heartbeats(1.0 + agent.config.poll)
     assert sorted(d.rank for d in agent.deaths) == [2, 3]
     assert agent.phase is Phase.GATHERING             # the abort went out
+
+
+def test_a_new_leader_adopts_a_generation_whose_workers_all_died_meanwhile(agent):
+    """Every host re-attached, none with a live worker (they died while the coordinators
+    changed): there is no `Hello` to wait for, so the new leader adopts at once and counts
+    the members as deaths of the generation, instead of waiting for a `Hello` forever."""
+    import time
+
+    decision = agent.decision
+    agent.phase, agent.gen, agent.decision = Phase.ADOPTING, -1, None
+    agent.t0 = agent.awaited_said = time.time()
+    for node in (0, 1):
+        agent.mail._take(msg.Attach(node, decision.gen, decision.to_json(), ()))
+    agent._phase_adopting(time.time())
+    assert agent.phase is Phase.GATHERING              # abandoned: the ordinary recovery
+    deaths = [e for e in agent.events if e.kind.value == "death"]
+    assert len(deaths) == RANKS and "while the coordinators changed" in deaths[0].message

@@ -627,9 +627,10 @@ class Agent:
                 self.procs[proc.rank] = proc
             self.phase = Phase.STARTING
             return
-        if not any(self.mail.get(msg.Hello, rank=r, incarnation=i) is not None
-                   for r, i in adoption.workers.items()):
-            return  # the hellos come in the same reports: not there yet
+        if adoption.workers and not any(self.mail.get(msg.Hello, rank=r, incarnation=i)
+                                        is not None for r, i in adoption.workers.items()):
+            return  # the hellos come in the same reports: not there yet (with no live
+            # worker, none will: adopted at once, its members are deaths)
         self._adopt(adoption, sorted(attaches), now, waiting)
 
     def _adopt(self, adoption: Adoption, attached: list[int], now: float,
