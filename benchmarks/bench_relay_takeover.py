@@ -32,7 +32,9 @@ successor found on etcd and its re-attach; the new leader's adoption (its first 
 every host: its `take-over` event); with `--with-host`, the lost host's deaths, the abort and
 the next generation's decision, and when every surviving link's stand-ins hold it. Whether
 training went on: the stand-ins' iterations between the kill and the adoption, and the losses
-the new leader saved (losses.jsonl: no iteration missing or saved twice).
+the new leader saved (losses.jsonl: no iteration missing or saved twice). Before the kill,
+over the `--seconds` of steady state: the requests etcd served, by gRPC method, from its own
+counters (`steady_etcd`).
 
     cd benchmarks && python bench_relay_takeover.py --ranks 1024 --per-host 8 --repeat 3
     python bench_relay_takeover.py --ranks 8192 --per-host 64 --iteration 4 --repeat 3
