@@ -64,7 +64,7 @@ def test_a_deposed_coordinators_writes_are_refused():
     held = Bulletin.from_json(store.get(f"{PREFIX}bulletin/all").value)
     assert held.version == 1
     with pytest.raises(Deposed):                         # nor does it clear the job's keys
-        mail.end()
+        transport.end()
     assert _keys(store) != []
     transport.close()
 
@@ -103,8 +103,8 @@ def test_the_jobs_traffic_leaves_etcd_once_every_host_said_goodbye():
         host.put_direct(msg.Stepped(3, n))
         host.push(_report(n, 0, msg.HostUp(n, "h", 1, (n,)), msg.Bye(n)))
     assert _keys(store) != []
-    HostPool.close(SimpleNamespace(agent=SimpleNamespace(mail=mail), hosts=[0, 1]), {},
-                   ("completed", "done"))
+    HostPool.close(SimpleNamespace(agent=SimpleNamespace(mail=mail), hosts=[0, 1],
+                                   transport=mail.transport), {}, ("completed", "done"))
     assert _keys(store) == []
     for host in hosts:
         host.close()

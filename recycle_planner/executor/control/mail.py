@@ -287,8 +287,3 @@ class RelayMail:
         for key in keys:
             self.records.pop(key, None)
         self.floor = max(self.floor, iteration + 1)
-
-    def end(self) -> None:
-        """The job is over and every host said goodbye: what is left of the traffic goes
-        (`CoordinatorTransport.end`)."""
-        self.transport.end()

@@ -330,7 +330,7 @@ class HostPool:
                 mail.flush()
                 mail.refresh()
                 if all(mail.get(msg.Bye, node=n) is not None for n in self.hosts):
-                    mail.end()  # not before: a host that has not read the outcome needs it
+                    self.transport.end()  # not before: a host yet to read the outcome needs it
                     return
                 time.sleep(0.05)
         except (RuntimeError, OSError, Deposed, StoreUnavailable, StoreRefused) as exc:
