@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,6 +43,21 @@ def etcd_missing() -> str | None:
     except ImportError:
         return "the etcd3gw client is not installed (pip install -e '.[etcd]')"
     return None
+
+
+def answers(endpoints: str, timeout: float = 1.0) -> bool:
+    """Whether the etcd at `endpoints` answers a linearizable read now (it has a leader and a
+    quorum)."""
+    from recycle_planner.executor.control.store import EtcdStore, StoreUnavailable
+
+    store = EtcdStore(endpoints, timeout=timeout)
+    try:
+        store.revision()
+        return True
+    except StoreUnavailable:
+        return False
+    finally:
+        store.close()
 
 
 def free_ports(count: int) -> list[int]:
@@ -117,31 +133,22 @@ class EtcdCluster:
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Until the cluster answers a linearizable read (it has a leader and a quorum)."""
-        from recycle_planner.executor.control.store import EtcdStore, StoreUnavailable
-
         deadline = time.monotonic() + timeout
-        if self.wrap:  # elsewhere: ask etcd's own client there
-            ctl = shutil.which("etcdctl") or "etcdctl"
-            while subprocess.run([*self.wrap, ctl, "--endpoints", self.endpoints,
-                                  "endpoint", "health"], capture_output=True).returncode:
-                if time.monotonic() > deadline:
-                    raise RecycleError(f"etcd did not become ready in {timeout:g} s; logs "
-                                       f"in {self.folder}")
-                time.sleep(0.2)
-            return
-        store = EtcdStore(self.endpoints, timeout=1.0)
-        try:
-            while True:
-                try:
-                    store.revision()
-                    return
-                except StoreUnavailable as exc:
-                    if time.monotonic() > deadline:
-                        raise RecycleError(f"etcd did not become ready in {timeout:g} s: "
-                                           f"{exc}; logs in {self.folder}") from None
-                    time.sleep(0.1)
-        finally:
-            store.close()
+        while not self._answers():
+            if time.monotonic() > deadline:
+                raise RecycleError(f"etcd did not become ready in {timeout:g} s; logs in "
+                                   f"{self.folder}")
+            time.sleep(0.1)
+
+    def _answers(self) -> bool:
+        if not self.wrap:
+            return answers(self.endpoints)
+        # elsewhere (a network namespace): ask from there, with this client, not etcdctl
+        # (Debian ships it apart from the server, in etcd-client)
+        probe = ("import sys; from recycle_planner.executor.control.etcd_local import answers; "
+                 f"sys.exit(not answers({self.endpoints!r}))")
+        return subprocess.run([*self.wrap, sys.executable, "-c", probe],
+                              capture_output=True).returncode == 0
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
         """Stop member `i` at once (SIGKILL: as if its machine vanished)."""
