@@ -27,6 +27,11 @@ from recycle_planner.errors import RecycleError
 log = logging.getLogger(__name__)
 
 
+PROGRESS_NOTIFY = 1.0
+"""Seconds between etcd's progress notifications to a quiet watch: well below the clients'
+timeout (2 s or more), after which a silent stream is taken as broken and resumed elsewhere."""
+
+
 def etcd_binary() -> str | None:
     """The `etcd` server on PATH (or /usr/bin, where Debian puts it), None without one."""
     return shutil.which("etcd") or shutil.which("etcd", path="/usr/bin:/usr/sbin")
@@ -121,6 +126,9 @@ class EtcdCluster:
                 "--initial-cluster-token", f"recycle-{os.getpid()}-{self.client_ports[0]}",
                 *(["--heartbeat-interval", "50", "--election-timeout", "500"] if self.fast
                   else []),
+                # a quiet watch hears from its member within a second (`store._EtcdWatch`)
+                "--experimental-watch-progress-notify-interval", f"{PROGRESS_NOTIFY:g}s",
+                "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m",
                 "--log-level", "error" if self.quiet else "info"]
 
     def start(self, i: int | None = None) -> None:

@@ -53,6 +53,11 @@ class StoreUnavailable(RecycleError):
     """The control store cannot answer: its endpoints are down or etcd lost its quorum."""
 
 
+class HistoryCompacted(StoreUnavailable):
+    """A watch cannot resume: etcd compacted away the changes it was to be told of (it was
+    away longer than etcd's `--auto-compaction-retention`)."""
+
+
 class StoreRefused(RecycleError):
     """The control store answered no: a put under a lease that has expired, for example."""
 
@@ -374,14 +379,26 @@ def parse_endpoints(text: str) -> list[tuple[str, int]]:
 
 class _EtcdWatch:
     """One watch stream of etcd's JSON gateway, read on its own thread. A stream that breaks
-    (its member died) is resumed on another endpoint from the next revision, so that no change
-    is lost; when no endpoint takes it within the store's timeout, `get` raises."""
+    (its member died), or that stays silent for the store's `timeout`, is resumed on the next
+    endpoint from the next revision, so that no change is lost; when no endpoint takes it
+    within the `timeout`, `get` raises.
+
+    Silence is how a member that cannot serve looks from here: a member cut off from its
+    peers keeps its streams open but hears of no change (etcd ends a stream that asked for a
+    leader, `hasleader`, once its member has had none for three election timeouts), and a
+    member whose machine vanished closes nothing at all. Healthy streams are not silent: each
+    asks for etcd's progress notifications, sent to a quiet watch at the member's
+    `--experimental-watch-progress-notify-interval` (run etcd with it below the timeout,
+    docs/runtime-engines.md; at etcd's default of 10 minutes a quiet stream is resumed
+    every `timeout`, which costs one request and loses nothing). A notification also says
+    that every change up to its revision was sent, so a resumed stream starts after it."""
 
     def __init__(self, store: "EtcdStore", prefix: str, start_revision: int):
         self.store = store
         self.prefix = prefix
         self.next_revision = start_revision
         self.events: queue.Queue[Event | BaseException | None] = queue.Queue()
+        self.member = ""              # HOST:PORT of the member whose stream is open
         self._cancelled = False
         self._response = None
         self._opened = threading.Event()
@@ -393,49 +410,69 @@ class _EtcdWatch:
         while not self._cancelled:
             try:
                 self._stream()
-                failed_since = None
-            except Exception as exc:  # a broken stream of any kind: resume or give up
+            except Exception as exc:  # a broken or silent stream of any kind: resume or give up
                 if self._cancelled:
                     return
-                failed_since = failed_since or time.monotonic()
-                if time.monotonic() - failed_since > self.store.timeout:
-                    self.events.put(StoreUnavailable(f"etcd watch on {self.prefix!r}: "
-                                                     f"{_first_line(exc)}"))
+                if failed_since is None or self._opened.is_set():  # a new break since it served
+                    failed_since = time.monotonic()
+                    self._opened.clear()
+                gone = isinstance(exc, HistoryCompacted)
+                if gone or time.monotonic() - failed_since > self.store.timeout:
+                    error = HistoryCompacted if gone else StoreUnavailable
+                    self.events.put(error(f"etcd watch on {self.prefix!r}: "
+                                          f"{_first_line(exc)}"))
                     return
+                log.info("etcd watch on %r at %s broke (%s): resuming from revision %d",
+                         self.prefix, self.member, _first_line(exc), self.next_revision)
                 self.store._rotate()
                 time.sleep(0.05)
 
     def _stream(self) -> None:
         client = self.store._client()
-        request = {"key": _b64(self.prefix), "range_end": _b64(_prefix_end(self.prefix))}
+        self.member = f"{client.host}:{client.port}"
+        request = {"key": _b64(self.prefix), "range_end": _b64(_prefix_end(self.prefix)),
+                   "progress_notify": True}
         if self.next_revision:
             request["start_revision"] = self.next_revision
         response = client.session.post(client.get_url("/watch"),
                                        json={"create_request": request}, stream=True,
-                                       timeout=(self.store.timeout, None))
+                                       headers={"Grpc-Metadata-hasleader": "true"},
+                                       timeout=(self.store.timeout, self.store.timeout))
         self._response = response
         if response.status_code != 200:
             raise StoreUnavailable(f"watch refused: {response.status_code} {response.reason}")
         for line in response.iter_lines(chunk_size=None):
             if self._cancelled:
                 return
-            if not line.strip():
-                continue
-            result = json.loads(line).get("result", {})
-            if result.get("created"):
-                self._opened.set()
-                continue
-            if result.get("canceled"):
-                raise StoreUnavailable(f"watch cancelled by etcd: "
-                                       f"{result.get('cancel_reason', 'compacted')}")
-            for raw in result.get("events", ()):
-                kv = raw["kv"]
-                revision = int(kv.get("mod_revision", 0))
-                kind = DELETE if raw.get("type") == "DELETE" else PUT
-                self.events.put(Event(kind, _unb64(kv["key"]), _unb64(kv.get("value")),
-                                      revision))
-                self.next_revision = revision + 1
+            if line.strip():
+                self._take(json.loads(line))
         raise StoreUnavailable("watch stream ended")
+
+    def _take(self, message: dict) -> None:
+        """One message of the stream: its events, in order, or what it says of the stream."""
+        if "error" in message:
+            raise StoreUnavailable(f"etcd ended the watch: {_first_line(str(message['error']))}")
+        result = message.get("result", {})
+        if result.get("canceled"):
+            compacted = int(result.get("compact_revision", 0))
+            if compacted:
+                raise HistoryCompacted(f"etcd compacted its history past revision "
+                                       f"{self.next_revision} (to {compacted}): the watch was "
+                                       f"away longer than etcd keeps changes")
+            raise StoreUnavailable(f"watch cancelled by etcd: {result.get('cancel_reason')}")
+        if result.get("created"):
+            self._opened.set()
+            return
+        events = result.get("events", ())
+        for raw in events:
+            kv = raw["kv"]
+            revision = int(kv.get("mod_revision", 0))
+            kind = DELETE if raw.get("type") == "DELETE" else PUT
+            self.events.put(Event(kind, _unb64(kv["key"]), _unb64(kv.get("value")), revision))
+            self.next_revision = revision + 1
+        if not events:  # a progress notification: every change up to its revision was sent
+            revision = int(result.get("header", {}).get("revision", 0))
+            self.next_revision = max(self.next_revision, revision + 1)
 
     def get(self, timeout: float) -> Event | None:
         try:
