@@ -61,6 +61,34 @@ def test_one_candidate_leads_and_the_next_leads_when_it_resigns(store, keys):
     assert b.leader() is None
 
 
+class PutTwice:
+    """A store that applies every put twice: a put retried after its answer was lost."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def put(self, key, value, lease=0):
+        self.store.put(key, value, lease)
+        return self.store.put(key, value, lease)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_candidate_whose_put_was_applied_twice_leads_and_writes(store, keys):
+    """Before, it took the second put's revision for its place: it waited for its own key to
+    go (never, while it lived) and, had it led, its fence held no write."""
+    a = Election(PutTwice(store), keys.election, "a", 1)
+    stop = threading.Event()
+    threading.Timer(5, stop.set).start()
+    try:
+        assert a.campaign(stop) is not None
+        assert a.write([(keys.root + "x", "1", 0)])
+    finally:
+        stop.set()
+        a.resign()
+
+
 def test_a_deposed_leaders_writes_are_refused(store, keys):
     a = Election(store, keys.election, "a", 1)
     a.campaign()

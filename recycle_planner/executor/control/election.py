@@ -90,12 +90,16 @@ class Election:
         lease is lost (`Deposed`)."""
         self._keeper = LeaseKeeper(self.store, self.ttl, self._lost)
         key = f"{self.prefix}{self._keeper.lease:x}"
-        mine = self.store.put(key, self.identity, lease=self._keeper.lease)
-        log.info("%s campaigns as %s (revision %d)", self.identity, key, mine)
+        self.store.put(key, self.identity, lease=self._keeper.lease)
+        log.info("%s campaigns as %s", self.identity, key)
         while True:
             entries, read_at = self.store.get_prefix(self.prefix)
-            if not any(e.key == key for e in entries) or self.deposed.is_set():
+            own = next((e for e in entries if e.key == key), None)
+            if own is None or self.deposed.is_set():
                 raise self._deposed(f"election key {key} is gone")
+            # its place is where the key was created, as read back: a put retried after its
+            # answer was lost (`EtcdStore` retries) changed it again at a later revision
+            mine = own.create_revision
             before = [e for e in entries if e.create_revision < mine]
             if not before:
                 self.leadership = Leadership(key, mine, self.identity)
