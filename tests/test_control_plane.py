@@ -209,6 +209,20 @@ def test_lead_then_publishes_the_leaders_store_and_stops_a_deposed_leader(store,
     assert _value(store, keys.led) == "b.example:29400"
 
 
+def test_a_run_after_one_that_ended_starts_afresh_not_as_its_takeover(store, keys):
+    """The job's end deletes `Keys.led` with its outcome: a second run under the same name
+    is its own first leader (before, it took over the ended run's store)."""
+    from recycle_planner.executor.control.failover import Outcome, lead_then
+
+    def run():
+        return lead_then(store, keys, "a", 1, "a.example:29400", lambda previous: previous,
+                         ended=lambda previous: Outcome(0, "a"))
+
+    assert run() is None
+    assert store.get(keys.led) is None and store.get(keys.outcome) is not None
+    assert run() is None
+
+
 def test_a_host_agent_finds_the_next_leader_or_the_same_one_still_leading(store, keys):
     """A host agent that lost its coordinator takes the next leader's publication, or the
     same leader's if it still stands `same_after` on: its key lives under the leader's
@@ -269,7 +283,8 @@ def test_a_standby_leaves_with_the_leaders_status_when_the_job_ends(store, keys,
     assert results == {"a": 7, "b": 7}
     assert told.read_text().split() == ["lead"]  # one coordinator led; none took over
     outcome = Outcome.from_json(store.get(keys.outcome).value)
-    assert outcome.code == 7 and _value(store, keys.led) == f"{outcome.by}.example:29400"
+    assert outcome.code == 7 and outcome.by in "ab"
+    assert store.get(keys.led) is None  # nothing is left to take over
 
 
 def test_host_leases_are_held_while_their_hosts_live(store, keys):

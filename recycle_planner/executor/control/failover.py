@@ -123,8 +123,10 @@ class Outcome:
 
 
 def _publish(election: Election, keys: Keys, outcome: Outcome) -> None:
+    """The job's end, for its standbys; with it goes `Keys.led` (nothing is left to take over:
+    a later run under the same name starts afresh, not as a takeover of this one)."""
     try:
-        election.write([(keys.outcome, outcome.to_json(), 0)])
+        election.write([(keys.outcome, outcome.to_json(), 0)], deletes=[keys.led])
     except (Deposed, StoreUnavailable) as exc:  # the standbys then take over, and stop
         log.warning("the job's end was not published (%s)", exc)
 

@@ -120,7 +120,7 @@ class Keys:
     @property
     def led(self) -> str:
         """The store a leader of this job last published (kept when its leadership ends:
-        the next leader takes over from it)."""
+        the next leader takes over from it; deleted when the job ends, with its outcome)."""
         return self.root + "led"
 
     @property
