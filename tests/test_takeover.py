@@ -120,11 +120,41 @@ def test_the_new_coordinator_saves_losses_from_the_first_the_lost_one_had_not_sa
 
     adoption = Adoption.of([msg.Attach(0, 1, _decision(1).to_json(), ((0, 0),), saved=5)])
     rows = {i: LossRow(i, 0.5, 1, 2) for i in range(7)}
-    assert adoption.saving_from(rows, lost_attempt=2) == 7
-    assert adoption.saving_from({**rows, 6: LossRow(6, 0.5, None, None)}, 2) == 6
-    assert adoption.saving_from({i: LossRow(i, 0.5, 1, 1) for i in range(9)}, 2) == 5
+    assert adoption.saving_from(rows, lost=[2]) == 7
+    assert adoption.saving_from({**rows, 6: LossRow(6, 0.5, None, None)}, [2]) == 6
+    assert adoption.saving_from({i: LossRow(i, 0.5, 1, 1) for i in range(9)}, [2]) == 5
     unmarked = replace(adoption, saved=-1)   # no host was told: from the restart (3)
-    assert unmarked.saving_from({}, 2) == 3 and unmarked.saving_from(rows, 2) == 7
+    assert unmarked.saving_from({}, [2]) == 3 and unmarked.saving_from(rows, [2]) == 7
+
+
+def test_after_two_takeovers_the_rows_of_both_lost_coordinators_are_skipped():
+    """Attempt 1 saved 5 and 6 after marking 5, attempt 2 took over from 7, saved 7 and was
+    lost before telling a mark: attempt 3 (hosts still at mark 5) starts at 8. Before, it
+    skipped attempt 2's rows only, stopped at 5 and wrote 5, 6 and 7 twice."""
+    from recycle_planner.executor.control.runfolder import LossRow
+
+    adoption = Adoption.of([msg.Attach(0, 1, _decision(1).to_json(), ((0, 0),), saved=5)])
+    rows = {**{i: LossRow(i, 0.5, 1, 1) for i in range(7)}, 7: LossRow(7, 0.5, 1, 2)}
+    assert adoption.saving_from(rows, lost=range(1, 3)) == 8
+
+
+def test_a_run_folder_records_which_attempts_took_over_from_which(tmp_path):
+    from recycle_planner.executor.control.runfolder import claim
+
+    run = tmp_path / "run"
+    chain = []
+    for take_over in (False, True, True):
+        folder = claim(run, False, False, take_over=take_over)
+        chain.append((folder.record.attempt, list(folder.record.taken_over())))
+        folder.release()
+    (run / "checkpoints" / "iter-000004").mkdir(parents=True)  # a checkpoint to resume
+    (run / "checkpoints" / "iter-000004" / "manifest.json").write_text("{}")
+    (run / "checkpoints" / "latest.json").write_text(
+        '{"folder": "iter-000004", "iteration": 4}')
+    resumed = claim(run, True, False)
+    assert chain == [(1, []), (2, [1]), (3, [1, 2])]
+    assert list(resumed.record.taken_over()) == []  # a resume starts its own
+    resumed.release()
 
 
 def test_a_coordinator_taking_over_waits_for_the_hosts_etcd_holds_only():

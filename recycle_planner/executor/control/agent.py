@@ -651,7 +651,7 @@ class Agent:
         self.iterations = IterationLog(self.mail, self.folder, spec.pipelines, spec.stages,
                                        spec.microbatches,
                                        adoption.saving_from(self.folder.saved_rows(),
-                                                            self.folder.record.attempt - 1),
+                                                            self.folder.record.taken_over()),
                                        self.config.lease, step_reports(self.config.faults))
         self.checkpointed = _on_disk(self.run_dir)  # stopped workers may have written one
         every = self.config.checkpoint_every

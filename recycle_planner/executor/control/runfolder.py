@@ -50,11 +50,14 @@ VERSION = 1
 @dataclass(frozen=True)
 class RunRecord:
     """`run.json`: which run the folder holds and which attempt of it is (or was last)
-    running."""
+    running; `chain`: the attempt that started or resumed the run, which this one continues
+    through coordinators that took over one from another (itself if it did not take over).
+    Their attempts' loss rows are one generation's, whoever of them wrote them."""
 
     run_id: str
     attempt: int
     started: float
+    chain: int = 0
     version: int = VERSION
 
     def to_json(self) -> dict:
@@ -63,10 +66,16 @@ class RunRecord:
     @classmethod
     def from_json(cls, data: dict, where: Path) -> "RunRecord":
         try:
-            return cls(str(data["run_id"]), int(data["attempt"]), float(data["started"]),
-                       int(data.get("version", VERSION)))
+            attempt = int(data["attempt"])
+            return cls(str(data["run_id"]), attempt, float(data["started"]),
+                       int(data.get("chain", attempt)), int(data.get("version", VERSION)))
         except (KeyError, TypeError, ValueError) as exc:
             raise RecycleError(f"{where}: not a run record ({exc})") from None
+
+    def taken_over(self) -> range:
+        """The attempts this one took over from, directly or through others (empty when it
+        started or resumed the run)."""
+        return range(self.chain, self.attempt)
 
     def log_dir(self, run_dir: str | Path) -> Path:
         return Path(run_dir) / "logs" / f"attempt-{self.attempt}"
@@ -204,13 +213,15 @@ def claim(run_dir: str | Path, resume: bool, start_over: bool,
         if take_over:
             if previous is None:
                 raise RecycleError(f"--take-over: {run_dir} holds no run to take over")
-            record = RunRecord(previous.run_id, previous.attempt + 1, time.time())
+            record = RunRecord(previous.run_id, previous.attempt + 1, time.time(),
+                               previous.chain)
         elif resume:
             if latest_checkpoint(run_dir) is None:
                 raise RecycleError(f"--resume: no complete checkpoint in "
                                    f"{run_dir / CHECKPOINTS} to resume from")
-            record = RunRecord(previous.run_id if previous else _new_id(),
-                               previous.attempt + 1 if previous else 1, time.time())
+            attempt = previous.attempt + 1 if previous else 1
+            record = RunRecord(previous.run_id if previous else _new_id(), attempt,
+                               time.time(), attempt)
         else:
             who = f"run {previous.run_id}" if previous else "an earlier run"
             if checkpoints and not start_over:
@@ -219,8 +230,8 @@ def claim(run_dir: str | Path, resume: bool, start_over: bool,
                     f"continue it with --resume, start over with --start-over (removes them), "
                     f"or choose another --run-dir")
             _discard(run_dir, who, said=bool(checkpoints))
-            record = RunRecord(_new_id(), (previous.attempt + 1) if previous else 1,
-                               time.time())
+            attempt = previous.attempt + 1 if previous else 1
+            record = RunRecord(_new_id(), attempt, time.time(), attempt)
         write_json(run_dir / RUN_RECORD, record.to_json())
         record.log_dir(run_dir).mkdir(parents=True, exist_ok=True)
     except BaseException:

@@ -15,7 +15,7 @@ store: pure functions of the records, tested on their own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Container, Iterable, Mapping
 
 from recycle_planner.executor.control import messages as msg
 from recycle_planner.executor.control.protocol import Decision
@@ -72,16 +72,19 @@ class Adoption:
                     f"iteration {self.switch_at}, which the new store cannot agree again")
         return None
 
-    def saving_from(self, rows: Mapping[int, LossRow], lost_attempt: int) -> int:
+    def saving_from(self, rows: Mapping[int, LossRow], lost: Container[int]) -> int:
         """The first iteration whose losses the new coordinator saves: from the mark the
         hosts were told (else the generation's restart), past the rows that the lost
-        coordinator (the run folder's attempt `lost_attempt`) appended from there on. It
-        saves an iteration only once it is final, then tells the hosts at most every
-        quarter lease, so its last rows are often ahead of the mark; saving them again
-        would write an iteration twice (seen at 1,024 ranks). A row of another attempt (an
-        earlier run's, or one a stopped worker wrote) is not this generation's."""
+        coordinators (the run folder's attempts `lost`: the one it takes over from and
+        those that one took over from, `RunRecord.taken_over`) appended from there on. A
+        coordinator saves an iteration only once it is final, then tells the hosts at most
+        every quarter lease, so its last rows are often ahead of the mark; saving them again
+        would write an iteration twice (seen at 1,024 ranks). A lost coordinator that had
+        told the hosts no mark of its own leaves them its predecessor's, behind both their
+        rows. A row of another attempt (an earlier run's, or one a stopped worker wrote) is
+        not this generation's."""
         i = self.saved if self.saved >= 0 else self.decision.restart
-        while (row := rows.get(i)) is not None and row.attempt == lost_attempt:
+        while (row := rows.get(i)) is not None and row.attempt in lost:
             i += 1
         return i
 
