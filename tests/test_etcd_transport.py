@@ -150,3 +150,27 @@ def test_the_jobs_traffic_leaves_etcd_once_every_host_said_goodbye():
     for host in hosts:
         host.close()
     mail.transport.close()
+
+
+def test_reports_whose_delete_failed_are_taken_on_the_next_pass():
+    """A host's introduction not deleted (etcd did not answer) leaves the pass with the
+    error and every report it read still waiting: before, they were dropped."""
+    from recycle_planner.executor.control.store import StoreUnavailable
+
+    class OneFailure(HeldDeletes):
+        def transaction(self, compares, puts=(), deletes=(), delete_prefixes=()):
+            if deletes and not self.go.is_set():
+                self.go.set()
+                raise StoreUnavailable("etcd did not answer")
+            return self.store.transaction(compares, puts, deletes, delete_prefixes)
+
+    store = OneFailure(MemoryStore())
+    host = EtcdHost(store, PREFIX, node=0, groups=None)
+    transport = EtcdCoordinator(store, PREFIX)
+    host.push(_report(0, 0, msg.HostUp(0, "h", 1, (0,))))
+    host.push(_report(0, 1, msg.CommError(1, 0)))
+    with pytest.raises(StoreUnavailable):
+        transport.take()
+    assert len(transport.take()) == 2
+    assert wait_for(lambda: _keys(store, f"{PREFIX}up/") == [], 5)
+    transport.close()

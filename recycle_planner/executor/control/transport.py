@@ -341,7 +341,8 @@ class EtcdCoordinator:
         self.store, self.prefix, self.groups = store, prefix, groups
         self.compares = [fence] if fence is not None else []
         entries, read_at = store.get_prefix(_up(prefix))   # what a predecessor left unread
-        self.waiting = [e for e in sorted(entries, key=lambda e: e.create_revision)]
+        self.waiting = [(e.key, e.value)             # (key, report), until taken
+                        for e in sorted(entries, key=lambda e: e.create_revision)]
         self.watch = store.watch(_up(prefix), read_at + 1)
         self.introduced: set[int] = set()    # the nodes whose reports it takes
         self._reaping: queue.Queue[list[str] | None] = queue.Queue()
@@ -362,13 +363,12 @@ class EtcdCoordinator:
         would take the host's later reports to this coordinator as its own."""
         from recycle_planner.executor.control.store import PUT
 
-        taken = [(e.key, e.value) for e in self.waiting]
-        self.waiting = []
         while (event := self.watch.get(0)) is not None:
             if event.kind == PUT:
-                taken.append((event.key, event.value))
-        reports = [(key, json.loads(value), value) for key, value in taken]
-        self._delete([key for key, d, _ in reports if _introduces(d)])
+                self.waiting.append((event.key, event.value))
+        reports = [(key, json.loads(value), value) for key, value in self.waiting]
+        self._delete([key for key, d, _ in reports if _introduces(d)])  # (kept if it fails)
+        self.waiting = []
         self._reaping.put([key for key, d, _ in reports if not _introduces(d)])
         return [value for _, d, value in reports if self._introduced(d)]
 
