@@ -28,27 +28,45 @@ def _keys(store: MemoryStore, under: str = PREFIX) -> list[str]:
 
 
 def test_a_coordinator_taking_over_counts_what_a_host_re_sends_once_and_hosts_stay_put():
-    """A report the lost leader did not take waits under its key; its successor takes a
-    host's reports from its introduction on (the `Attach` after the re-sent journal), so an
-    error in both counts once. The host's notice (its watch on the global bulletin) wakes on
-    the successor's publication, which names another coordinator, without moving anywhere."""
+    """A report the lost leader did not take waits under its key, addressed to it; its
+    successor takes the reports addressed to itself only (the journal re-sent with the
+    `Attach`), so an error in both counts once. The host's notice (its watch on the global
+    bulletin) wakes on the successor's publication, which names another coordinator, without
+    moving anywhere."""
     store = MemoryStore()
-    host = EtcdHost(store, PREFIX, node=0, groups=None)
-    old = RelayMail(EtcdCoordinator(store, PREFIX), nnodes=1, per_host=2, beat_every=1.0)
+    host = EtcdHost(store, PREFIX, node=0, groups=None, to=1)
+    old = RelayMail(EtcdCoordinator(store, PREFIX, to=1), nnodes=1, per_host=2, beat_every=1.0)
     host.push(_report(0, 0, msg.HostUp(0, "h", 1, (0, 1)), msg.CommError(1, 0)))
     old.refresh()
     assert old.count(msg.CommError, gen=1) == 1
     host.push(_report(0, 1, msg.CommError(1, 1)))       # the leader is lost before it reads
     first = Bulletin.from_json(host.bulletins(0)[0])
-    new = RelayMail(EtcdCoordinator(store, PREFIX), nnodes=1, per_host=2, beat_every=1.0)
+    new = RelayMail(EtcdCoordinator(store, PREFIX, to=2), nnodes=1, per_host=2, beat_every=1.0)
     assert host.wait_notice(first.version + 1, 1.0)      # its empty bulletins: a publication
     assert Bulletin.from_json(host.bulletins(0)[0]).by not in ("", first.by)
-    host.push(_report(0, 2, msg.CommError(1, 0), msg.CommError(1, 1),
-                      msg.Attach(0, -1, "", ((0, 0), (1, 0)))))
+    EtcdHost(store, PREFIX, node=0, groups=None, to=2).push(_report(
+        0, 2, msg.CommError(1, 0), msg.CommError(1, 1), msg.Attach(0, -1, "", ((0, 0), (1, 0)))))
     new.refresh()
     assert new.count(msg.CommError, gen=1) == 2 and new.host_seq[0] == 2
-    assert wait_for(lambda: _keys(store, f"{PREFIX}up/") == [], 5)  # taken (or passed over)
+    assert wait_for(lambda: _keys(store, f"{PREFIX}up/2/") == [], 5)  # taken: gone
     host.close()
+
+
+def test_a_third_coordinator_takes_the_journal_sent_to_it_only():
+    """The host re-attached to a second coordinator, which was lost before it took the
+    journal and the `Attach`; the third takes what the host sent it, once. Before, the second
+    one's untaken `Attach` read as the host's introduction to the third, and the journal sent
+    to the second counted again."""
+    store = MemoryStore()
+    errors = (msg.CommError(1, 0), msg.CommError(1, 1))
+    EtcdHost(store, PREFIX, node=0, groups=None, to=2).push(_report(
+        0, 2, *errors, msg.Attach(0, -1, "", ((0, 0), (1, 0)))))   # to the second: lost
+    third = RelayMail(EtcdCoordinator(store, PREFIX, to=3), nnodes=1, per_host=2,
+                      beat_every=1.0)
+    EtcdHost(store, PREFIX, node=0, groups=None, to=3).push(_report(
+        0, 3, *errors, msg.Attach(0, -1, "", ((0, 0), (1, 0)))))
+    third.refresh()
+    assert third.count(msg.CommError, gen=1) == 2
 
 
 def test_a_deposed_coordinators_writes_are_refused():
@@ -111,66 +129,16 @@ class HeldDeletes:
 
 def test_a_pass_does_not_wait_on_etcd_to_delete_the_reports_it_took():
     """Before, `take` deleted what it took before returning: a round trip to etcd's leader
-    on every coordinator pass. A host's introduction is still deleted at once (a successor
-    must not read it again); its later reports are taken at once and deleted meanwhile."""
+    on every coordinator pass. The reports are taken at once and deleted meanwhile."""
     store = HeldDeletes(MemoryStore())
     host = EtcdHost(store, PREFIX, node=0, groups=None)
     transport = EtcdCoordinator(store, PREFIX)
     host.push(_report(0, 0, msg.HostUp(0, "h", 1, (0,))))
-    store.go.set()
-    assert len(transport.take()) == 1 and _keys(store, f"{PREFIX}up/") == []
-    store.go.clear()
     for seq in (1, 2, 3):
         host.push(_report(0, seq, msg.CommError(1, 0)))
     t0 = time.monotonic()
-    assert len(transport.take()) == 3
-    assert time.monotonic() - t0 < 5 and len(_keys(store, f"{PREFIX}up/")) == 3
+    assert len(transport.take()) == 4
+    assert time.monotonic() - t0 < 5 and len(_keys(store, f"{PREFIX}up/")) == 4
     store.go.set()
-    assert wait_for(lambda: _keys(store, f"{PREFIX}up/") == [], 5)
-    transport.close()
-
-
-def test_the_jobs_traffic_leaves_etcd_once_every_host_said_goodbye():
-    """The relay's keys outlive a coordinator, not the job: the pool's close posts the
-    outcome, and once every host's `Bye` is in, every key under the prefix goes."""
-    from types import SimpleNamespace
-
-    from recycle_planner.executor.control.pool import HostPool
-
-    store = MemoryStore()
-    hosts = [EtcdHost(store, PREFIX, node=n, groups=None) for n in (0, 1)]
-    mail = RelayMail(EtcdCoordinator(store, PREFIX), nnodes=2, per_host=1, beat_every=1.0)
-    for n, host in enumerate(hosts):
-        host.put_direct(msg.Stepped(3, n))
-        host.push(_report(n, 0, msg.HostUp(n, "h", 1, (n,)), msg.Bye(n)))
-    assert _keys(store) != []
-    HostPool.close(SimpleNamespace(agent=SimpleNamespace(mail=mail), hosts=[0, 1],
-                                   transport=mail.transport), {}, ("completed", "done"))
-    assert _keys(store) == []
-    for host in hosts:
-        host.close()
-    mail.transport.close()
-
-
-def test_reports_whose_delete_failed_are_taken_on_the_next_pass():
-    """A host's introduction not deleted (etcd did not answer) leaves the pass with the
-    error and every report it read still waiting: before, they were dropped."""
-    from recycle_planner.executor.control.store import StoreUnavailable
-
-    class OneFailure(HeldDeletes):
-        def transaction(self, compares, puts=(), deletes=(), delete_prefixes=()):
-            if deletes and not self.go.is_set():
-                self.go.set()
-                raise StoreUnavailable("etcd did not answer")
-            return self.store.transaction(compares, puts, deletes, delete_prefixes)
-
-    store = OneFailure(MemoryStore())
-    host = EtcdHost(store, PREFIX, node=0, groups=None)
-    transport = EtcdCoordinator(store, PREFIX)
-    host.push(_report(0, 0, msg.HostUp(0, "h", 1, (0,))))
-    host.push(_report(0, 1, msg.CommError(1, 0)))
-    with pytest.raises(StoreUnavailable):
-        transport.take()
-    assert len(transport.take()) == 2
     assert wait_for(lambda: _keys(store, f"{PREFIX}up/") == [], 5)
     transport.close()

@@ -303,12 +303,13 @@ def test_a_host_agent_whose_re_attach_fails_on_the_new_store_looks_again():
         looked.set()
         raise RuntimeError("stopped here")
 
+    successor = SimpleNamespace(revision=7, find=find,
+                                relay=lambda node, store: C10dHost(store, None))
+    successor.after = lambda revision: successor
     agent = SimpleNamespace(
         lease=0.25, node_rank=3, on_event=said.append, incarnations={192: 0, 193: 1},
         config=SimpleNamespace(rdzv_timeout=5.0, startup_timeout=10.0, node_rank=3),
-        successor=SimpleNamespace(revision=7, find=find,
-                                  relay=lambda node, store: C10dHost(store, None)),
-        relay=SimpleNamespace(decisions={0: ""}))  # the transport counts on the store
+        successor=successor, relay=SimpleNamespace(decisions={0: ""}))  # counts on the store
     agent._look = lambda since, pause=0.0: HostAgent._look(agent, since, pause)
     agent._find_successor = lambda finding, pause: HostAgent._find_successor(agent, finding,
                                                                              pause)

@@ -252,11 +252,12 @@ class Successor:
 
     def relay(self, node: int, groups: Any) -> Any:
         """Host `node`'s side of the control traffic on this job's etcd (`transport.EtcdHost`:
-        under `--rdzv-backend etcd`, the relay's transport, whoever leads); `groups`: the
-        leader's c10d store."""
+        under `--rdzv-backend etcd`, the relay's transport, whoever leads), addressed to the
+        coordinator published at `revision`; `groups`: that leader's c10d store."""
         from recycle_planner.executor.control.transport import EtcdHost
 
-        return EtcdHost(_etcd(self.etcd, self.lease), Keys(self.job).relay, node, groups)
+        return EtcdHost(_etcd(self.etcd, self.lease), Keys(self.job).relay, node, groups,
+                        to=self.revision)
 
 
 HOSTS_ENV = "RECYCLE_HOSTS"
@@ -309,7 +310,8 @@ class HostLeases:
         if published is None:
             raise Deposed("no coordinator is published: this one does not lead")
         return EtcdCoordinator(self._store, keys.relay,
-                               Compare(keys.coordinator, "mod", published.mod_revision), groups)
+                               Compare(keys.coordinator, "mod", published.mod_revision), groups,
+                               to=published.mod_revision)
 
     @staticmethod
     def hold(store: ControlStore, keys: Keys, record: HostRecord, ttl: float) -> "HostHold":

@@ -448,7 +448,7 @@ class HostAgent:
         if not same and not self.relay.decisions:
             return f"the next leader, at {endpoint}, took over"
         c = self.config
-        transport = self.successor.relay(self.node_rank, store)  # on etcd, as it was
+        transport = self.successor.after(revision).relay(self.node_rank, store)  # on etcd
         try:  # a new store counts incarnations (and hosts that came by arrival) from here on,
             # each raised to at least what this host holds, so a retry counts nothing twice
             for rank, incarnation in self.incarnations.items():

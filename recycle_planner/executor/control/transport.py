@@ -18,7 +18,6 @@ that wakes every host blocked in the store's `wait`, the direct records under th
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import queue
 import threading
@@ -187,8 +186,9 @@ def delete_prefixed(store: Any, prefixes: tuple[str, ...]) -> None:
 
 # -- on etcd (`store.ControlStore`) ---------------------------------------------------------------
 
-def _up(prefix: str) -> str:
-    return f"{prefix}up/"
+def _up(prefix: str, to: int | None = None) -> str:
+    """The reports' keys: all of them, or those addressed to coordinator `to`."""
+    return f"{prefix}up/" if to is None else f"{prefix}up/{to}/"
 
 
 def _bulletin(prefix: str, name: str) -> str:
@@ -225,8 +225,9 @@ def _as_failure() -> Iterator[None]:
 
 class EtcdHost:
     """A host's side on etcd, every key under the job's `prefix`: a report is a key of its own
-    under `up/`, deleted by the coordinator once taken (those of a lost host too; what no
-    coordinator took goes with the job's end, `EtcdCoordinator.end`); the bulletins are two keys
+    under `up/{to}/`, addressed to the coordinator published at revision `to` (0: the only
+    one), deleted by it once taken (what no coordinator took goes with the job's end,
+    `EtcdCoordinator.end`); the bulletins are two keys
     the host reads, and the notice is the watch on the global one (each publication rewrites
     it), resumed from the revision the bulletins were read at, so no publication is missed; the
     direct records and the decisions are keys under `rec/`, a `first` one created only if
@@ -235,10 +236,10 @@ class EtcdHost:
     where the current coordinator's process groups form (`groups`, its c10d store: a coordinator
     that starts the run again counts from 0, as without etcd)."""
 
-    def __init__(self, store: Any, prefix: str, node: int, groups: Any):
+    def __init__(self, store: Any, prefix: str, node: int, groups: Any, to: int = 0):
         import uuid
 
-        self.store, self.prefix, self.node = store, prefix, node
+        self.store, self.prefix, self.node, self.to = store, prefix, node, to
         self.groups = groups
         self.sender = f"{node:06d}-{uuid.uuid4().hex[:8]}"  # a restarted host's keys differ
         self.seq = 0
@@ -248,7 +249,7 @@ class EtcdHost:
 
     def push(self, report: str) -> None:
         with _as_failure():
-            self.store.put(f"{_up(self.prefix)}{self.sender}-{self.seq:012d}", report)
+            self.store.put(f"{_up(self.prefix, self.to)}{self.sender}-{self.seq:012d}", report)
         self.seq += 1
 
     def read(self, key: str) -> str | None:
@@ -313,38 +314,28 @@ class EtcdHost:
             self._watch.cancel()
 
 
-INTRODUCTIONS = frozenset({"HostUp", "Attach"})
-"""The records by which a host introduces itself to a coordinator: from its first report
-holding one on, the coordinator takes its reports (`EtcdCoordinator.take`)."""
-
-
-def _introduces(report: dict) -> bool:
-    """Whether a `HostReport` (as a dict) holds an introduction."""
-    return any(kind in INTRODUCTIONS for kind, _ in report["records"])
-
-
 class EtcdCoordinator:
-    """The coordinator's side on etcd (see `EtcdHost`): it watches the reports' prefix from
-    the revision it read them at and takes them as the watch brings them (no read per pass),
-    deleting each once taken; it publishes the bulletins in one transaction. The reports
-    keys outlive a coordinator, so a host's reports are taken only from the one by which it
-    introduced itself to this coordinator on (`INTRODUCTIONS`): what it sent meanwhile to the
-    one before (which its successor left there, or which came before the host noticed the
-    change) is in the journal it re-sends with its `Attach` (`relay.Journal`), and a count
-    taken from both would count twice. Every write
-    carries `fence` (`election.Leadership.fence`, where an election exists): a deposed
-    coordinator's writes are refused by etcd itself (`election.Deposed`). `groups`: the
-    c10d store the generations' process groups form in, whose keys leave with their
+    """The coordinator's side on etcd (see `EtcdHost`): it watches the reports addressed to
+    it (`to`: the revision its leader's publication was written at, which the hosts found it
+    by) from the revision it read them at, and takes them as the watch brings them (no read
+    per pass), deleting each once taken; it publishes the bulletins in one transaction. The
+    reports' keys outlive a coordinator, and what a host sent a lost one (left there, or
+    sent before the host noticed the change) is in the journal the host re-sends with its
+    `Attach` (`relay.Journal`): taken from both, a count would count twice. So a coordinator
+    takes only the reports addressed to it, however many coordinators were lost before it.
+    Every write carries `fence` (`election.Leadership.fence`, where an election exists): a
+    deposed coordinator's writes are refused by etcd itself (`election.Deposed`). `groups`:
+    the c10d store the generations' process groups form in, whose keys leave with their
     generation's records."""
 
-    def __init__(self, store: Any, prefix: str, fence: Any = None, groups: Any = None):
+    def __init__(self, store: Any, prefix: str, fence: Any = None, groups: Any = None,
+                 to: int = 0):
         self.store, self.prefix, self.groups = store, prefix, groups
         self.compares = [fence] if fence is not None else []
-        entries, read_at = store.get_prefix(_up(prefix))   # what a predecessor left unread
+        entries, read_at = store.get_prefix(_up(prefix, to))  # sent before it read
         self.waiting = [(e.key, e.value)             # (key, report), until taken
                         for e in sorted(entries, key=lambda e: e.create_revision)]
-        self.watch = store.watch(_up(prefix), read_at + 1)
-        self.introduced: set[int] = set()    # the nodes whose reports it takes
+        self.watch = store.watch(_up(prefix, to), read_at + 1)
         self._reaping: queue.Queue[list[str] | None] = queue.Queue()
         threading.Thread(target=self._reap, name="relay-reap", daemon=True).start()
 
@@ -358,19 +349,16 @@ class EtcdCoordinator:
     def take(self) -> list[str]:
         """What arrived since the last call. The reports taken are deleted on a thread of
         their own (`_reap`), not on the coordinator's pass, which they held up by a round
-        trip to etcd's leader per 100 (a pass of 11 to 15 ms at 32 hosts against under 1 ms);
-        introductions are deleted first, at once: a successor reading one that was left
-        would take the host's later reports to this coordinator as its own."""
+        trip to etcd's leader per 100 (a pass of 11 to 15 ms at 32 hosts against under
+        1 ms): addressed to this coordinator, no other takes them meanwhile."""
         from recycle_planner.executor.control.store import PUT
 
         while (event := self.watch.get(0)) is not None:
             if event.kind == PUT:
                 self.waiting.append((event.key, event.value))
-        reports = [(key, json.loads(value), value) for key, value in self.waiting]
-        self._delete([key for key, d, _ in reports if _introduces(d)])  # (kept if it fails)
-        self.waiting = []
-        self._reaping.put([key for key, d, _ in reports if not _introduces(d)])
-        return [value for _, d, value in reports if self._introduced(d)]
+        taken, self.waiting = self.waiting, []
+        self._reaping.put([key for key, _ in taken])
+        return [value for _, value in taken]
 
     def _delete(self, keys: Sequence[str]) -> None:
         for start in range(0, len(keys), 100):  # etcd takes 128 operations a transaction
@@ -378,8 +366,7 @@ class EtcdCoordinator:
 
     def _reap(self) -> None:
         """Delete the reports `take` queued, until `close`. A failure loses nothing: what is
-        left goes with the job's `end`, and a successor does not take a host's reports
-        before its introduction."""
+        left goes with the job's `end`, and no other coordinator takes them."""
         from recycle_planner.executor.control.election import Deposed
         from recycle_planner.executor.control.store import StoreRefused, StoreUnavailable
 
@@ -388,11 +375,6 @@ class EtcdCoordinator:
                 self._delete(keys)
             except (Deposed, StoreUnavailable, StoreRefused) as exc:
                 log.warning("%d taken reports were not deleted: %s", len(keys), exc)
-
-    def _introduced(self, d: dict) -> bool:
-        if d["node"] not in self.introduced and _introduces(d):
-            self.introduced.add(d["node"])
-        return d["node"] in self.introduced
 
     def publish(self, version: int, bulletins: Sequence[tuple[str, str]]) -> None:
         """One transaction: the hosts' watch on the global bulletin (the last) wakes them."""
