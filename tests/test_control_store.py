@@ -53,6 +53,14 @@ def test_prefix_reads_and_deletes_only_their_prefix(store, p):
     assert store.get_prefix(p + "x/")[0] == [] and store.get(p + "y").value == "outside"
 
 
+def test_get_many_reads_each_key_at_one_revision(store, p):
+    store.put(p + "a", "1")
+    rev = store.put(p + "b", "2")
+    (a, missing, b), read_at = store.get_many([p + "a", p + "none", p + "b"])
+    assert (a.value, missing, b.value) == ("1", None, "2") and read_at >= rev
+    assert store.get_many([]) == ([], store.revision())
+
+
 def test_an_expired_lease_deletes_its_keys_and_watchers_see_it(store, p):
     lease = store.grant(1)
     store.put(p + "host/0", "up", lease=lease)

@@ -40,7 +40,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Protocol, Sequence
 
 from recycle_planner.errors import RecycleError
 
@@ -136,6 +136,10 @@ class ControlStore(Protocol):
     def get_prefix(self, prefix: str) -> tuple[list[Entry], int]:
         """Every key under `prefix` (sorted by key) and the revision they were read at: watch
         from that revision + 1 to miss nothing."""
+
+    def get_many(self, keys: Sequence[str]) -> tuple[list[Entry | None], int]:
+        """Each key (None where absent) as of one revision, and that revision: records that
+        belong together are never read half before and half after a change."""
 
     def delete(self, key: str) -> bool:
         """Delete `key`; whether it existed."""
@@ -243,6 +247,10 @@ class MemoryStore:
         with self._lock:
             return ([self._data[k] for k in sorted(self._data) if k.startswith(prefix)],
                     self._revision)
+
+    def get_many(self, keys: Sequence[str]) -> tuple[list[Entry | None], int]:
+        with self._lock:
+            return [self._data.get(k) for k in keys], self._revision
 
     def delete(self, key: str) -> bool:
         with self._lock:
@@ -563,6 +571,16 @@ class EtcdStore:
     def get_prefix(self, prefix: str) -> tuple[list[Entry], int]:
         return self._range({"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
                             "sort_order": 1, "sort_target": 0})
+
+    def get_many(self, keys: Sequence[str]) -> tuple[list[Entry | None], int]:
+        """One transaction of reads (no comparison: it always holds), served at one
+        revision."""
+        result = self._post("/kv/txn", {"success": [{"request_range": {"key": _b64(k)}}
+                                                    for k in keys]})
+        found = [result_range.get("response_range", {}).get("kvs", ())
+                 for result_range in result.get("responses", ())]
+        return ([_entry(kvs[0]) if kvs else None for kvs in found],
+                int(result["header"]["revision"]))
 
     def _range(self, body: dict) -> tuple[list[Entry], int]:
         result = self._post("/kv/range", body)

@@ -288,13 +288,13 @@ class EtcdHost:
     def _bulletins(self, node: int) -> tuple[str, str]:
         from recycle_planner.executor.control.relay import Bulletin
 
-        everyone, read_at = self.store.get_prefix(_bulletin(self.prefix, "all"))
-        mine = self.store.get(_bulletin(self.prefix, f"host/{node}/"))
+        (everyone, mine), read_at = self.store.get_many(
+            [_bulletin(self.prefix, "all"), _bulletin(self.prefix, f"host/{node}/")])
         empty = Bulletin().to_json()
         if self._watch is None:
             self._watch = self.store.watch(_bulletin(self.prefix, "all"), read_at + 1)
         self.read_at = read_at
-        return (everyone[0].value if everyone else empty,
+        return (everyone.value if everyone is not None else empty,
                 mine.value if mine is not None else empty)
 
     def wait_notice(self, version: int, timeout: float) -> bool:
