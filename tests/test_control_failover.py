@@ -310,6 +310,9 @@ def test_coordinate_and_follow_move_a_job_to_the_next_leader(cluster, tmp_path):
         assert follower.wait(30) == 0
         assert runs.read_text().split() == [f"{old}.example:29400", f"{new}.example:29400"]
         assert wait_for(lambda: "coordinating take-over" in outs[new].read_text(), 10)
+        # told the revision of its leader's publication: the fence of its writes
+        told = outs[new].read_text().split()
+        assert int(told[told.index("take-over") + 1]) == store.get(keys.coordinator).mod_revision
         pid = int(outs[old].read_text().split()[-1])
         assert wait_for(lambda: not alive(pid), 15)  # the deposed leader's coordinator died too
     finally:

@@ -281,10 +281,32 @@ def test_a_standby_leaves_with_the_leaders_status_when_the_job_ends(store, keys,
     for thread in threads:
         thread.join(30)
     assert results == {"a": 7, "b": 7}
-    assert told.read_text().split() == ["lead"]  # one coordinator led; none took over
+    told = [line.split() for line in told.read_text().splitlines()]
+    assert [word for word, _ in told] == ["lead"]  # one coordinator led; none took over
+    assert int(told[0][1]) > 0                     # told its leader's publication
     outcome = Outcome.from_json(store.get(keys.outcome).value)
     assert outcome.code == 7 and outcome.by in "ab"
     assert store.get(keys.led) is None  # nothing is left to take over
+
+
+def test_a_coordinator_writes_under_its_own_leaders_publication_only(store, keys):
+    """Its fence is the revision its leader's publication was written at, as its leader told
+    it, never one read later: read after a next leader published, it would be that one's, and
+    the deposed coordinator's writes would land."""
+    from dataclasses import replace
+
+    from recycle_planner.executor.control.failover import HostLeases
+
+    leases = HostLeases("unused", keys.job, 1.0, publication=store.put(keys.coordinator, "a:1"))
+    leases.__dict__["_store"] = store     # (its etcd, here the test's store)
+    mine = leases.relay(None)
+    mine.post("k", "1")
+    store.put(keys.coordinator, "b:1")   # the next leader's publication
+    with pytest.raises(Deposed):
+        mine.post("k", "2")
+    with pytest.raises(Deposed):
+        replace(leases, publication=0).relay(None)   # not told: does not lead
+    mine.close()
 
 
 def test_host_leases_are_held_while_their_hosts_live(store, keys):

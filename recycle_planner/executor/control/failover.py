@@ -275,6 +275,7 @@ class HostLeases:
     etcd: str
     job: str
     lease: float
+    publication: int = 0   # the revision of its leader's publication (`standby_word`)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -285,7 +286,8 @@ class HostLeases:
         if not raw:
             return None
         d = json.loads(raw)
-        return cls(str(d["etcd"]), str(d["job"]), float(d["lease"]))
+        return cls(str(d["etcd"]), str(d["job"]), float(d["lease"]),
+                   int(d.get("publication", 0)))
 
     @cached_property
     def _store(self) -> ControlStore:
@@ -300,18 +302,20 @@ class HostLeases:
         """The leading coordinator's side of the control traffic on this job's etcd
         (`transport.EtcdCoordinator`), every write fenced by its leader's publication (the
         key the leader wrote under its election fence just before telling this coordinator
-        to lead, gone with its lease: a deposed coordinator's writes are refused).
+        to lead, at revision `publication`, gone with its lease: a deposed coordinator's
+        writes are refused). The revision is the one its leader wrote, never read here: read
+        later, it could be a next leader's, which would let a deposed coordinator write.
         `groups`: its c10d store, where the process groups form."""
         from recycle_planner.executor.control.store import Compare
         from recycle_planner.executor.control.transport import EtcdCoordinator
 
+        if self.publication <= 0:
+            raise Deposed("this coordinator was not told a leader's publication: it does not "
+                          "lead")
         keys = Keys(self.job)
-        published = self._store.get(keys.coordinator)
-        if published is None:
-            raise Deposed("no coordinator is published: this one does not lead")
         return EtcdCoordinator(self._store, keys.relay,
-                               Compare(keys.coordinator, "mod", published.mod_revision), groups,
-                               to=published.mod_revision)
+                               Compare(keys.coordinator, "mod", self.publication), groups,
+                               to=self.publication)
 
     @staticmethod
     def hold(store: ControlStore, keys: Keys, record: HostRecord, ttl: float) -> "HostHold":
@@ -372,17 +376,23 @@ class HostHold:
 STANDBY_ENV = "RECYCLE_STANDBY"
 """Set by `coordinate` for its command, which it starts before campaigning (a hot standby:
 Python and torch load in seconds, which a takeover should not wait for): the command loads,
-then reads one word on stdin (`standby_word`): `LEAD` (the job's first leader), `TAKE_OVER`
-(it follows a lost leader), or nothing (this process never led: it leaves)."""
+then reads one line on stdin (`standby_word`): `LEAD` (the job's first leader), `TAKE_OVER`
+(it follows a lost leader), or nothing (this process never led: it leaves), with the revision
+of its leader's publication (the fence of its writes)."""
 LEAD, TAKE_OVER = "lead", "take-over"
 
 
 def standby_word() -> str | None:
     """In a command `coordinate` started: block until it leads; its word (`LEAD`,
-    `TAKE_OVER`), "" if it never will. None when not started as a standby."""
+    `TAKE_OVER`), "" if it never will. None when not started as a standby. The word comes
+    with the revision of its leader's publication, which this process's host leases
+    (`HOSTS_ENV`) take as the fence of its writes."""
     if not os.environ.pop(STANDBY_ENV, None):
         return None
-    word = sys.stdin.readline().strip()
+    word, _, publication = sys.stdin.readline().strip().partition(" ")
+    hosts = HostLeases.from_env()
+    if hosts is not None and publication.lstrip("-").isdigit():
+        os.environ[HOSTS_ENV] = replace(hosts, publication=int(publication)).to_json()
     return word if word in (LEAD, TAKE_OVER) else ""
 
 
@@ -407,8 +417,14 @@ def coordinate(store: ControlStore, keys: Keys, identity: str, ttl: float, endpo
                             preexec_fn=_die_with_parent, env=env)
 
     def run(previous: str | None) -> int:
+        # the fence its command writes under: this leader's publication, as written (-1 if
+        # another one's stands there already: deposed meanwhile, every write is refused)
+        published = store.get(keys.coordinator)
+        publication = published.mod_revision \
+            if published is not None and published.value == endpoint else -1
         try:
-            proc.stdin.write(f"{LEAD if previous is None else TAKE_OVER}\n".encode())
+            proc.stdin.write(f"{LEAD if previous is None else TAKE_OVER} "
+                             f"{publication}\n".encode())
             proc.stdin.close()
         except OSError:  # it ended while standing by (its own error is in its output)
             pass
