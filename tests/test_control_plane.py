@@ -299,13 +299,13 @@ def test_a_coordinator_writes_under_its_own_leaders_publication_only(store, keys
 
     leases = HostLeases("unused", keys.job, 1.0, publication=store.put(keys.coordinator, "a:1"))
     leases.__dict__["_store"] = store     # (its etcd, here the test's store)
-    mine = leases.relay(None)
+    mine = leases.relay(None, fresh=False)
     mine.post("k", "1")
     store.put(keys.coordinator, "b:1")   # the next leader's publication
     with pytest.raises(Deposed):
         mine.post("k", "2")
     with pytest.raises(Deposed):
-        replace(leases, publication=0).relay(None)   # not told: does not lead
+        replace(leases, publication=0).relay(None, fresh=False)  # not told: does not lead
     mine.close()
 
 

@@ -142,3 +142,19 @@ def test_a_pass_does_not_wait_on_etcd_to_delete_the_reports_it_took():
     store.go.set()
     assert wait_for(lambda: _keys(store, f"{PREFIX}up/") == [], 5)
     transport.close()
+
+
+def test_a_coordinator_starting_the_job_clears_what_an_earlier_run_left():
+    """An earlier run of the same job (crashed, or a host agent that never said goodbye)
+    left a `first` record and bulletins: a coordinator that starts the job removes them
+    before anything (the record would win over this run's own); one taking over keeps what
+    its predecessor left."""
+    store = MemoryStore()
+    host = EtcdHost(store, PREFIX, node=0, groups=None)
+    RelayMail(EtcdCoordinator(store, PREFIX), nnodes=1, per_host=1, beat_every=1.0).flush()
+    host.put_direct(msg.SwitchAt(1, 7))
+    EtcdCoordinator(store, PREFIX).close()                      # taking over: kept
+    assert _keys(store, f"{PREFIX}rec/") != [] and _keys(store, f"{PREFIX}bulletin/") != []
+    EtcdCoordinator(store, PREFIX, fresh=True).close()
+    assert _keys(store, f"{PREFIX}rec/") == _keys(store, f"{PREFIX}bulletin/") == []
+    assert host.put_direct(msg.SwitchAt(1, 9)) == msg.SwitchAt(1, 9)   # this run's own

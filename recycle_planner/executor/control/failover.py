@@ -298,9 +298,10 @@ class HostLeases:
         entries, _ = self._store.get_prefix(Keys(self.job).hosts)
         return {HostRecord.from_json(e.value).node for e in entries}
 
-    def relay(self, groups: Any) -> Any:
+    def relay(self, groups: Any, fresh: bool) -> Any:
         """The leading coordinator's side of the control traffic on this job's etcd
-        (`transport.EtcdCoordinator`), every write fenced by its leader's publication (the
+        (`transport.EtcdCoordinator`; `fresh`: it starts the job, taking over from none),
+        every write fenced by its leader's publication (the
         key the leader wrote under its election fence just before telling this coordinator
         to lead, at revision `publication`, gone with its lease: a deposed coordinator's
         writes are refused). The revision is the one its leader wrote, never read here: read
@@ -315,7 +316,7 @@ class HostLeases:
         keys = Keys(self.job)
         return EtcdCoordinator(self._store, keys.relay,
                                Compare(keys.coordinator, "mod", self.publication), groups,
-                               to=self.publication)
+                               to=self.publication, fresh=fresh)
 
     @staticmethod
     def hold(store: ControlStore, keys: Keys, record: HostRecord, ttl: float) -> "HostHold":

@@ -235,7 +235,7 @@ class HostPool:
         `--rdzv-backend etcd`: its keys outlive a leader), else on `store`."""
         c = self.agent.config
         self.transport = C10dCoordinator(store) if self.leases is None else \
-            self.leases.relay(store)
+            self.leases.relay(store, fresh=not c.take_over)
         return RelayMail(self.transport, self.nnodes, c.nproc // self.nnodes, c.lease / 4)
 
     def start(self) -> list[Proc]:

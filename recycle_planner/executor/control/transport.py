@@ -326,12 +326,17 @@ class EtcdCoordinator:
     Every write carries `fence` (`election.Leadership.fence`, where an election exists): a
     deposed coordinator's writes are refused by etcd itself (`election.Deposed`). `groups`:
     the c10d store the generations' process groups form in, whose keys leave with their
-    generation's records."""
+    generation's records. `fresh`: it starts the job (it takes over from none), so what an
+    earlier run of the same job left (a crashed one's, or one whose host agents did not all
+    say goodbye) goes first: its records and bulletins are not this run's (a `first` record
+    left there would win over this run's own)."""
 
     def __init__(self, store: Any, prefix: str, fence: Any = None, groups: Any = None,
-                 to: int = 0):
+                 to: int = 0, fresh: bool = False):
         self.store, self.prefix, self.groups = store, prefix, groups
         self.compares = [fence] if fence is not None else []
+        if fresh:
+            self._write(delete_prefixes=[_record(prefix, ""), _bulletin(prefix, "")])
         entries, read_at = store.get_prefix(_up(prefix, to))  # sent before it read
         self.waiting = [(e.key, e.value)             # (key, report), until taken
                         for e in sorted(entries, key=lambda e: e.create_revision)]
