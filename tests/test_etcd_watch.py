@@ -64,7 +64,9 @@ def test_a_watch_on_a_silenced_member_resumes_elsewhere_and_misses_nothing_twice
             stopped = stop_member(cluster, watch)
             # written through the others: a put sent to the stopped member would be applied
             # again when it wakes (its request waits in the socket), a second change
-            others = EtcdStore([e for j, e in enumerate(writer.endpoints) if j != stopped])
+            # (and with a long timeout: a put retried after a slow answer is applied twice)
+            others = EtcdStore([e for j, e in enumerate(writer.endpoints) if j != stopped],
+                               timeout=40)
             try:
                 others.put(f"/w/a/{n}b", "while silent")
                 seen += puts_until(watch, f"/w/a/{n}b", 3 * TIMEOUT + 5) or []
@@ -76,8 +78,9 @@ def test_a_watch_on_a_silenced_member_resumes_elsewhere_and_misses_nothing_twice
             cluster.wait_ready()
             time.sleep(2 * TIMEOUT)  # the second break comes long after the first
         assert puts_until(watch, "none", 1) is None
-        assert [e.key for e in seen] == ["/w/a/1a", "/w/a/1b", "/w/a/2a", "/w/a/2b"]
+        # each change once, in order (a put applied twice is two changes, each seen once)
         assert [e.revision for e in seen] == sorted({e.revision for e in seen})
+        assert {e.key for e in seen} == {"/w/a/1a", "/w/a/1b", "/w/a/2a", "/w/a/2b"}
     finally:
         watch.cancel()
 
