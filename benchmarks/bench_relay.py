@@ -928,8 +928,8 @@ def _recoveries(args) -> None:
         else:
             rows.append(row)
     _write(ETCD_RESULTS if args.transport == "etcd" else RECOVERY_RESULTS, rows,
-           lambda row: (row["ranks"], row["per_host"], row["per_link"], row["lease"],
-                        row.get("repeat", 0)))
+           lambda row: (row.get("transport", "c10d"), row["ranks"], row["per_host"],
+                        row["per_link"], row["lease"], row.get("repeat", 0)))
     if failed:
         sys.exit(f"not recorded: at {', '.join(map(str, failed))} ranks a survivor died or "
                  f"did not hold the next decision (the stand-ins starved: a longer --lease, "
