@@ -858,6 +858,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="--recovery: runs of each size (a row each)")
     args = parser.parse_args()
+    if args.transport == "etcd" and (not args.recovery or args.alone):
+        parser.error("--transport etcd measures a host's loss: with --recovery (not --alone)")
     logging.basicConfig(level=logging.WARNING)
     if args.recovery:
         return _recoveries(args)
