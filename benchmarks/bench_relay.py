@@ -166,7 +166,7 @@ class _StorePool(HostPool):
 class _EtcdPool(HostPool):
     """The coordinator's pool under `--rdzv-backend etcd`: its mail on an `EtcdCoordinator`
     (what `HostLeases.relay` makes) with the c10d store as `groups`. Unfenced: no election
-    runs here, and the fence is one compare per transaction either way."""
+    runs here to publish a fence (in production it adds one compare to each transaction)."""
 
     def __init__(self, agent: Agent, nnodes: int, etcd: str):
         super().__init__(agent, nnodes)
