@@ -28,6 +28,14 @@ infinite, nothing retired) against retired a lease after their iteration's losse
     python bench_relay.py --recovery --ranks 8192 --per-host 64 --per-link 64 --iteration 4 \
         --seconds 12 --lease 4     # 1,024 stand-in hosts of 8 do not fit 2 cores
     python bench_relay.py --recovery --alone --ranks 1024 8192 --per-host 64  # coordinator only
+    python bench_relay.py --recovery --transport etcd --ranks 1024 --per-host 32 --per-link 8
+
+`--transport etcd` (recovery mode): the relay's traffic on a real 3-member etcd started for each
+run (`etcd_local.EtcdCluster`, etcd's default timings), as under `--rdzv-backend etcd`: the
+coordinator's side an `EtcdCoordinator`, each stand-in host's an `EtcdHost` on an `EtcdStore` of
+its own, every key under the job's `Keys.relay`; the coordinator's c10d store then carries only
+the process groups' keys and the ranks' incarnations (`groups`). The requests etcd served over
+the steady window are read from its own counters (results/relay-recovery-etcd.json).
 """
 
 from __future__ import annotations
@@ -60,11 +68,15 @@ from recycle_planner.executor.control.agent import Agent, LaunchConfig, Phase  #
 from recycle_planner.executor.control.iterations import IterationLog  # noqa: E402
 from recycle_planner.executor.control.link import (LOST, ControlLost, HostLink,  # noqa: E402
                                                    StoreLink)
-from recycle_planner.executor.control.mail import StoreMail  # noqa: E402
+from recycle_planner.executor.control.etcd_local import EtcdCluster  # noqa: E402
+from recycle_planner.executor.control.mail import RelayMail, StoreMail  # noqa: E402
+from recycle_planner.executor.control.plane import Keys  # noqa: E402
 from recycle_planner.executor.control.pool import HostPool  # noqa: E402
 from recycle_planner.executor.control.protocol import Decision  # noqa: E402
 from recycle_planner.executor.control.relay import HostReport, Relay  # noqa: E402
-from recycle_planner.executor.control.transport import UP_QUEUE, C10dHost  # noqa: E402
+from recycle_planner.executor.control.store import EtcdStore  # noqa: E402
+from recycle_planner.executor.control.transport import (UP_QUEUE, C10dHost,  # noqa: E402
+                                                        EtcdCoordinator, EtcdHost)
 from recycle_planner.executor.control.result import EventKind  # noqa: E402
 from recycle_planner.executor.control.runfolder import claim  # noqa: E402
 
@@ -76,6 +88,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "relay.json"
 MEMORY_RESULTS = Path(__file__).resolve().parent / "results" / "relay-memory.json"
 RECOVERY_RESULTS = Path(__file__).resolve().parent / "results" / "relay-recovery.json"
 ALONE_RESULTS = Path(__file__).resolve().parent / "results" / "relay-recovery-alone.json"
+ETCD_RESULTS = Path(__file__).resolve().parent / "results" / "relay-recovery-etcd.json"
+JOB = "bench"
 
 
 class Counting:
@@ -149,17 +163,44 @@ class _StorePool(HostPool):
         return StoreMail(store)
 
 
+class _EtcdPool(HostPool):
+    """The coordinator's pool under `--rdzv-backend etcd`: its mail on an `EtcdCoordinator`
+    (what `HostLeases.relay` makes) with the c10d store as `groups`. Unfenced: no election
+    runs here to publish a fence (in production it adds one compare to each transaction)."""
+
+    def __init__(self, agent: Agent, nnodes: int, etcd: str):
+        super().__init__(agent, nnodes)
+        self.etcd = etcd
+
+    def mail(self, store):
+        c = self.agent.config
+        self.transport = EtcdCoordinator(EtcdStore(self.etcd, timeout=max(2.0, c.lease)),
+                                         Keys(JOB).relay, groups=store)
+        return RelayMail(self.transport, self.nnodes, c.nproc // self.nnodes, c.lease / 4)
+
+
 def _coordinator(ranks: int, mode: str, run_dir: str, counter: Counter, lease: float,
-                 linger: float, per_host: int) -> Agent:
+                 linger: float, per_host: int, etcd: str | None = None) -> Agent:
+    """The real coordinator in generation 1 (see the module); on etcd's relay transport where
+    `etcd` names its endpoints. Every call on its stores is counted."""
     config = LaunchConfig(nproc=ranks, run_dir=run_dir, checkpoint_every=0, lease=lease)
     folder = claim(run_dir, False, False)
-    pool = _StorePool if mode == "store" else HostPool
-    agent = Agent(config, None, folder, pool, ranks // per_host)
+    nodes = ranks // per_host
+    if mode == "store":
+        agent = Agent(config, None, folder, _StorePool, nodes)
+    elif etcd is None:
+        agent = Agent(config, None, folder, HostPool, nodes)
+    else:
+        agent = Agent(config, None, folder, _EtcdPool, nodes, etcd)
     agent.store = Counting(agent.store, counter.counts["coordinator"])
     if isinstance(agent.mail, StoreMail):
         agent.mail.store = agent.store
-    else:
+    elif etcd is None:
         agent.mail.transport.store = agent.store
+    else:
+        transport = agent.mail.transport
+        transport.store = Counting(transport.store, counter.counts["coordinator"])
+        transport.groups = agent.store
     agent._start()
     pipelines = ranks // STAGES
     agent.lib, agent.stages = _Lib(_Spec(pipelines, STAGES, MICROBATCHES)), STAGES
@@ -207,14 +248,21 @@ def _store_links(port: int, ranks: list[int], counter: Counter, lease: float) ->
                                                         0.002), ranks))
 
 
-def _relays(clients: dict, counter: Counter, folder: str, lease: float,
-            per_host: int) -> list[Relay]:
-    """A real relay per host, on its two store clients (`clients[node]`)."""
-    def relay(node: int) -> Relay:
+def _relays(clients: dict, counter: Counter, folder: str, lease: float, per_host: int,
+            etcd: str | None) -> list[Relay]:
+    """A real relay per host, on its store clients (`clients[node]`), or where `etcd` names
+    its endpoints on an `EtcdHost` with an `EtcdStore` of its own (as `Successor.relay`)."""
+    hosts = counter.counts["hosts"]
+
+    def transport(node: int):
         store, notices = clients[node]
-        relay = Relay(C10dHost(Counting(store, counter.counts["hosts"]),
-                               Counting(notices, counter.counts["hosts"])), node,
-                      f"{folder}/r{node}.sock", lease, 0.2)
+        if etcd is None:
+            return C10dHost(Counting(store, hosts), Counting(notices, hosts))
+        return EtcdHost(Counting(EtcdStore(etcd, timeout=max(2.0, lease)), hosts),
+                        Keys(JOB).relay, node, Counting(store, hosts))
+
+    def relay(node: int) -> Relay:
+        relay = Relay(transport(node), node, f"{folder}/r{node}.sock", lease, 0.2)
         relay.report(msg.HostUp(node, f"host{node}", 0, tuple(
             range(node * per_host, (node + 1) * per_host))))
         return relay
@@ -222,14 +270,15 @@ def _relays(clients: dict, counter: Counter, folder: str, lease: float,
     return [relay(node) for node in clients]
 
 
-def _connect(port: int, nodes: list[int], lease: float) -> dict:
-    """Each host agent's two connections to the coordinator's store, made before any relay
+def _connect(port: int, nodes: list[int], lease: float, etcd: bool) -> dict:
+    """Each host agent's connections to the coordinator's store, made before any relay
     watches it: about one connection in 25 takes 5 s here (this sandbox's network stack),
     and the coordinator's store answered nobody meanwhile, so a relay already watching
-    would take the coordinator for lost."""
+    would take the coordinator for lost. On etcd one (the process groups'); else two, the
+    second for the blocking waits on notices."""
     def pair(node: int) -> tuple:
         return (_client(port, 60.0, itertools.count()).store,
-                _client(port, lease, itertools.count()).store)
+                None if etcd else _client(port, lease, itertools.count()).store)
 
     with ThreadPoolExecutor(32) as pool:
         return dict(zip(nodes, pool.map(pair, nodes)))
@@ -304,11 +353,12 @@ class _Workers:
 
 
 def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: float,
-               lease: float, per_host: int, per_link: int, conn) -> None:
+               lease: float, per_host: int, per_link: int, etcd: str | None, conn) -> None:
     """A process of stand-in hosts `nodes` (`per_host` ranks each): their workers' links (and
-    in relay mode their host agents' relays); answers ("read", _) with its counts,
-    ("vanish", node) with when host `node` vanished, ("held", gen) with when each live link's
-    workers held generation `gen`'s decision (None: not yet), until ("stop", _)."""
+    in relay mode their host agents' relays, on etcd where `etcd` names it); answers ("read",
+    _) with its counts, ("vanish", node) with when host `node` vanished, ("held", gen) with
+    when each live link's workers held generation `gen`'s decision (None: not yet), until
+    ("stop", _)."""
     counter = Counter()
     stop = threading.Event()
     ranks = [n * per_host + i for n in nodes for i in range(per_host)]
@@ -316,13 +366,13 @@ def _stand_ins(mode: str, port: int, nodes: list[int], folder: str, iteration: f
     stepped: dict[int, Relay] = {}
     stepping = threading.Lock()
     links = _store_links(port, ranks, counter, lease) if mode == "store" else []
-    clients = _connect(port, nodes, lease) if mode == "relay" else {}
+    clients = _connect(port, nodes, lease, etcd is not None) if mode == "relay" else {}
     conn.send("connected")
     conn.recv()  # every process connected: no connection is made from here on
     if mode == "store":
         groups = [_Workers(link, [rank], iteration) for rank, link in zip(ranks, links)]
     else:
-        relays = {r.node: r for r in _relays(clients, counter, folder, lease, per_host)}
+        relays = {r.node: r for r in _relays(clients, counter, folder, lease, per_host, etcd)}
         stepped.update(relays)
 
         def step_relays():
@@ -398,17 +448,19 @@ def _fit_select(ranks: int, per_host: int, per_link: int, procs: int) -> None:
 
 class _Run:
     """The harness of every measure: the coordinator in this process (its passes are the
-    caller's), the stand-in hosts in `procs` others, started and stopped."""
+    caller's), the stand-in hosts in `procs` others, started and stopped; the relay's traffic
+    on etcd where `etcd` names its endpoints."""
 
     def __init__(self, ranks: int, mode: str, iteration: float, procs: int, lease: float,
-                 linger: float, per_host: int = PER_HOST, per_link: int = 1):
+                 linger: float, per_host: int = PER_HOST, per_link: int = 1,
+                 etcd: str | None = None):
         if mode == "relay":
             _fit_select(ranks, per_host, per_link, procs)
         self.counter = Counter()
         self.procs = procs
         folder = tempfile.mkdtemp(prefix="bench-relay-")
         self.agent = _coordinator(ranks, mode, f"{folder}/run", self.counter, lease, linger,
-                                  per_host)
+                                  per_host, etcd)
         context = mp.get_context("spawn")  # a forked child could inherit a lock held by c10d
         hosts = list(range(ranks // per_host))
         self.children, self.owner = [], {}
@@ -416,7 +468,7 @@ class _Run:
             ours, theirs = context.Pipe()
             proc = context.Process(target=_stand_ins, args=(
                 mode, self.agent.port, hosts[k::procs], folder, iteration, lease, per_host,
-                per_link, theirs), daemon=True)
+                per_link, etcd, theirs), daemon=True)
             proc.start()
             self.children.append((proc, ours))
             self.owner.update({node: ours for node in hosts[k::procs]})
@@ -477,6 +529,9 @@ class _Run:
                 self.agent.mail.flush()
             conn.recv()
             proc.join(30)
+        if isinstance(self.agent.mail, RelayMail) and \
+                isinstance(self.agent.mail.transport, EtcdCoordinator):
+            self.agent.mail.transport.close()  # its watch, before etcd stops
 
 
 def _ms(passes: list[float]) -> dict:
@@ -558,8 +613,49 @@ class _Timeline:
                 "cpu": sum(cpu for _, cpu in inside) if inside else None}
 
 
+def etcd_requests(endpoints: str) -> dict[str, float]:
+    """The requests etcd's members have served since they started, by gRPC method, summed
+    over members (as bench_relay_takeover.py counts them: a unary call counts one, a stream's
+    each message in)."""
+    from urllib.request import urlopen
+
+    counts: dict[str, float] = {}
+    for endpoint in endpoints.split(","):
+        with urlopen(f"http://{endpoint}/metrics", timeout=10) as answer:
+            for line in answer.read().decode().splitlines():
+                if line.startswith("grpc_server_msg_received_total{"):
+                    method = line.split('grpc_method="', 1)[1].split('"', 1)[0]
+                    counts[method] = counts.get(method, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def _etcd_rates(before: tuple[float, dict], after: tuple[float, dict], hosts: int) -> dict:
+    """Requests per second between two `(time, etcd_requests)`, by method, in all and per
+    host."""
+    seconds = after[0] - before[0]
+    rates = {m: round((n - before[1].get(m, 0.0)) / seconds, 1) for m, n in after[1].items()
+             if n > before[1].get(m, 0.0)}
+    total = sum(rates.values())
+    return {"seconds": round(seconds, 2), "requests_per_s": rates,
+            "total_per_s": round(total, 1), "per_host_per_s": round(total / hosts, 2)}
+
+
 def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration: float,
-            warmup: float, procs: int, lease: float, profile: str | None = None) -> dict:
+            warmup: float, procs: int, lease: float, profile: str | None = None,
+            transport: str = "c10d") -> dict:
+    """`_recover` on the relay's `transport`: on etcd, a real 3-member cluster of its own
+    (etcd's default timings, as deployed), stopped after the measure."""
+    if transport == "c10d":
+        return _recover(ranks, per_host, per_link, seconds, iteration, warmup, procs, lease,
+                        profile)
+    with EtcdCluster(3, fast=False) as cluster:
+        return _recover(ranks, per_host, per_link, seconds, iteration, warmup, procs, lease,
+                        profile, cluster.endpoints)
+
+
+def _recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration: float,
+             warmup: float, procs: int, lease: float, profile: str | None = None,
+             etcd: str | None = None) -> dict:
     """Steady state over `seconds`, then the last host vanishes: from then to every surviving
     stand-in worker holding the next generation's decision, on the coordinator's own loop (its
     pass, then its poll: 2 ms while a generation is abandoned, 20 ms while one runs, as
@@ -567,10 +663,14 @@ def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration:
     still be alive then, and no other generation made), and the row is taken before the
     stand-ins are stopped. `profile`: a file for the cProfile statistics of the coordinator's
     passes from the loss to every survivor holding the decision."""
-    run = _Run(ranks, "relay", iteration, procs, lease, lease, per_host, per_link)
+    run = _Run(ranks, "relay", iteration, procs, lease, lease, per_host, per_link, etcd)
     try:
         agent = run.agent
-        rates, passes, elapsed = run.steady(warmup, seconds)
+        served: list[tuple[float, dict]] = []
+        rates, passes, elapsed = run.steady(warmup, seconds, lambda: served.append(
+            (time.time(), etcd_requests(etcd))) if etcd else None)
+        if etcd:
+            served.append((time.time(), etcd_requests(etcd)))
         timeline = _Timeline(agent)
         before = list(agent.deaths)  # none, unless the machine starved a live host's lease
         if before:
@@ -598,12 +698,15 @@ def recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration:
             agent._pass(time.time())
             time.sleep(agent.config.idle_poll)
         lease_out = max(p.last_beat for p in lost_procs) + lease
-        row = {"ranks": ranks, "hosts": ranks // per_host, "per_host": per_host,
+        row = {"transport": "etcd" if etcd else "c10d",
+               "ranks": ranks, "hosts": ranks // per_host, "per_host": per_host,
                "per_link": per_link, "links": ranks // per_link, "processes": procs,
                "lease": lease, "heartbeat": agent.config.heartbeat, "iteration": iteration,
                "steady": {"seconds": elapsed, "ops_per_s": rates,
                           "total_ops_per_s": sum(rates.values()),
                           "coordinator_pass_ms": _ms(passes)}}
+        if etcd:
+            row["steady"]["etcd"] = _etcd_rates(served[0], served[1], ranks // per_host)
         row.update(_recovery(agent, gen, lost_ranks, lease_out, t_loss, t_done, held))
         row.update(_steps(agent, timeline, gen, ranks - per_host, t_loss))
         row["cpu_abort_to_all_hold_s"] = cpu  # CPU seconds; 2 cores give 2 per second
@@ -748,7 +851,15 @@ def main() -> None:
                         help="--recovery: ranks whose records share one stand-in link "
                              "(1: a link per rank, as workers have; --per-host: one per host, "
                              "the fewest threads; the coordinator sees the same records)")
+    parser.add_argument("--transport", choices=["c10d", "etcd"], default="c10d",
+                        help="--recovery: the relay's traffic on the coordinator's c10d store, "
+                             "or on a real 3-member etcd started for each run "
+                             "(results/relay-recovery-etcd.json)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="--recovery: runs of each size (a row each)")
     args = parser.parse_args()
+    if args.transport == "etcd" and (not args.recovery or args.alone):
+        parser.error("--transport etcd measures a host's loss: with --recovery (not --alone)")
     logging.basicConfig(level=logging.WARNING)
     if args.recovery:
         return _recoveries(args)
@@ -808,17 +919,19 @@ def _recoveries(args) -> None:
     if args.per_host % args.per_link or any(r % args.per_host for r in args.ranks):
         sys.exit("--per-link must divide --per-host, and --per-host every --ranks")
     rows, failed = [], []
-    for ranks in args.ranks:
+    for ranks, repeat in itertools.product(args.ranks, range(args.repeat)):
         row = recover(ranks, args.per_host, args.per_link, args.seconds, args.iteration,
-                      args.warmup, args.procs, args.lease, args.profile)
+                      args.warmup, args.procs, args.lease, args.profile, args.transport)
+        row.update(repeat=repeat, command=" ".join(["python", *sys.argv]))
         print(json.dumps(row), flush=True)
         if row["survivor_links_held"] < row["survivor_links"] or row["deaths_before_loss"] \
                 or row["deaths_not_of_lost_host"] or row["decisions_of_it"] != 1:
             failed.append(ranks)  # the machine starved the stand-ins: nothing measured
         else:
             rows.append(row)
-    _write(RECOVERY_RESULTS, rows, lambda row: (row["ranks"], row["per_host"],
-                                                row["per_link"], row["lease"]))
+    _write(ETCD_RESULTS if args.transport == "etcd" else RECOVERY_RESULTS, rows,
+           lambda row: (row.get("transport", "c10d"), row["ranks"], row["per_host"],
+                        row["per_link"], row["lease"], row.get("repeat", 0)))
     if failed:
         sys.exit(f"not recorded: at {', '.join(map(str, failed))} ranks a survivor died or "
                  f"did not hold the next decision (the stand-ins starved: a longer --lease, "
