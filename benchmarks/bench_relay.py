@@ -615,8 +615,8 @@ class _Timeline:
 
 def etcd_requests(endpoints: str) -> dict[str, float]:
     """The requests etcd's members have served since they started, by gRPC method, summed
-    over members (as bench_relay_takeover.py counts them: a unary call counts one, a stream's
-    each message in)."""
+    over members (each request reaches one; the JSON gateway's go through gRPC too): a
+    unary call counts one, a stream (a watch, a lease's keep-alives) each message in."""
     from urllib.request import urlopen
 
     counts: dict[str, float] = {}
@@ -629,7 +629,7 @@ def etcd_requests(endpoints: str) -> dict[str, float]:
     return counts
 
 
-def _etcd_rates(before: tuple[float, dict], after: tuple[float, dict], hosts: int) -> dict:
+def etcd_rates(before: tuple[float, dict], after: tuple[float, dict], hosts: int) -> dict:
     """Requests per second between two `(time, etcd_requests)`, by method, in all and per
     host."""
     seconds = after[0] - before[0]
@@ -706,7 +706,7 @@ def _recover(ranks: int, per_host: int, per_link: int, seconds: float, iteration
                           "total_ops_per_s": sum(rates.values()),
                           "coordinator_pass_ms": _ms(passes)}}
         if etcd:
-            row["steady"]["etcd"] = _etcd_rates(served[0], served[1], ranks // per_host)
+            row["steady"]["etcd"] = etcd_rates(served[0], served[1], ranks // per_host)
         row.update(_recovery(agent, gen, lost_ranks, lease_out, t_loss, t_done, held))
         row.update(_steps(agent, timeline, gen, ranks - per_host, t_loss))
         row["cpu_abort_to_all_hold_s"] = cpu  # CPU seconds; 2 cores give 2 per second

@@ -70,7 +70,8 @@ from typing import Any
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # see the module's docstring
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_relay import MICROBATCHES, STAGES, _Lib, _Spec, _Workers  # noqa: E402
+from bench_relay import (MICROBATCHES, STAGES, _Lib, _Spec, _Workers,  # noqa: E402
+                         etcd_rates, etcd_requests)
 from common import machine, read_stamped  # noqa: E402
 
 from recycle_planner.executor.control import messages as msg  # noqa: E402
@@ -405,9 +406,9 @@ def run_once(args, work: Path, with_host: bool) -> dict:
             for _, conn in children:
                 conn.send(("go", time.time() + args.iteration))
                 conn.recv()
-            before, t0 = etcd_requests(etcd.endpoints), time.time()
+            before = (time.time(), etcd_requests(etcd.endpoints))
             time.sleep(args.seconds)
-            steady = _rates(before, etcd_requests(etcd.endpoints), time.time() - t0, nnodes)
+            steady = etcd_rates(before, (time.time(), etcd_requests(etcd.endpoints)), nnodes)
             leader = next(w for w in wrappers if w.mark("store"))
             standby = next(w for w in wrappers if w is not leader)
             lost = nnodes - 1 if with_host else None
@@ -438,31 +439,6 @@ def run_once(args, work: Path, with_host: bool) -> dict:
                 proc.join(10)
             for w in wrappers:
                 w.stop()
-
-
-def etcd_requests(endpoints: str) -> dict[str, float]:
-    """The requests etcd's members have served since they started, by gRPC method, summed
-    over members (each request reaches one; the JSON gateway's go through gRPC too): a
-    unary call counts one, a stream (a watch, a lease's keep-alives) each message in."""
-    from urllib.request import urlopen
-
-    counts: dict[str, float] = {}
-    for endpoint in endpoints.split(","):
-        with urlopen(f"http://{endpoint}/metrics", timeout=10) as answer:
-            for line in answer.read().decode().splitlines():
-                if line.startswith("grpc_server_msg_received_total{"):
-                    method = line.split('grpc_method="', 1)[1].split('"', 1)[0]
-                    counts[method] = counts.get(method, 0.0) + float(line.rsplit(" ", 1)[1])
-    return counts
-
-
-def _rates(before: dict, after: dict, seconds: float, hosts: int) -> dict:
-    """Requests per second in the steady window, by method, in all and per host."""
-    rates = {m: round((after[m] - before.get(m, 0.0)) / seconds, 1) for m in after
-             if after[m] > before.get(m, 0.0)}
-    total = sum(rates.values())
-    return {"seconds": round(seconds, 2), "requests_per_s": rates,
-            "total_per_s": round(total, 1), "per_host_per_s": round(total / hosts, 2)}
 
 
 def _until(ready, seconds: float, what: str) -> None:
