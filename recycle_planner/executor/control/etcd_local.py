@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from recycle_planner.errors import RecycleError
 
@@ -50,12 +51,12 @@ def etcd_missing() -> str | None:
     return None
 
 
-def answers(endpoints: str, timeout: float = 1.0) -> bool:
+def answers(endpoints: str, timeout: float = 1.0, tls=None) -> bool:
     """Whether the etcd at `endpoints` answers a linearizable read now (it has a leader and a
-    quorum)."""
+    quorum); `tls`: the client's (`store.EtcdTls`)."""
     from recycle_planner.executor.control.store import EtcdStore, StoreUnavailable
 
-    store = EtcdStore(endpoints, timeout=timeout)
+    store = EtcdStore(endpoints, timeout=timeout, tls=tls)
     try:
         store.revision()
         return True
@@ -84,9 +85,12 @@ class EtcdCluster:
     folders removed on exit)."""
 
     def __init__(self, members: int = 3, folder: Path | None = None, quiet: bool = True,
-                 fast: bool = True, host: str = "127.0.0.1", wrap: tuple[str, ...] = ()):
+                 fast: bool = True, host: str = "127.0.0.1", wrap: tuple[str, ...] = (),
+                 tls: tuple[str, str, Any] | None = None):
         """`host`: the address the members listen on; `wrap`: a command prefix that runs each
-        member elsewhere (`ip netns exec NS`: the tests' network namespaces)."""
+        member elsewhere (`ip netns exec NS`: the tests' network namespaces); `tls`: the
+        members' certificate and key files and a client's `store.EtcdTls` (whose CA signed
+        both): clients then speak TLS and must show a certificate signed by that CA."""
         binary = etcd_binary()
         if binary is None:
             raise RecycleError("etcd is not installed (Debian: apt-get install etcd-server)")
@@ -104,22 +108,33 @@ class EtcdCluster:
         self.fast = fast
         self.host = host
         self.wrap = tuple(wrap)
+        self.tls = tls
 
     @property
     def endpoints(self) -> str:
         """The client endpoints, as `--etcd` takes them."""
-        return ",".join(f"{self.host}:{p}" for p in self.client_ports)
+        return ",".join(self._url(i) if self.tls else self.endpoint(i) for i in range(self.size))
 
     def endpoint(self, i: int) -> str:
         return f"{self.host}:{self.client_ports[i]}"
+
+    def _url(self, i: int) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.endpoint(i)}"
+
+    def _tls_flags(self) -> list[str]:
+        if self.tls is None:
+            return []
+        cert, key, client = self.tls
+        return ["--cert-file", cert, "--key-file", key, "--client-cert-auth",
+                "--trusted-ca-file", client.ca]
 
     def _command(self, i: int, state: str) -> list[str]:
         h = self.host
         initial = ",".join(f"{n}=http://{h}:{p}" for n, p in zip(self.names, self.peer_ports))
         return [*self.wrap, self.binary, "--name", self.names[i],
                 "--data-dir", str(self.folder / self.names[i]),
-                "--listen-client-urls", f"http://{h}:{self.client_ports[i]}",
-                "--advertise-client-urls", f"http://{h}:{self.client_ports[i]}",
+                "--listen-client-urls", self._url(i), "--advertise-client-urls", self._url(i),
+                *self._tls_flags(),
                 "--listen-peer-urls", f"http://{h}:{self.peer_ports[i]}",
                 "--initial-advertise-peer-urls", f"http://{h}:{self.peer_ports[i]}",
                 "--initial-cluster", initial, "--initial-cluster-state", state,
@@ -150,7 +165,7 @@ class EtcdCluster:
 
     def _answers(self) -> bool:
         if not self.wrap:
-            return answers(self.endpoints)
+            return answers(self.endpoints, tls=self.tls[2] if self.tls else None)
         # elsewhere (a network namespace): ask from there, with this client, not etcdctl
         # (Debian ships it apart from the server, in etcd-client)
         probe = ("import sys; from recycle_planner.executor.control.etcd_local import answers; "

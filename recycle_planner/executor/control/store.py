@@ -373,16 +373,56 @@ def _prefix_end(prefix: str) -> str:
 
 
 def parse_endpoints(text: str) -> list[tuple[str, int]]:
-    """`HOST:PORT[,HOST:PORT...]` (an `http://` in front is allowed) as (host, port) pairs."""
+    """`HOST:PORT[,HOST:PORT...]` (an `http://` or `https://` in front is allowed) as (host,
+    port) pairs."""
     out = []
     for item in (s.strip() for s in text.split(",")):
-        host, _, port = item.removeprefix("http://").rpartition(":")
+        host, _, port = item.removeprefix("http://").removeprefix("https://").rpartition(":")
         if not host or not port.isdigit():
             raise RecycleError(f"etcd endpoint {item!r} is not HOST:PORT")
         out.append((host.strip("[]"), int(port)))
     if not out:
         raise RecycleError("no etcd endpoint given")
     return out
+
+
+def _https(text: str) -> bool:
+    """Whether endpoints are named with `https://` (all or none of them)."""
+    schemes = {item.strip().startswith("https://") for item in text.split(",")}
+    if len(schemes) > 1:
+        raise RecycleError(f"etcd endpoints {text!r} mix https:// and http://: give one")
+    return schemes == {True}
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    """TLS to etcd: the CA that signed its members' certificates (`ca`, None: the system's),
+    and this client's certificate and key, for members that ask for one
+    (`--client-cert-auth`). Read from etcdctl's own variables, so that a machine set up for
+    `etcdctl` is set up for this: every process of the job (coordinators, host agents,
+    their wrappers) inherits them."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    ENV = ("ETCDCTL_CACERT", "ETCDCTL_CERT", "ETCDCTL_KEY")
+
+    @classmethod
+    def from_env(cls) -> "EtcdTls | None":
+        """None when none of the variables is set; a one-line `RecycleError` when a file is
+        missing, or only one of a certificate and its key is given."""
+        import os
+
+        values = [os.environ.get(name) or None for name in cls.ENV]
+        if not any(values):
+            return None
+        for name, path in zip(cls.ENV, values):
+            if path is not None and not os.path.isfile(path):
+                raise RecycleError(f"{name}={path}: no such file")
+        if (values[1] is None) != (values[2] is None):
+            raise RecycleError("ETCDCTL_CERT and ETCDCTL_KEY go together: give both or neither")
+        return cls(*values)
 
 
 class _EtcdWatch:
@@ -513,14 +553,23 @@ class EtcdStore:
     member answers nothing). Choose `timeout` above etcd's leader election (its
     `--election-timeout`, 1 s by default), or losing etcd's leader looks like losing etcd."""
 
-    def __init__(self, endpoints: str | list[tuple[str, int]], timeout: float = 5.0):
+    def __init__(self, endpoints: str | list[tuple[str, int]], timeout: float = 5.0,
+                 tls: EtcdTls | None = None):
+        """`endpoints` with `https://`, or `tls` (by default `EtcdTls.from_env()`): over TLS."""
         import etcd3gw  # the one optional import of this module: only a cluster job needs it
 
         self._etcd3gw = etcd3gw
         self.endpoints = parse_endpoints(endpoints) if isinstance(endpoints, str) else endpoints
         self.timeout = timeout
-        self._clients = [etcd3gw.client(host=h, port=p, timeout=timeout / 2, api_path="/v3/")
+        tls = tls or EtcdTls.from_env()
+        https = tls is not None or isinstance(endpoints, str) and _https(endpoints)
+        self._clients = [etcd3gw.client(host=h, port=p, timeout=timeout / 2, api_path="/v3/",
+                                        protocol="https" if https else "http",
+                                        **(_tls_args(tls) if tls else {}))
                          for h, p in self.endpoints]
+        if tls is not None and tls.ca is not None:
+            for client in self._clients:  # else requests takes REQUESTS_CA_BUNDLE over it
+                client.session.trust_env = False
         self._current = random.randrange(len(self._clients))  # clients spread over members
 
     def _client(self):
@@ -633,6 +682,10 @@ class EtcdStore:
     def close(self) -> None:
         for client in self._clients:
             client.session.close()
+
+
+def _tls_args(tls: EtcdTls) -> dict:
+    return {"ca_cert": tls.ca, "cert_cert": tls.cert, "cert_key": tls.key}
 
 
 def _entry(kv: dict) -> Entry:
