@@ -150,11 +150,17 @@ def test_a_coordinator_starting_the_job_clears_what_an_earlier_run_left():
     before anything (the record would win over this run's own); one taking over keeps what
     its predecessor left."""
     store = MemoryStore()
-    host = EtcdHost(store, PREFIX, node=0, groups=None)
-    RelayMail(EtcdCoordinator(store, PREFIX), nnodes=1, per_host=1, beat_every=1.0).flush()
+    host = EtcdHost(store, PREFIX, node=0, groups=None, to=1)
+    RelayMail(EtcdCoordinator(store, PREFIX, to=1), nnodes=1, per_host=1, beat_every=1.0).flush()
     host.put_direct(msg.SwitchAt(1, 7))
-    EtcdCoordinator(store, PREFIX).close()                      # taking over: kept
+    host.push(_report(0, 0, msg.HostUp(0, "h", 1, (0,))))          # never taken
+    EtcdCoordinator(store, PREFIX, to=2).close()                  # taking over: kept
     assert _keys(store, f"{PREFIX}rec/") != [] and _keys(store, f"{PREFIX}bulletin/") != []
-    EtcdCoordinator(store, PREFIX, fresh=True).close()
+    mine = EtcdHost(store, PREFIX, node=0, groups=None, to=3)
+    mine.push(_report(0, 0, msg.HostUp(0, "h", 1, (0,))))          # before its coordinator read
+    fresh = EtcdCoordinator(store, PREFIX, to=3, fresh=True)
     assert _keys(store, f"{PREFIX}rec/") == _keys(store, f"{PREFIX}bulletin/") == []
-    assert host.put_direct(msg.SwitchAt(1, 9)) == msg.SwitchAt(1, 9)   # this run's own
+    assert [k.split("/")[-2] for k in _keys(store, f"{PREFIX}up/")] == ["3"]  # its own only
+    assert len(fresh.take()) == 1
+    fresh.close()
+    assert mine.put_direct(msg.SwitchAt(1, 9)) == msg.SwitchAt(1, 9)   # this run's own

@@ -329,7 +329,8 @@ class EtcdCoordinator:
     generation's records. `fresh`: it starts the job (it takes over from none), so what an
     earlier run of the same job left (a crashed one's, or one whose host agents did not all
     say goodbye) goes first: its records and bulletins are not this run's (a `first` record
-    left there would win over this run's own)."""
+    left there would win over this run's own), nor are reports addressed to another
+    coordinator (never read, they would stay until the job's end)."""
 
     def __init__(self, store: Any, prefix: str, fence: Any = None, groups: Any = None,
                  to: int = 0, fresh: bool = False):
@@ -337,6 +338,8 @@ class EtcdCoordinator:
         self.compares = [fence] if fence is not None else []
         if fresh:
             self._write(delete_prefixes=[_record(prefix, ""), _bulletin(prefix, "")])
+            left, _ = store.get_prefix(_up(prefix))
+            self._delete([e.key for e in left if not e.key.startswith(_up(prefix, to))])
         entries, read_at = store.get_prefix(_up(prefix, to))  # sent before it read
         self.waiting = [(e.key, e.value)             # (key, report), until taken
                         for e in sorted(entries, key=lambda e: e.create_revision)]
