@@ -34,6 +34,7 @@ import heapq
 import itertools
 import json
 import logging
+import os
 import queue
 import random
 import threading
@@ -412,8 +413,6 @@ class EtcdTls:
     def from_env(cls) -> "EtcdTls | None":
         """None when none of the variables is set; a one-line `RecycleError` when a file is
         missing, or only one of a certificate and its key is given."""
-        import os
-
         values = [os.environ.get(name) or None for name in cls.ENV]
         if not any(values):
             return None

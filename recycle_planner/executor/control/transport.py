@@ -225,16 +225,16 @@ def _as_failure() -> Iterator[None]:
 
 class EtcdHost:
     """A host's side on etcd, every key under the job's `prefix`: a report is a key of its own
-    under `up/{to}/`, addressed to the coordinator published at revision `to` (0: the only
-    one), deleted by it once taken (what no coordinator took goes with the job's end,
-    `EtcdCoordinator.end`); the bulletins are two keys
-    the host reads, and the notice is the watch on the global one (each publication rewrites
-    it), resumed from the revision the bulletins were read at, so no publication is missed; the
-    direct records and the decisions are keys under `rec/`, a `first` one created only if
-    absent, a count raised by compare-and-set. The keys are the same whoever leads: a
-    coordinator taking over reads what its predecessor left. The ranks' incarnations are counted
-    where the current coordinator's process groups form (`groups`, its c10d store: a coordinator
-    that starts the run again counts from 0, as without etcd)."""
+    under `up/{to}/`, addressed to the coordinator published at revision `to` (0: the only one),
+    deleted by it once taken (what no coordinator took goes with the job's end,
+    `EtcdCoordinator.end`); the bulletins are two keys the host reads, and the notice is the
+    watch on the global one (each publication rewrites it), resumed from the revision the
+    bulletins were read at, so no publication is missed; the direct records and the decisions
+    are keys under `rec/`, a `first` one created only if absent, a count raised by
+    compare-and-set. The keys are the same whoever leads: a coordinator taking over reads what
+    its predecessor left. The ranks' incarnations are counted where the current coordinator's
+    process groups form (`groups`, its c10d store: a coordinator that starts the run again
+    counts from 0, as without etcd)."""
 
     def __init__(self, store: Any, prefix: str, node: int, groups: Any, to: int = 0):
         import uuid
@@ -365,7 +365,8 @@ class EtcdCoordinator:
             if event.kind == PUT:
                 self.waiting.append((event.key, event.value))
         taken, self.waiting = self.waiting, []
-        self._reaping.put([key for key, _ in taken])
+        if taken:
+            self._reaping.put([key for key, _ in taken])
         return [value for _, value in taken]
 
     def _delete(self, keys: Sequence[str]) -> None:
@@ -399,9 +400,7 @@ class EtcdCoordinator:
         self._write([(_record(self.prefix, key), text, 0)])
 
     def delete(self, keys: Sequence[str]) -> None:
-        keys = [_record(self.prefix, k) for k in keys]
-        for start in range(0, len(keys), 100):
-            self._write(deletes=keys[start:start + 100])
+        self._delete([_record(self.prefix, k) for k in keys])
 
     def delete_prefixed(self, prefixes: tuple[str, ...]) -> None:
         if prefixes:
