@@ -164,3 +164,30 @@ def test_a_coordinator_starting_the_job_clears_what_an_earlier_run_left():
     assert len(fresh.take()) == 1
     fresh.close()
     assert mine.put_direct(msg.SwitchAt(1, 9)) == msg.SwitchAt(1, 9)   # this run's own
+
+
+class LostAnswers:
+    """A store whose first transaction is applied but answered as if it failed, as when
+    the client sends it again after its answer was lost and the comparison then fails."""
+
+    def __init__(self, store):
+        self.store, self.lost = store, 0
+
+    def transaction(self, compares, puts=(), deletes=(), delete_prefixes=()):
+        applied = self.store.transaction(compares, puts, deletes, delete_prefixes)
+        if applied and not self.lost:
+            self.lost += 1
+            return self.store.transaction(compares, puts, deletes, delete_prefixes)
+        return applied
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_count_whose_answer_was_lost_counts_once():
+    """Before, the count read back after the failed comparison was counted on again: one
+    communication error counted as two."""
+    store = LostAnswers(MemoryStore())
+    host = EtcdHost(store, PREFIX, node=0, groups=None)
+    assert host.put_direct(msg.CommError(1, 0)) == 1 and store.lost == 1
+    assert host.put_direct(msg.CommError(1, 1)) == 2

@@ -200,15 +200,24 @@ def _record(prefix: str, key: str) -> str:
 
 
 def _count(store: Any, key: str) -> int:
-    """Add one to the count under `key` (absent: 0) by compare-and-set; the new count."""
+    """Add one to the count under `key` (absent: 0) by compare-and-set; the new count. The
+    count is written with a token of this call's: a transaction the client sent again after
+    its answer was lost (`store.EtcdStore` tries another member) and that had been applied
+    fails its comparison, and the count read back is found to be this call's own, not
+    counted again (raced by another counter in between, it would be)."""
+    import uuid
+
     from recycle_planner.executor.control.store import Compare, absent
 
+    token = uuid.uuid4().hex[:12]
     for _ in range(16):  # raced only by the same record's other counters
         entry = store.get(key)
-        held = int(entry.value) if entry is not None else 0
+        held, _, by = entry.value.partition(" ") if entry is not None else ("0", "", "")
+        if by == token:
+            return int(held)
         guard = absent(key) if entry is None else Compare(key, "mod", entry.mod_revision)
-        if store.transaction([guard], [(key, str(held + 1), 0)]):
-            return held + 1
+        if store.transaction([guard], [(key, f"{int(held) + 1} {token}", 0)]):
+            return int(held) + 1
     raise RuntimeError(f"the count under {key!r} kept changing")
 
 
