@@ -259,7 +259,7 @@ def _relays(clients: dict, counter: Counter, folder: str, lease: float, per_host
         if etcd is None:
             return C10dHost(Counting(store, hosts), Counting(notices, hosts))
         return EtcdHost(Counting(EtcdStore(etcd, timeout=max(2.0, lease)), hosts),
-                        Keys(JOB).relay, node, Counting(store, hosts))
+                        Keys(JOB).relay, node, lambda: Counting(store, hosts))
 
     def relay(node: int) -> Relay:
         relay = Relay(transport(node), node, f"{folder}/r{node}.sock", lease, 0.2)

@@ -54,7 +54,7 @@ class Plane:
             self.mail = StoreMail(self.server)
             return
         if kind == "etcd":
-            up = EtcdHost(self.control, PREFIX, 0, self.server)
+            up = EtcdHost(self.control, PREFIX, 0, lambda: self.server)
             down = EtcdCoordinator(self.control, PREFIX, groups=self.server)
         else:
             up = C10dHost(self._client(10.0), self._client(LEASE))

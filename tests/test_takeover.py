@@ -193,9 +193,10 @@ def test_a_live_host_that_re_attaches_slowly_is_waited_for_up_to_the_rendezvous_
 
 def test_a_new_store_counts_each_ranks_incarnations_on_from_the_runs():
     """A store started by a coordinator that took over counts from zero: the host agents that
-    re-attach and the new coordinator (for ranks no host runs) raise each rank's count to the
-    run's, whoever comes first, and it is never lowered; a rebooted host's workers then
-    spawn as the next incarnation, not as the one that was killed."""
+    re-attached (when they first restart a worker there) and the new coordinator (for ranks
+    no host runs) raise each rank's count to the run's, whoever comes first, and it is never
+    lowered; a rebooted host's workers then spawn as the next incarnation, not as the one
+    that was killed."""
     from datetime import timedelta
 
     import pytest
@@ -243,10 +244,11 @@ def test_a_host_agent_dials_a_store_that_listens_only_after_the_lease():
 
 
 def test_a_host_agent_looks_again_past_a_successor_whose_store_does_not_answer():
-    """A successor that died after publishing leaves its key for a lease: the host agent
-    dials it, gets no answer within two leases, and looks again, finding the next one; with
-    none answering it gives up within `rdzv_timeout` (its thread), or a lease after it (its
-    loop, should a call hang)."""
+    """A host ranked by arrival dials the successor's store at once (to raise the count of
+    hosts there). A successor that died after publishing leaves its key for a lease: the host
+    agent dials it, gets no answer within two leases, and looks again, finding the next one;
+    with none answering it gives up within `rdzv_timeout` (its thread), or a lease after it
+    (its loop, should a call hang)."""
     import time
     from datetime import timedelta
     from types import SimpleNamespace
@@ -261,7 +263,8 @@ def test_a_host_agent_looks_again_past_a_successor_whose_store_does_not_answer()
     dead = f"127.0.0.1:{free_ports(1)[0]}"
     published = [(dead, 7), (f"127.0.0.1:{live.port}", 9)]
     agent = SimpleNamespace(lease=0.25, node_rank=0, on_event=lambda line: None,
-                            config=SimpleNamespace(rdzv_timeout=5.0, startup_timeout=10.0),
+                            config=SimpleNamespace(rdzv_timeout=5.0, startup_timeout=10.0,
+                                                   node_rank=None),
                             successor=SimpleNamespace(find=lambda timeout: published.pop(0)))
     finding = {"since": time.monotonic()}
     HostAgent._find_successor(agent, finding)
@@ -280,10 +283,65 @@ def test_a_host_agent_looks_again_past_a_successor_whose_store_does_not_answer()
     assert HostAgent._reattach_due(agent) is None
 
 
+def test_a_host_agent_with_its_node_rank_finds_the_next_leader_without_dialling_it():
+    """Its relay's traffic is on etcd: a host that knows its node rank needs nothing of the
+    next leader's store (which may not listen yet) until it restarts a worker, so the
+    successor is found as soon as it is published; before, every host dialled it at once,
+    each connection in turn on the store's one accepting thread."""
+    import time
+    from types import SimpleNamespace
+
+    from recycle_planner.executor.control.etcd_local import free_ports
+    from recycle_planner.executor.control.hostagent import HostAgent
+
+    silent = f"127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
+    agent = SimpleNamespace(lease=5.0, node_rank=0, on_event=lambda line: None,
+                            config=SimpleNamespace(rdzv_timeout=30.0, startup_timeout=30.0,
+                                                   node_rank=0),
+                            successor=SimpleNamespace(find=lambda timeout: (silent, 7)))
+    finding = {"since": time.monotonic()}
+    HostAgent._find_successor(agent, finding)
+    assert finding["found"] == (silent, 7, None)
+    assert time.monotonic() - finding["since"] < 5.0
+
+
+def test_a_re_attached_host_raises_a_ranks_count_on_the_new_store_when_it_restarts_it():
+    """Re-attaching makes no call on the new leader's store (still starting, its one thread
+    accepting every host at once); the first restart of a rank there dials it (once) and
+    raises the rank's count past the incarnation the host runs, so the restarted worker is
+    the next incarnation, not 0 again."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from recycle_planner.executor.control.hostagent import HostAgent
+    from recycle_planner.executor.control.store import MemoryStore
+    from recycle_planner.executor.control.transport import EtcdHost
+
+    new = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                        timeout=timedelta(seconds=10))
+    agent = SimpleNamespace(lease=2.0, config=SimpleNamespace(startup_timeout=10.0))
+    dialled = []
+    groups = HostAgent._groups(agent, f"127.0.0.1:{new.port}", None)
+
+    def counting():
+        dialled.append(groups())
+        return dialled[-1]
+    host = EtcdHost(MemoryStore(), "/recycle/job/relay/", 0, counting, to=9,
+                    counted={0: 3, 1: 0})
+    assert dialled == [] and new.num_keys() == 0  # nothing on the new store yet
+    assert [host.next_incarnation(0) for _ in range(2)] == [4, 5]
+    assert host.next_incarnation(1) == 1
+    assert host.next_incarnation(2) == 0                 # a rank it never ran
+    assert len(dialled) == 4 and len({id(s) for s in dialled}) == 1   # dialled once
+
+
 def test_a_host_agent_whose_re_attach_fails_on_the_new_store_looks_again():
-    """A connection reset while raising the incarnation counts on the next leader's store
-    (a store swamped by a takeover's connections) is no reason to stop the workers: the
-    host agent looks for the leader again, within the same `rdzv_timeout` from the loss."""
+    """A connection reset while a host ranked by arrival raises the count of hosts on the
+    next leader's store (a store swamped by a takeover's connections) is no reason to stop
+    the workers: the host agent looks for the leader again, within the same `rdzv_timeout`
+    from the loss."""
     import threading
     import time
     from types import SimpleNamespace
@@ -291,7 +349,6 @@ def test_a_host_agent_whose_re_attach_fails_on_the_new_store_looks_again():
     import torch.distributed as dist
 
     from recycle_planner.executor.control.hostagent import HostAgent
-    from recycle_planner.executor.control.transport import C10dHost
 
     class _Reset:
         def compare_set(self, key, expected, desired):
@@ -304,12 +361,14 @@ def test_a_host_agent_whose_re_attach_fails_on_the_new_store_looks_again():
         raise RuntimeError("stopped here")
 
     successor = SimpleNamespace(revision=7, find=find,
-                                relay=lambda node, store: C10dHost(store, None))
+                                relay=lambda node, groups, counted: None)
     successor.after = lambda revision: successor
     agent = SimpleNamespace(
         lease=0.25, node_rank=3, on_event=said.append, incarnations={192: 0, 193: 1},
-        config=SimpleNamespace(rdzv_timeout=5.0, startup_timeout=10.0, node_rank=3),
-        successor=successor, relay=SimpleNamespace(decisions={0: ""}))  # counts on the store
+        config=SimpleNamespace(rdzv_timeout=5.0, startup_timeout=10.0, node_rank=None,
+                               rdzv_id="job"),
+        successor=successor, relay=SimpleNamespace(decisions={0: ""}))
+    agent._groups = lambda endpoint, store: HostAgent._groups(agent, endpoint, store)
     agent._look = lambda since, pause=0.0: HostAgent._look(agent, since, pause)
     agent._find_successor = lambda finding, pause: HostAgent._find_successor(agent, finding,
                                                                              pause)
@@ -326,8 +385,8 @@ def test_a_host_agent_whose_re_attach_fails_on_the_new_store_looks_again():
 
 
 def test_a_counter_raised_again_counts_nothing_twice():
-    """A host re-attaching raises the arrival counter (and its workers' incarnation counts)
-    on the new store to what it holds; a retry after a lost answer changes nothing, an add
+    """A host ranked by arrival, re-attaching, raises the arrival counter on the new store
+    to what it holds (and later its workers' incarnation counts, `test_a_re_attached_host_...`); a retry after a lost answer changes nothing, an add
     counts on from there, and a counter is never lowered."""
     import datetime
 

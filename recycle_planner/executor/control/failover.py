@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 from recycle_planner.errors import RecycleError
 from recycle_planner.executor.config import RDZV_ID, WorkerConfig
@@ -250,14 +250,16 @@ class Successor:
         return published_coordinator(_etcd(self.etcd, self.lease), Keys(self.job), timeout,
                                      self.revision, same_after=self.lease)
 
-    def relay(self, node: int, groups: Any) -> Any:
+    def relay(self, node: int, groups: Callable[[], Any],
+              counted: Mapping[int, int] | None = None) -> Any:
         """Host `node`'s side of the control traffic on this job's etcd (`transport.EtcdHost`:
         under `--rdzv-backend etcd`, the relay's transport, whoever leads), addressed to the
-        coordinator published at `revision`; `groups`: that leader's c10d store."""
+        coordinator published at `revision`; `groups` gives that leader's c10d store,
+        `counted` the incarnations this host spawned before it (raised there when needed)."""
         from recycle_planner.executor.control.transport import EtcdHost
 
         return EtcdHost(_etcd(self.etcd, self.lease), Keys(self.job).relay, node, groups,
-                        to=self.revision)
+                        to=self.revision, counted=counted)
 
 
 HOSTS_ENV = "RECYCLE_HOSTS"

@@ -168,7 +168,7 @@ class HostAgent:
         fail over on it (`successor`: its keys outlive a leader), else on the coordinator's
         `store` (with `notices(lease)`, a second client for the blocking waits)."""
         if self.successor is not None:
-            return self.successor.relay(self.node_rank, store)
+            return self.successor.relay(self.node_rank, lambda: store)
         return C10dHost(store, notices(self.lease))
 
     def _client(self, timeout: float) -> dist.TCPStore:
@@ -397,14 +397,15 @@ class HostAgent:
 
     def _find_successor(self, finding: dict[str, Any], pause: float = 0.0) -> None:
         """On its own thread: the next leader's store (published on etcd after the one this
-        agent used), and one connection to it, given two leases to connect (`dial`): the
-        relay's traffic stays on etcd, the store only counts incarnations (a second
-        connection, for notices, doubled what a takeover's new store accepts on its one
-        thread: 256 connections at 1,024 ranks).
-        A store that does not answer is looked for again: a successor that died after
-        publishing leaves its key for a lease, then the one after it publishes. All within
-        `rdzv_timeout`; `_reattach_due` gives up a lease after it (a call can hang past its
-        own timeout)."""
+        agent used). The relay's traffic stays on etcd, and the store is needed only when a
+        worker is restarted (to count its incarnation, `transport.EtcdHost`), so it is dialled
+        then, not now: 128 hosts dialling a new store at once on its one accepting thread, and
+        raising 8 counts each there, took most of a takeover's 1.8 s per host at 1,024 ranks.
+        Only hosts ranked by arrival dial it now (within two leases, `dial`), to raise the
+        count of hosts there. A successor that died after publishing is left like a lost
+        coordinator: no bulletin from it for a lease, the host looks again (its key goes with
+        its lease, then the one after it publishes). All within `rdzv_timeout`;
+        `_reattach_due` gives up a lease after it (a call can hang past its own timeout)."""
         deadline = finding["since"] + self.config.rdzv_timeout
         time.sleep(pause)
         try:
@@ -412,8 +413,8 @@ class HostAgent:
                 endpoint, revision = self.successor.find(deadline - time.monotonic())
                 host, _, port = endpoint.rpartition(":")
                 try:
-                    store = dial(host.strip("[]"), int(port), 2 * self.lease,
-                                 self.config.startup_timeout)
+                    store = None if self.config.node_rank is not None else dial(
+                        host.strip("[]"), int(port), 2 * self.lease, self.config.startup_timeout)
                 except (RuntimeError, dist.DistError):
                     if time.monotonic() < deadline:
                         time.sleep(self.lease / 4)
@@ -448,12 +449,11 @@ class HostAgent:
         if not same and not self.relay.decisions:
             return f"the next leader, at {endpoint}, took over"
         c = self.config
-        transport = self.successor.after(revision).relay(self.node_rank, store)  # on etcd
-        try:  # a new store counts incarnations (and hosts that came by arrival) from here on,
-            # each raised to at least what this host holds, so a retry counts nothing twice
-            for rank, incarnation in self.incarnations.items():
-                transport.raise_incarnations(rank, incarnation + 1)
-            if c.node_rank is None:
+        transport = self.successor.after(revision).relay(  # on etcd
+            self.node_rank, self._groups(endpoint, store), counted=self.incarnations)
+        try:  # a new store counts hosts that came by arrival from here on, raised to at
+            # least this one's (by compare-and-set: a retry counts nothing twice)
+            if store is not None:
                 msg.raise_counter(store, f"rdzv/{c.rdzv_id}/nodes", self.node_rank + 1)
         except (RuntimeError, dist.DistError) as exc:
             # a store swamped by a takeover's connections can reset one: that is no reason to
@@ -471,7 +471,6 @@ class HostAgent:
         if same:
             self.on_event(f"host {self.node_rank}: the coordinator at {endpoint} still leads "
                           f"(it was slow, or this host was cut off from it): re-attached to it")
-        self.store = store
         self.successor = self.successor.after(revision)
         self.relay.attach(transport, endpoint, another=not same, workers=tuple(
             (r, w.incarnation) for r, w in sorted(self.workers.items())
@@ -480,6 +479,19 @@ class HostAgent:
                       f"after {time.monotonic() - finding['since']:.2f} s; workers "
                       f"{sorted(self.workers)} kept running")
         return None
+
+    def _groups(self, endpoint: str, store: Any) -> Callable[[], Any]:
+        """The store at `endpoint`, dialled the first time it is asked for (unless `store`
+        is already connected), within two leases as `_find_successor` would."""
+        held = [store] if store is not None else []
+
+        def groups() -> Any:
+            if not held:
+                host, _, port = endpoint.rpartition(":")
+                held.append(dial(host.strip("[]"), int(port), 2 * self.lease,
+                                 self.config.startup_timeout))
+            return held[0]
+        return groups
 
     def _kill_declared_dead(self) -> None:
         """Kill the workers the coordinator declared dead (their lease had expired: the host

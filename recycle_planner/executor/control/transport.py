@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from recycle_planner.executor.control import messages as msg
 
@@ -59,10 +59,6 @@ class HostTransport(Protocol):
     def next_incarnation(self, rank: int) -> int:
         """The incarnation of `rank` to spawn next (`messages.next_incarnation`)."""
 
-    def raise_incarnations(self, rank: int, first: int) -> None:
-        """Make `first` at least the next incarnation of `rank` given out
-        (`messages.count_incarnations_from`)."""
-
     def bulletins(self, node: int) -> tuple[str, str]:
         """The global bulletin and host `node`'s (JSON), as of one moment."""
 
@@ -93,7 +89,8 @@ class CoordinatorTransport(Protocol):
         """Remove every key under these prefixes (an old generation's)."""
 
     def raise_incarnations(self, rank: int, first: int) -> None:
-        """As `HostTransport.raise_incarnations`: for the ranks no host runs."""
+        """Make `first` at least the next incarnation of `rank` given out, for a rank no host
+        runs (`messages.count_incarnations_from`)."""
 
     def end(self) -> None:
         """The job is over and every host said goodbye: remove what is left of the traffic."""
@@ -117,9 +114,6 @@ class C10dHost:
 
     def next_incarnation(self, rank: int) -> int:
         return msg.next_incarnation(self.store, rank)
-
-    def raise_incarnations(self, rank: int, first: int) -> None:
-        msg.count_incarnations_from(self.store, rank, first)
 
     def bulletins(self, node: int) -> tuple[str, str]:
         everyone, mine = self.notices.multi_get([GLOBAL_BULLETIN, host_bulletin(node)])
@@ -242,14 +236,22 @@ class EtcdHost:
     are keys under `rec/`, a `first` one created only if absent, a count raised by
     compare-and-set. The keys are the same whoever leads: a coordinator taking over reads what
     its predecessor left. The ranks' incarnations are counted where the current coordinator's
-    process groups form (`groups`, its c10d store: a coordinator that starts the run again
-    counts from 0, as without etcd)."""
+    process groups form (its c10d store, which `groups` gives: a coordinator that starts the
+    run again counts from 0, as without etcd, and the protocol takes an incarnation above 0
+    for a restarted worker). A new leader's store counts from 0 too: `counted` (rank -> the
+    latest incarnation this host spawned) is what it is raised past before this host counts
+    that rank there, when a worker is restarted, not when the host re-attaches. So a host
+    that re-attaches makes no call on the new store, which is still starting (before, 128
+    hosts dialled it at once and raised 8 counts each, one by one on its one thread: most of
+    a takeover's 1.8 s per host at 1,024 ranks); `groups` dials it when it is first needed."""
 
-    def __init__(self, store: Any, prefix: str, node: int, groups: Any, to: int = 0):
+    def __init__(self, store: Any, prefix: str, node: int, groups: Callable[[], Any],
+                 to: int = 0, counted: Mapping[int, int] | None = None):
         import uuid
 
         self.store, self.prefix, self.node, self.to = store, prefix, node, to
         self.groups = groups
+        self.behind = dict(counted or {})  # rank -> the latest incarnation: not raised yet
         self.sender = f"{node:06d}-{uuid.uuid4().hex[:8]}"  # a restarted host's keys differ
         self.seq = 0
         self.read_at = 0          # the revision the bulletins were last read at
@@ -285,10 +287,11 @@ class EtcdHost:
         return None
 
     def next_incarnation(self, rank: int) -> int:
-        return msg.next_incarnation(self.groups, rank)
-
-    def raise_incarnations(self, rank: int, first: int) -> None:
-        msg.count_incarnations_from(self.groups, rank, first)
+        groups = self.groups()
+        if rank in self.behind:
+            msg.count_incarnations_from(groups, rank, self.behind[rank] + 1)
+            del self.behind[rank]
+        return msg.next_incarnation(groups, rank)
 
     def bulletins(self, node: int) -> tuple[str, str]:
         with _as_failure():
