@@ -14,9 +14,10 @@ What runs, all on this machine:
   is read). The leader's wrapper is SIGKILLed; its coordinator dies with it (PDEATHSIG), as
   in bench_takeover.py;
 - stand-in hosts: the real `hostagent.HostAgent` (its loop, its relay, the successor search
-  on etcd, the re-attach with the journal re-sent and the incarnations counted on the new
-  store), each holding its host lease on etcd (`failover.HostLeases.hold`, what `launch
-  --rdzv-backend etcd` does), in `--procs` processes. What differs: its workers are not
+  on etcd, the re-attach with the journal re-sent, the incarnations raised on the new store
+  when a worker is restarted there), each holding its host lease on etcd
+  (`failover.HostLeases.hold`, what `launch --rdzv-backend etcd` does), in `--procs`
+  processes. What differs: its workers are not
   processes but bench_relay's stand-ins (`_Workers`: a real `HostLink` per `--per-link`
   ranks that says hello, waits to be welcomed and for the decision, reports each
   iteration's end and the last stage its pipeline's losses, and answers an abort as a worker
@@ -85,7 +86,9 @@ from recycle_planner.executor.control.plane import HostRecord, Keys  # noqa: E40
 
 log = logging.getLogger("bench_relay_takeover")
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).resolve().parent / "results" / "relay-takeover.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "relay-takeover-etcd.json"
+"""The etcd transport's rows (relay-takeover.json holds the c10d relay's, measured before the
+relay's traffic moved to etcd)."""
 VERSION = 1
 JOB = "bench"
 MARK = "BENCH "  # the coordinator's lines for the harness
@@ -648,14 +651,28 @@ def main() -> None:
         sys.exit(f"{failed} of {args.repeat} runs not recorded")
 
 
+def _code() -> str:
+    """The code measured: its commit, and whether the tree had changes (before one)."""
+    def git(*words: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *words], capture_output=True,
+                              text=True).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") + (" with changes" if git("status",
+                                                  "--porcelain", "--untracked-files=no") else "")
+
+
 def _write(rows: list[dict], args) -> None:
-    """Replace this case's rows (size, host lost or not) in the results; atomic."""
+    """Replace this case's rows (size, host lost or not, code measured) in the results,
+    keeping other code's (before and after a change); atomic."""
     if not rows:
         return
-    key = (args.ranks, args.per_host, args.lease, args.with_host)
+    code = _code()
+    for row in rows:
+        row.update(code=code, command="python " + " ".join(
+            [Path(sys.argv[0]).name, *sys.argv[1:]]))
+    key = (args.ranks, args.per_host, args.lease, args.with_host, code)
     old = json.loads(RESULTS.read_text())["rows"] if RESULTS.is_file() else []
-    kept = [r for r in old if (r["ranks"], r["per_host"], r["lease"],
-                               r["with_host_lost"]) != key]
+    kept = [r for r in old if (r["ranks"], r["per_host"], r["lease"], r["with_host_lost"],
+                               r.get("code")) != key]
     tmp = RESULTS.with_suffix(".tmp")
     tmp.write_text(json.dumps({"version": VERSION, "machine": machine(),
                                "rows": kept + rows}, indent=1) + "\n")
