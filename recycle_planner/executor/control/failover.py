@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
@@ -44,7 +44,8 @@ from recycle_planner.executor.config import RDZV_ID, WorkerConfig
 from recycle_planner.executor.control.election import Deposed, Election
 from recycle_planner.executor.control.plane import HostRecord, Keys, Leader, Lookup
 from recycle_planner.executor.control.protocol import Decision
-from recycle_planner.executor.control.store import ControlStore, LeaseKeeper, StoreUnavailable
+from recycle_planner.executor.control.store import (ControlStore, LeaseKeeper, StoreRefused,
+                                                    StoreUnavailable)
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +294,7 @@ class HostLeases:
 
     @cached_property
     def _store(self) -> ControlStore:
-        return _etcd(self.etcd, self.lease)
+        return _leases_store(self.etcd, self.lease)
 
     def held(self) -> set[int]:
         """The nodes whose host lease is held now; `StoreUnavailable` if etcd cannot say."""
@@ -392,8 +393,10 @@ def standby_word() -> str | None:
     (`HOSTS_ENV`) take as the fence of its writes."""
     if not os.environ.pop(STANDBY_ENV, None):
         return None
-    word, _, publication = sys.stdin.readline().strip().partition(" ")
     hosts = HostLeases.from_env()
+    if hosts is not None:  # its etcd client made and connected now, not once it leads
+        _warm(hosts)
+    word, _, publication = sys.stdin.readline().strip().partition(" ")
     if hosts is not None and publication.lstrip("-").isdigit():
         os.environ[HOSTS_ENV] = replace(hosts, publication=int(publication)).to_json()
     return word if word in (LEAD, TAKE_OVER) else ""
@@ -567,6 +570,23 @@ def follow_leader(endpoints: str, job: str, lease: float, command: list[str],
     agent's last exit status."""
     return follow(_etcd(endpoints, lease), Keys(job), command, timeout, _stop_on_signals(),
                   lambda revision: Successor(endpoints, job, revision, lease), host, lease)
+
+
+@cache
+def _leases_store(endpoints: str, lease: float) -> ControlStore:
+    """One etcd client per process for the host leases and the leading coordinator's traffic
+    (`HostLeases`), so that a hot standby makes it before it leads (`_warm`)."""
+    return _etcd(endpoints, lease)
+
+
+def _warm(hosts: HostLeases) -> None:
+    """Make the standby's etcd client and its first connection while standing by: at 1,024
+    ranks on 2 loaded cores, importing the client and connecting took 0.9 s of a takeover
+    after the word to lead. Nothing lost if etcd does not answer now."""
+    try:
+        hosts.held()
+    except (StoreUnavailable, StoreRefused):  # said again, and acted on, once it leads
+        pass
 
 
 def _etcd(endpoints: str, lease: float) -> ControlStore:
