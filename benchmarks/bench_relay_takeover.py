@@ -257,13 +257,15 @@ class _StandInAgent(HostAgent):
 
 
 def _hosts_main(nodes: list[int], nnodes: int, per_host: int, per_link: int, etcd: str,
-                lease: float, iteration: float, poll: float, conn) -> None:
-    """A process of stand-in hosts `nodes`: answers the harness's commands until "stop"."""
+                lease: float, iteration: float, poll: float, nice: int, conn) -> None:
+    """A process of stand-in hosts `nodes`: answers the harness's commands until "stop";
+    at the scheduling priority `nice` (`--hosts-nice`)."""
     from recycle_planner.executor.control.store import EtcdStore
 
     import faulthandler
 
     os.setsid()  # its sleeps die with it (the harness kills the group)
+    os.nice(nice)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it is, when asked
     logging.basicConfig(level=logging.WARNING)
     keys = Keys(JOB)
@@ -389,7 +391,8 @@ def run_once(args, work: Path, with_host: bool) -> dict:
                 ours, theirs = context.Pipe()
                 proc = context.Process(target=_hosts_main, args=(
                     hosts[k::args.procs], nnodes, args.per_host, args.per_link,
-                    etcd.endpoints, args.lease, args.iteration, args.host_poll, theirs),
+                    etcd.endpoints, args.lease, args.iteration, args.host_poll,
+                    args.hosts_nice, theirs),
                     daemon=True)
                 proc.start()
                 children.append((proc, ours))
@@ -537,7 +540,7 @@ def _row(args, standby, reports: dict, killed: float, lost, took: dict, next_gen
         "ranks": args.ranks, "hosts": nnodes, "per_host": args.per_host,
         "per_link": args.per_link, "processes": args.procs, "lease": args.lease,
         "iteration": args.iteration, "host_poll": args.host_poll,
-        "with_host_lost": lost is not None,
+        "hosts_nice": args.hosts_nice, "with_host_lost": lost is not None,
         "noticed_s": _spread([since(t) for t in noticed]),
         "published_s": since(published),
         "store_up_s": since(store_up["t"]) if store_up else None,
@@ -608,6 +611,11 @@ def main() -> None:
                         help="the host agents' idle poll (s; theirs is 0.02): a frame from a "
                              "worker, a store answer or a notice still wakes the loop at once; "
                              "128 loops at 50 passes a second do not fit 2 cores")
+    parser.add_argument("--hosts-nice", type=int, default=0,
+                        help="run the stand-in hosts at this nice value (10: the coordinators "
+                             "and etcd get the CPU first, as on machines of their own, which "
+                             "the control plane has on a cluster; the hosts' share is what "
+                             "is left of the 2 cores)")
     parser.add_argument("--lease", type=float, default=4.0)
     parser.add_argument("--iteration", type=float, default=1.0,
                         help="seconds between two iterations of the stand-ins")
@@ -669,10 +677,10 @@ def _write(rows: list[dict], args) -> None:
     for row in rows:
         row.update(code=code, command="python " + " ".join(
             [Path(sys.argv[0]).name, *sys.argv[1:]]))
-    key = (args.ranks, args.per_host, args.lease, args.with_host, code)
+    key = (args.ranks, args.per_host, args.lease, args.with_host, args.hosts_nice, code)
     old = json.loads(RESULTS.read_text())["rows"] if RESULTS.is_file() else []
     kept = [r for r in old if (r["ranks"], r["per_host"], r["lease"], r["with_host_lost"],
-                               r.get("code")) != key]
+                               r.get("hosts_nice", 0), r.get("code")) != key]
     tmp = RESULTS.with_suffix(".tmp")
     tmp.write_text(json.dumps({"version": VERSION, "machine": machine(),
                                "rows": kept + rows}, indent=1) + "\n")
