@@ -191,3 +191,20 @@ def test_a_count_whose_answer_was_lost_counts_once():
     host = EtcdHost(store, PREFIX, node=0, groups=None)
     assert host.put_direct(msg.CommError(1, 0)) == 1 and store.lost == 1
     assert host.put_direct(msg.CommError(1, 1)) == 2
+
+
+def test_a_coordinator_taking_over_deletes_the_reports_left_for_the_lost_one():
+    """Before, the reports the lost leader had not taken stayed until the job's end (or the
+    next run's start): the new leader never reads them (their content is in the journals
+    the hosts re-send it), and now deletes them, off its start."""
+    store = MemoryStore()
+    EtcdHost(store, PREFIX, node=0, groups=None, to=1).push(_report(
+        0, 0, msg.HostUp(0, "h", 1, (0,))))                       # never taken: lost with it
+    mine = EtcdHost(store, PREFIX, node=0, groups=None, to=2)
+    new = EtcdCoordinator(store, PREFIX, to=2)
+    mine.push(_report(0, 1, msg.CommError(1, 0)))
+    assert wait_for(lambda: [k.split("/")[-2] for k in _keys(store, f"{PREFIX}up/")] in
+                    (["2"], []), 5)
+    assert len(new.take()) == 1
+    assert wait_for(lambda: _keys(store, f"{PREFIX}up/") == [], 5)
+    new.close()

@@ -342,7 +342,9 @@ class EtcdCoordinator:
     earlier run of the same job left (a crashed one's, or one whose host agents did not all
     say goodbye) goes first: its records and bulletins are not this run's (a `first` record
     left there would win over this run's own), nor are reports addressed to another
-    coordinator (never read, they would stay until the job's end)."""
+    coordinator (never read, they would stay until the job's end). Taking over, it deletes
+    the reports addressed to the coordinators before it too, off its start
+    (`_clear_left`): what they held is in the journals the hosts re-send to it."""
 
     def __init__(self, store: Any, prefix: str, fence: Any = None, groups: Any = None,
                  to: int = 0, fresh: bool = False):
@@ -358,6 +360,21 @@ class EtcdCoordinator:
         self.watch = store.watch(_up(prefix, to), read_at + 1)
         self._reaping: queue.Queue[list[str] | None] = queue.Queue()
         threading.Thread(target=self._reap, name="relay-reap", daemon=True).start()
+        if not fresh:
+            threading.Thread(target=self._clear_left, args=(to,), name="relay-left",
+                             daemon=True).start()
+
+    def _clear_left(self, to: int) -> None:
+        """Hand the reaper the reports addressed to other coordinators (lost ones: a later
+        one would have deposed this one, whose deletes etcd then refuses)."""
+        from recycle_planner.executor.control.store import StoreRefused, StoreUnavailable
+
+        try:
+            left, _ = self.store.get_prefix(_up(self.prefix))
+        except (StoreUnavailable, StoreRefused) as exc:
+            log.warning("the reports left for the lost coordinator stay: %s", exc)
+            return
+        self._reaping.put([e.key for e in left if not e.key.startswith(_up(self.prefix, to))])
 
     def _write(self, puts: Sequence[tuple[str, str, int]] = (), deletes: Sequence[str] = (),
                delete_prefixes: Sequence[str] = ()) -> None:
