@@ -208,3 +208,38 @@ def test_a_coordinator_taking_over_deletes_the_reports_left_for_the_lost_one():
     assert len(new.take()) == 1
     assert wait_for(lambda: _keys(store, f"{PREFIX}up/") == [], 5)
     new.close()
+
+
+def test_a_coordinator_starts_with_its_bulletins_empty_in_one_transaction():
+    """A coordinator taking over replaces what the lost one left in every host's bulletin
+    (a host reads a missing one as empty) and names itself in the global one, in one
+    transaction: writing each host's empty bulletin took three at 128 hosts."""
+    store = MemoryStore()
+    host = EtcdHost(store, PREFIX, node=1, groups=None, to=1)
+    old = RelayMail(EtcdCoordinator(store, PREFIX, to=1), nnodes=2, per_host=1, beat_every=1.0)
+    old.put(msg.Kill(1, 0))
+    old.flush()
+    assert msg.Kill.key_for(rank=1, incarnation=0) in Bulletin.from_json(host.bulletins(1)[1]).records
+    counted = CountedWrites(store)
+    new = RelayMail(EtcdCoordinator(counted, PREFIX, to=2), nnodes=2, per_host=1,
+                    beat_every=1.0)
+    everyone, mine = (Bulletin.from_json(b) for b in host.bulletins(1))
+    assert everyone.by == new.by and everyone.version == 0 and mine.records == {}
+    assert counted.bulletin_writes == 1
+    new.transport.close()
+
+
+class CountedWrites:
+    """A store that counts the transactions that write bulletins."""
+
+    def __init__(self, store):
+        self.store, self.bulletin_writes = store, 0
+
+    def transaction(self, compares, puts=(), deletes=(), delete_prefixes=()):
+        puts = list(puts)
+        if any("/bulletin/" in key for key, _, _ in puts):
+            self.bulletin_writes += 1
+        return self.store.transaction(compares, puts, deletes, delete_prefixes)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)

@@ -13,6 +13,9 @@ from recycle_planner.executor.control.pool import HostPool, Proc
 class _Transport:
     """Nothing arrives but what a test hands the mail (`_take`); publishing goes nowhere."""
 
+    def start(self, empty, nodes):
+        pass
+
     def publish(self, version, bulletins):
         pass
 

@@ -178,8 +178,7 @@ class RelayMail:
         self.decided: list[int] = []
         self.floor = 0                                    # iterations before it: forgotten
         # empty bulletins from the start: a host reads them before the first notice
-        transport.publish(0, [(key, Bulletin(by=self.by).to_json()) for key in
-                              (GLOBAL_BULLETIN, *(host_bulletin(n) for n in range(nnodes)))])
+        transport.start(Bulletin(by=self.by).to_json(), nnodes)
 
     def node_of(self, rank: int) -> int:
         return rank // self.per_host

@@ -72,6 +72,10 @@ class HostTransport(Protocol):
 
 
 class CoordinatorTransport(Protocol):
+    def start(self, empty: str, nodes: int) -> None:
+        """Publish version 0: the global bulletin and each of the `nodes` hosts' `empty`
+        (naming this coordinator), replacing whatever a lost coordinator left there."""
+
     def take(self) -> list[str]:
         """The reports (JSON) that arrived since the last call, in arrival order."""
 
@@ -140,6 +144,11 @@ class C10dCoordinator:
 
     def __init__(self, store: Any):
         self.store = store
+
+    def start(self, empty: str, nodes: int) -> None:
+        """Every key written: a host's read of a missing one would wait for it."""
+        self.publish(0, [(key, empty) for key in
+                         (GLOBAL_BULLETIN, *(host_bulletin(n) for n in range(nodes)))])
 
     def take(self) -> list[str]:
         return [self.store.queue_pop(UP_QUEUE, False)
@@ -413,6 +422,13 @@ class EtcdCoordinator:
                 self._delete(keys)
             except (Deposed, StoreUnavailable, StoreRefused) as exc:
                 log.warning("%d taken reports were not deleted: %s", len(keys), exc)
+
+    def start(self, empty: str, nodes: int) -> None:
+        """One transaction: the global bulletin, and the hosts' deleted (a host reads a
+        missing one as empty). Writing 128 empty ones took 3 transactions, 1.3 s of a
+        takeover at 1,024 ranks with etcd starved on 2 cores."""
+        self._write([(_bulletin(self.prefix, "all"), empty, 0)],
+                    delete_prefixes=[_bulletin(self.prefix, "host/")])
 
     def publish(self, version: int, bulletins: Sequence[tuple[str, str]]) -> None:
         """One transaction: the hosts' watch on the global bulletin (the last) wakes them."""
