@@ -270,6 +270,7 @@ def test_a_host_agent_looks_again_past_a_successor_whose_store_does_not_answer()
                             config=SimpleNamespace(rdzv_timeout=5.0, startup_timeout=10.0,
                                                    node_rank=None),
                             successor=SimpleNamespace(find=lambda timeout: published.pop(0)))
+    agent._dial = lambda endpoint: HostAgent._dial(agent, endpoint)
     finding = {"since": time.monotonic()}
     HostAgent._find_successor(agent, finding)
     endpoint, revision, store = finding["found"]  # one connection: the relay stays on etcd
@@ -326,6 +327,7 @@ def test_a_re_attached_host_raises_a_ranks_count_on_the_new_store_when_it_restar
     new = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                         timeout=timedelta(seconds=10))
     agent = SimpleNamespace(lease=2.0, config=SimpleNamespace(startup_timeout=10.0))
+    agent._dial = lambda endpoint: HostAgent._dial(agent, endpoint)
     dialled = []
     groups = HostAgent._groups(agent, f"127.0.0.1:{new.port}", None)
 

@@ -42,6 +42,7 @@ import socket
 import subprocess
 import threading
 import time
+from functools import cache
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -411,10 +412,8 @@ class HostAgent:
         try:
             while True:
                 endpoint, revision = self.successor.find(deadline - time.monotonic())
-                host, _, port = endpoint.rpartition(":")
                 try:
-                    store = None if self.config.node_rank is not None else dial(
-                        host.strip("[]"), int(port), 2 * self.lease, self.config.startup_timeout)
+                    store = None if self.config.node_rank is not None else self._dial(endpoint)
                 except (RuntimeError, dist.DistError):
                     if time.monotonic() < deadline:
                         time.sleep(self.lease / 4)
@@ -480,18 +479,15 @@ class HostAgent:
                       f"{sorted(self.workers)} kept running")
         return None
 
-    def _groups(self, endpoint: str, store: Any) -> Callable[[], Any]:
-        """The store at `endpoint`, dialled the first time it is asked for (unless `store`
-        is already connected), within two leases as `_find_successor` would."""
-        held = [store] if store is not None else []
+    def _dial(self, endpoint: str) -> dist.TCPStore:
+        """The next leader's store at `endpoint` (HOST:PORT), given two leases to connect."""
+        host, _, port = endpoint.rpartition(":")
+        return dial(host.strip("[]"), int(port), 2 * self.lease, self.config.startup_timeout)
 
-        def groups() -> Any:
-            if not held:
-                host, _, port = endpoint.rpartition(":")
-                held.append(dial(host.strip("[]"), int(port), 2 * self.lease,
-                                 self.config.startup_timeout))
-            return held[0]
-        return groups
+    def _groups(self, endpoint: str, store: Any) -> Callable[[], Any]:
+        """`store` if already connected, else the store at `endpoint`, dialled the first
+        time it is asked for."""
+        return (lambda: store) if store is not None else cache(lambda: self._dial(endpoint))
 
     def _kill_declared_dead(self) -> None:
         """Kill the workers the coordinator declared dead (their lease had expired: the host

@@ -361,8 +361,7 @@ class EtcdCoordinator:
         self.compares = [fence] if fence is not None else []
         if fresh:
             self._write(delete_prefixes=[_record(prefix, ""), _bulletin(prefix, "")])
-            left, _ = store.get_prefix(_up(prefix))
-            self._delete([e.key for e in left if not e.key.startswith(_up(prefix, to))])
+            self._delete(self._left_for_others(to))
         entries, read_at = store.get_prefix(_up(prefix, to))  # sent before it read
         self.waiting = [(e.key, e.value)             # (key, report), until taken
                         for e in sorted(entries, key=lambda e: e.create_revision)]
@@ -373,17 +372,20 @@ class EtcdCoordinator:
             threading.Thread(target=self._clear_left, args=(to,), name="relay-left",
                              daemon=True).start()
 
+    def _left_for_others(self, to: int) -> list[str]:
+        """The keys of the reports addressed to coordinators other than `to`."""
+        left, _ = self.store.get_prefix(_up(self.prefix))
+        return [e.key for e in left if not e.key.startswith(_up(self.prefix, to))]
+
     def _clear_left(self, to: int) -> None:
         """Hand the reaper the reports addressed to other coordinators (lost ones: a later
         one would have deposed this one, whose deletes etcd then refuses)."""
         from recycle_planner.executor.control.store import StoreRefused, StoreUnavailable
 
         try:
-            left, _ = self.store.get_prefix(_up(self.prefix))
+            self._reaping.put(self._left_for_others(to))
         except (StoreUnavailable, StoreRefused) as exc:
             log.warning("the reports left for the lost coordinator stay: %s", exc)
-            return
-        self._reaping.put([e.key for e in left if not e.key.startswith(_up(self.prefix, to))])
 
     def _write(self, puts: Sequence[tuple[str, str, int]] = (), deletes: Sequence[str] = (),
                delete_prefixes: Sequence[str] = ()) -> None:
