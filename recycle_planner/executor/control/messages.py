@@ -35,7 +35,7 @@ class Message:
     RULE: ClassVar[str] = SET
 
     def key(self) -> str:
-        return self.KEY.format(**{name: getattr(self, name) for name, _ in _fields(type(self))})
+        return self.KEY.format_map(self.__dict__)  # the fields (a record has no other state)
 
     @classmethod
     def key_for(cls, **ids: Any) -> str:
@@ -45,24 +45,33 @@ class Message:
         """The record's fields as a JSON object (tuples as lists). Not `dataclasses.asdict`:
         its deep copy was most of the 20 to 30 us an encode took, which a host's relay paid
         for every record its workers sent (8,128 `Ready`s in a recovery at 8,192 ranks)."""
-        return json.dumps({name: getattr(self, name) for name, _ in _fields(type(self))},
+        return json.dumps({name: getattr(self, name) for name in _fields(type(self))[0]},
                           separators=(",", ":"))
 
     @classmethod
     def from_json(cls: type[M], text: str | bytes) -> M:
-        data = json.loads(text)
-        return cls(**{name: _tuples(data[name]) if tuples else data[name]
-                      for name, tuples in _fields(cls) if name in data})
+        return cls.from_fields(json.loads(text))
+
+    @classmethod
+    def from_fields(cls: type[M], data: Mapping[str, Any]) -> M:
+        """The record from its decoded JSON object (a host's report carries its records as
+        objects inside its own JSON: one decode for all of them, `relay.HostReport`)."""
+        names, tuples = _fields(cls)
+        fields = {name: data[name] for name in names if name in data}
+        for name in tuples:
+            if name in fields:
+                fields[name] = _tuples(fields[name])
+        return cls(**fields)
 
 
 @functools.cache
-def _fields(cls: type) -> tuple[tuple[str, bool], ...]:
-    """A record type's fields, each with whether it holds a tuple (which JSON gives back as a
-    list), resolved once per type (resolving the types took 0.2 ms, which every record read
-    paid: the coordinator reads thousands a second)."""
+def _fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A record type's field names, and those of them that hold tuples (which JSON gives back
+    as lists), resolved once per type (resolving the types took 0.2 ms, which every record
+    read paid: the coordinator reads thousands a second)."""
     hints = typing.get_type_hints(cls)
-    return tuple((f.name, typing.get_origin(hints[f.name]) is tuple)
-                 for f in dataclasses.fields(cls))
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    return names, tuple(n for n in names if typing.get_origin(hints[n]) is tuple)
 
 
 def _tuples(value: Any) -> Any:

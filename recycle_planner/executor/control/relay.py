@@ -52,7 +52,7 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from recycle_planner.executor.control import messages as msg
@@ -126,14 +126,21 @@ def frame_record(frame: Mapping[str, Any]) -> msg.Message:
 @dataclass(frozen=True)
 class HostReport:
     """Host `node`'s batch `seq` (0, 1, ...): its lease renewal, and the records its workers
-    and its agent sent since the previous one, as (kind, JSON) pairs."""
+    and its agent sent since the previous one, as (kind, record) pairs: the record's JSON
+    text where the host made the report, its decoded fields where the coordinator read it.
+
+    On the wire each record is a JSON object inside the report's, not a string: the
+    coordinator decodes a report once, whatever it holds (a new leader takes in every host's
+    journal at once, 11,000 records at 1,024 ranks, and decoding each from a string of its
+    own was a third of that). The host writes the records' text into the report as it is."""
 
     node: int
     seq: int
-    records: tuple[tuple[str, str], ...] = ()
+    records: tuple[tuple[str, str | Mapping[str, Any]], ...] = ()
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        records = ",".join(f'["{kind}",{_encoded(record)}]' for kind, record in self.records)
+        return f'{{"node":{self.node},"seq":{self.seq},"records":[{records}]}}'
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "HostReport":
@@ -142,7 +149,15 @@ class HostReport:
 
     def messages(self) -> list[msg.Message]:
         """Each record, decoded once (the coordinator's mail keeps it as it is)."""
-        return [KINDS[kind].from_json(text) for kind, text in self.records]
+        return [KINDS[kind].from_fields(_decoded(record)) for kind, record in self.records]
+
+
+def _encoded(record: str | Mapping[str, Any]) -> str:
+    return record if isinstance(record, str) else json.dumps(record, separators=(",", ":"))
+
+
+def _decoded(record: str | Mapping[str, Any]) -> Mapping[str, Any]:
+    return json.loads(record) if isinstance(record, str) else record
 
 
 @dataclass(frozen=True)
