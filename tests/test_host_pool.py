@@ -71,3 +71,23 @@ def test_a_restart_is_found_once_its_host_reports_it():
     (proc,) = pool.started()
     assert (proc.rank, proc.incarnation) == (2, 1) and "incarnation 1" in events[-1]
     assert pool.started() == [] and pool._spawned.held == {}
+
+
+def test_a_restart_past_the_next_incarnation_is_found_and_an_older_one_dropped():
+    """A host that died between counting a spawn on the store and reporting it comes back
+    with the count past it: its worker's incarnation skips one. It is admitted all the same
+    (wanting exactly the next one, the coordinator never would); of two restarts reported
+    together, the newest is the process that runs."""
+    pool, agent, mail, events = _pool()
+    agent.procs = {r: Proc(r, 0, None, Path("."), 0.0) for r in range(4)}
+    del agent.procs[1], agent.procs[3]
+    _take(mail, msg.Spawned(1, 2))       # incarnation 1 counted, never reported
+    _take(mail, msg.Spawned(3, 1))
+    _take(mail, msg.Spawned(3, 2))       # 1 died at once, its host started 2
+    started = {(p.rank, p.incarnation) for p in pool.started()}
+    assert started == {(1, 2), (3, 2)}
+    agent.procs.update({r: Proc(r, 2, None, Path("."), 0.0) for r in (1, 3)})
+    assert pool.started() == [] and pool._spawned.held == {}   # (3, 1): stale, dropped
+    del agent.procs[3]
+    _take(mail, msg.Spawned(3, 1))       # a late report of the older one: never wanted
+    assert pool.started() == [] and pool._spawned.held == {}

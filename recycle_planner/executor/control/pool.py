@@ -190,7 +190,8 @@ class _Arrivals:
     and keeps what no process waits for yet (a restart reported before the previous
     incarnation's exit was reaped) until one does (`wants`) or it never can (`stale`);
     on a mail that cannot say, every pass looks up every process `wanted` names. Scanning
-    every rank for both kinds took a third of the coordinator's pass at 8,192 ranks."""
+    every rank for both kinds took a third of the coordinator's pass at 8,192 ranks. Of the
+    records a rank's process is wanted by, the newest incarnation's is handed, once."""
 
     def __init__(self, kind: type[msg.Message]):
         self.kind = kind
@@ -205,9 +206,10 @@ class _Arrivals:
                 self.kind, rank=rank, incarnation=incarnation)) is not None]
         for record in new:
             self.held[(record.rank, record.incarnation)] = record
-        found = []
-        for key in list(self.held):
-            if wants(*key):
+        found, ranks = [], set()
+        for key in sorted(self.held, key=lambda k: -k[1]):  # a rank's newest process, once
+            if key[0] not in ranks and wants(*key):
+                ranks.add(key[0])
                 found.append(self.held.pop(key))
             elif stale(*key):
                 del self.held[key]
@@ -258,8 +260,9 @@ class HostPool:
             return [(rank, self.incarnation.get(rank, 0) + 1)
                     for rank in range(a.config.nproc) if rank not in a.procs]
 
-        def wants(rank: int, incarnation: int) -> bool:
-            return rank not in a.procs and incarnation == self.incarnation.get(rank, 0) + 1
+        def wants(rank: int, incarnation: int) -> bool:  # any newer one: a host that died
+            # between counting a spawn and reporting it comes back past the next
+            return rank not in a.procs and incarnation > self.incarnation.get(rank, 0)
 
         def stale(rank: int, incarnation: int) -> bool:
             return incarnation <= self.incarnation.get(rank, 0)
