@@ -28,8 +28,10 @@ infinite, nothing retired) against retired a lease after their iteration's losse
     python bench_relay.py --recovery --ranks 8192 --per-host 64 --per-link 64 --iteration 4 \
         --seconds 12 --lease 4     # 1,024 stand-in hosts of 8 do not fit 2 cores
     python bench_relay.py --recovery --alone --ranks 1024 8192 --per-host 64  # coordinator only
+    python bench_relay.py --adoption --ranks 1024 8192 --per-host 8   # a new leader, alone
     python bench_relay.py --recovery --transport etcd --ranks 1024 --per-host 32 --per-link 8
 
+`--adoption`: a new leader's own part of a takeover, with nothing else running (`adoption`).
 `--transport etcd` (recovery mode): the relay's traffic on a real 3-member etcd started for each
 run (`etcd_local.EtcdCluster`, etcd's default timings), as under `--rdzv-backend etcd`: the
 coordinator's side an `EtcdCoordinator`, each stand-in host's an `EtcdHost` on an `EtcdStore` of
@@ -73,7 +75,7 @@ from recycle_planner.executor.control.mail import RelayMail, StoreMail  # noqa: 
 from recycle_planner.executor.control.plane import Keys  # noqa: E402
 from recycle_planner.executor.control.pool import HostPool  # noqa: E402
 from recycle_planner.executor.control.protocol import Decision  # noqa: E402
-from recycle_planner.executor.control.relay import HostReport, Relay  # noqa: E402
+from recycle_planner.executor.control.relay import HostReport, Journal, Relay  # noqa: E402
 from recycle_planner.executor.control.store import EtcdStore  # noqa: E402
 from recycle_planner.executor.control.transport import (UP_QUEUE, C10dHost,  # noqa: E402
                                                         EtcdCoordinator, EtcdHost)
@@ -89,6 +91,7 @@ MEMORY_RESULTS = Path(__file__).resolve().parent / "results" / "relay-memory.jso
 RECOVERY_RESULTS = Path(__file__).resolve().parent / "results" / "relay-recovery.json"
 ALONE_RESULTS = Path(__file__).resolve().parent / "results" / "relay-recovery-alone.json"
 ETCD_RESULTS = Path(__file__).resolve().parent / "results" / "relay-recovery-etcd.json"
+ADOPTION_RESULTS = Path(__file__).resolve().parent / "results" / "relay-adoption-alone.json"
 JOB = "bench"
 
 
@@ -163,22 +166,6 @@ class _StorePool(HostPool):
         return StoreMail(store)
 
 
-class _EtcdPool(HostPool):
-    """The coordinator's pool under `--rdzv-backend etcd`: its mail on an `EtcdCoordinator`
-    (what `HostLeases.relay` makes) with the c10d store as `groups`. Unfenced: no election
-    runs here to publish a fence (in production it adds one compare to each transaction)."""
-
-    def __init__(self, agent: Agent, nnodes: int, etcd: str):
-        super().__init__(agent, nnodes)
-        self.etcd = etcd
-
-    def mail(self, store):
-        c = self.agent.config
-        self.transport = EtcdCoordinator(EtcdStore(self.etcd, timeout=max(2.0, c.lease)),
-                                         Keys(JOB).relay, groups=store)
-        return RelayMail(self.transport, self.nnodes, c.nproc // self.nnodes, c.lease / 4)
-
-
 def _coordinator(ranks: int, mode: str, run_dir: str, counter: Counter, lease: float,
                  linger: float, per_host: int, etcd: str | None = None) -> Agent:
     """The real coordinator in generation 1 (see the module); on etcd's relay transport where
@@ -191,7 +178,11 @@ def _coordinator(ranks: int, mode: str, run_dir: str, counter: Counter, lease: f
     elif etcd is None:
         agent = Agent(config, None, folder, HostPool, nodes)
     else:
-        agent = Agent(config, None, folder, _EtcdPool, nodes, etcd)
+        # the mail as under `--rdzv-backend etcd` (what `HostLeases.relay` makes), the c10d
+        # store its `groups`; unfenced: no election runs here to publish a fence (in
+        # production it adds one compare to each transaction)
+        agent = Agent(config, None, folder, HostPool, nodes, lambda store: EtcdCoordinator(
+            EtcdStore(etcd, timeout=max(2.0, lease)), Keys(JOB).relay, groups=store))
     agent.store = Counting(agent.store, counter.counts["coordinator"])
     if isinstance(agent.mail, StoreMail):
         agent.mail.store = agent.store
@@ -835,6 +826,12 @@ def main() -> None:
                         help="relay mode: steady state over --seconds, then a host vanishes "
                              "and the time to every survivor holding the next decision is "
                              "measured (results/relay-recovery.json)")
+    parser.add_argument("--adoption", action="store_true",
+                        help="a new leader's own CPU to take in every host's re-attach and "
+                             "adopt the running generation, nothing else running")
+    parser.add_argument("--unsaved", type=int, default=8,
+                        help="with --adoption: iterations in the journals since the last "
+                             "saved mark")
     parser.add_argument("--per-host", type=int, default=PER_HOST,
                         help="--recovery: ranks per stand-in host (%(default)s; 64 lets 2 "
                              "cores run 8,192 ranks as 128 hosts: 1,024 do not fit)")
@@ -863,6 +860,12 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     if args.recovery:
         return _recoveries(args)
+    if args.adoption:
+        rows = [adoption(ranks, args.per_host, args.unsaved) for ranks in args.ranks]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        return _write(ADOPTION_RESULTS, rows, lambda row: (row["ranks"], row["per_host"],
+                                                           row["unsaved_iterations"]))
     rows = []
     for ranks in args.ranks:
         for mode in (["store", "relay"] if args.mode == "both" else [args.mode]):
@@ -908,6 +911,77 @@ def alone(ranks: int, per_host: int, repeat: int = 3) -> dict:
     return {"ranks": ranks, "per_host": per_host, "readys": ranks - per_host,
             "declare_and_abort_cpu_s": best[0], "readys_to_decided_cpu_s": best[1],
             "passes": best[2], "runs_cpu_s": [r[1] for r in runs]}
+
+
+def adoption(ranks: int, per_host: int, unsaved: int, repeat: int = 3) -> dict:
+    """A new leader's own part of a takeover, with nothing else running (what stays serial on
+    a cluster, where each host agent has its own CPU): a coordinator started with
+    `--take-over` on the lost one's run folder finds every host's re-attach report queued on
+    its store at once (its journal, built by the real `relay.Journal`: each worker's hello,
+    the `unsaved` iterations since the last saved mark, each with every rank's end and the
+    last stages' losses, the host's `HostUp`; then its `Attach`), and its passes run until it
+    has adopted the generation. CPU seconds of its thread, the least of `repeat` runs (each on
+    a fresh coordinator): in all, and taking the reports in (`RelayMail.refresh`)."""
+    runs = []
+    for _ in range(repeat):
+        run_dir = f"{tempfile.mkdtemp(prefix='bench-relay-adoption-')}/run"
+        lost = _coordinator(ranks, "relay", run_dir, Counter(), 4.0, 4.0, per_host)
+        decision = lost.decision.to_json()
+        lost.folder.release()
+        config = LaunchConfig(nproc=ranks, run_dir=run_dir, checkpoint_every=0, lease=4.0,
+                              take_over=True)
+        agent = Agent(config, None, claim(run_dir, False, False, True), HostPool,
+                      ranks // per_host)
+        agent._start()
+        agent.lib, agent.stages = lost.lib, STAGES
+        reports = [_reattach(node, per_host, decision, unsaved).to_json()
+                   for node in range(ranks // per_host)]
+        for text in reports:
+            agent.store.queue_push(UP_QUEUE, text)
+        intake = _Timed(agent.mail.refresh)
+        agent.mail.refresh = intake
+        t0, passes = time.thread_time(), 0
+        while agent.phase is Phase.ADOPTING:
+            agent._pass(time.time())
+            passes += 1
+        runs.append((time.thread_time() - t0, intake.cpu, passes,
+                     sum(len(HostReport.from_json(t).records) for t in reports),
+                     sum(map(len, reports))))
+    best = min(runs)
+    return {"ranks": ranks, "per_host": per_host, "unsaved_iterations": unsaved,
+            "records": best[3], "report_bytes": best[4], "adopted_cpu_s": best[0],
+            "intake_cpu_s": best[1], "passes": best[2], "runs_cpu_s": [r[0] for r in runs],
+            "command": " ".join(["python", *sys.argv])}
+
+
+def _reattach(node: int, per_host: int, decision: str, unsaved: int) -> HostReport:
+    """What host `node` sends a new leader: its journal, then its `Attach` (see `adoption`)."""
+    ranks = range(node * per_host, (node + 1) * per_host)
+    journal = Journal()
+    journal.add(msg.HostUp(node, f"host{node}", 1000 + node, tuple(ranks)))
+    for rank in ranks:
+        journal.add(msg.Hello(rank, 0, 0, "stand-in", "lib", 0))
+    for i, rank in itertools.product(range(unsaved), ranks):
+        journal.add(msg.IterationDone(i, rank, 1, time.time()))
+        if rank % STAGES == STAGES - 1:
+            journal.add(msg.Losses(i, rank, 1, tuple(
+                (rank // STAGES, m, 0.5) for m in range(MICROBATCHES))))
+    attach = msg.Attach(node, 1, decision, tuple((rank, 0) for rank in ranks))
+    return HostReport(node, 0, (*journal.records(), ("Attach", attach.to_json())))
+
+
+class _Timed:
+    """A call whose thread CPU seconds are added up (`cpu`)."""
+
+    def __init__(self, call):
+        self.call, self.cpu = call, 0.0
+
+    def __call__(self, *args):
+        t0 = time.thread_time()
+        try:
+            return self.call(*args)
+        finally:
+            self.cpu += time.thread_time() - t0
 
 
 def _recoveries(args) -> None:

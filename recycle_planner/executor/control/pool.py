@@ -222,9 +222,11 @@ class HostPool:
     PORT_OPTION = "--port"
     restarts = False  # host agents restart their own workers
 
-    def __init__(self, agent: "Agent", nnodes: int):
+    def __init__(self, agent: "Agent", nnodes: int,
+                 transport: Callable[[Any], CoordinatorTransport] | None = None):
         self.agent = agent
         self.nnodes = nnodes
+        self.on = transport  # the mail's transport, from the c10d store (None: see `mail`)
         self.hosts: dict[int, msg.HostUp] = {}
         self.incarnation: dict[int, int] = {}
         self.leases = HostLeases.from_env()  # the hosts' leases on etcd (`failover.py`)
@@ -234,10 +236,15 @@ class HostPool:
 
     def mail(self, store: Any) -> Mail:
         """The relay's mail: on etcd where the coordinators fail over on it (`HostLeases`,
-        `--rdzv-backend etcd`: its keys outlive a leader), else on `store`."""
+        `--rdzv-backend etcd`: its keys outlive a leader), else on `store`; or on the
+        transport the pool was given."""
         c = self.agent.config
-        self.transport = C10dCoordinator(store) if self.leases is None else \
-            self.leases.relay(store, fresh=not c.take_over)
+        if self.on is not None:
+            self.transport = self.on(store)
+        elif self.leases is None:
+            self.transport = C10dCoordinator(store)
+        else:
+            self.transport = self.leases.relay(store, fresh=not c.take_over)
         return RelayMail(self.transport, self.nnodes, c.nproc // self.nnodes, c.lease / 4)
 
     def start(self) -> list[Proc]:
