@@ -29,6 +29,7 @@ infinite, nothing retired) against retired a lease after their iteration's losse
         --seconds 12 --lease 4     # 1,024 stand-in hosts of 8 do not fit 2 cores
     python bench_relay.py --recovery --alone --ranks 1024 8192 --per-host 64  # coordinator only
     python bench_relay.py --adoption --ranks 1024 8192 --per-host 8   # a new leader, alone
+    python bench_relay.py --adoption --transport etcd --ranks 1024 8192 --per-host 8
     python bench_relay.py --recovery --transport etcd --ranks 1024 --per-host 32 --per-link 8
 
 `--adoption`: a new leader's own part of a takeover, with nothing else running (`adoption`).
@@ -849,23 +850,26 @@ def main() -> None:
                              "(1: a link per rank, as workers have; --per-host: one per host, "
                              "the fewest threads; the coordinator sees the same records)")
     parser.add_argument("--transport", choices=["c10d", "etcd"], default="c10d",
-                        help="--recovery: the relay's traffic on the coordinator's c10d store, "
-                             "or on a real 3-member etcd started for each run "
-                             "(results/relay-recovery-etcd.json)")
+                        help="--recovery, --adoption: the relay's traffic on the coordinator's "
+                             "c10d store, or on a real 3-member etcd started for each run "
+                             "(--recovery: results/relay-recovery-etcd.json)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="--recovery: runs of each size (a row each)")
     args = parser.parse_args()
-    if args.transport == "etcd" and (not args.recovery or args.alone):
-        parser.error("--transport etcd measures a host's loss: with --recovery (not --alone)")
+    if args.transport == "etcd" and not (args.recovery and not args.alone or args.adoption):
+        parser.error("--transport etcd measures a host's loss (--recovery, not --alone) or a "
+                     "new leader's adoption (--adoption)")
     logging.basicConfig(level=logging.WARNING)
     if args.recovery:
         return _recoveries(args)
     if args.adoption:
-        rows = [adoption(ranks, args.per_host, args.unsaved) for ranks in args.ranks]
+        rows = [adoption(ranks, args.per_host, args.unsaved, transport=args.transport)
+                for ranks in args.ranks]
         for row in rows:
             print(json.dumps(row), flush=True)
-        return _write(ADOPTION_RESULTS, rows, lambda row: (row["ranks"], row["per_host"],
-                                                           row["unsaved_iterations"]))
+        return _write(ADOPTION_RESULTS, rows, lambda row: (
+            row.get("transport", "c10d"), row["ranks"], row["per_host"],
+            row["unsaved_iterations"]))
     rows = []
     for ranks in args.ranks:
         for mode in (["store", "relay"] if args.mode == "both" else [args.mode]):
@@ -913,44 +917,70 @@ def alone(ranks: int, per_host: int, repeat: int = 3) -> dict:
             "passes": best[2], "runs_cpu_s": [r[1] for r in runs]}
 
 
-def adoption(ranks: int, per_host: int, unsaved: int, repeat: int = 3) -> dict:
+def adoption(ranks: int, per_host: int, unsaved: int, repeat: int = 3,
+             transport: str = "c10d") -> dict:
     """A new leader's own part of a takeover, with nothing else running (what stays serial on
     a cluster, where each host agent has its own CPU): a coordinator started with
-    `--take-over` on the lost one's run folder finds every host's re-attach report queued on
-    its store at once (its journal, built by the real `relay.Journal`: each worker's hello,
-    the `unsaved` iterations since the last saved mark, each with every rank's end and the
-    last stages' losses, the host's `HostUp`; then its `Attach`), and its passes run until it
-    has adopted the generation. CPU seconds of its thread, the least of `repeat` runs (each on
-    a fresh coordinator): in all, and taking the reports in (`RelayMail.refresh`)."""
+    `--take-over` on the lost one's run folder finds every host's re-attach report waiting
+    (its journal, built by the real `relay.Journal`: each worker's hello, the `unsaved`
+    iterations since the last saved mark, each with every rank's end and the last stages'
+    losses, the host's `HostUp`; then its `Attach`), and its passes run until it has adopted
+    the generation. On c10d the reports are queued on its store once it started, and timed
+    from there; on etcd (a real 3-member cluster of its own) each host's `EtcdHost` put its
+    report before the coordinator started, as when the hosts re-attach while its store
+    starts (since they make no call on it), and the coordinator is timed from its
+    construction (which reads them). CPU seconds of its thread and wall seconds, the least of
+    `repeat` runs (each on a fresh coordinator): in all, and taking the reports in
+    (`RelayMail.refresh`)."""
+    if transport == "etcd":
+        with EtcdCluster(3, fast=False) as cluster:
+            return _adoption(ranks, per_host, unsaved, repeat, cluster.endpoints)
+    return _adoption(ranks, per_host, unsaved, repeat)
+
+
+def _adoption(ranks: int, per_host: int, unsaved: int, repeat: int,
+              etcd: str | None = None) -> dict:
     runs = []
-    for _ in range(repeat):
+    for n in range(repeat):
         run_dir = f"{tempfile.mkdtemp(prefix='bench-relay-adoption-')}/run"
         lost = _coordinator(ranks, "relay", run_dir, Counter(), 4.0, 4.0, per_host)
         decision = lost.decision.to_json()
         lost.folder.release()
-        config = LaunchConfig(nproc=ranks, run_dir=run_dir, checkpoint_every=0, lease=4.0,
-                              take_over=True)
-        agent = Agent(config, None, claim(run_dir, False, False, True), HostPool,
-                      ranks // per_host)
-        agent._start()
-        agent.lib, agent.stages = lost.lib, STAGES
         reports = [_reattach(node, per_host, decision, unsaved).to_json()
                    for node in range(ranks // per_host)]
-        for text in reports:
-            agent.store.queue_push(UP_QUEUE, text)
+        pool = (ranks // per_host,)
+        if etcd is not None:
+            prefix = Keys(f"{JOB}-adoption-{n}").relay
+            hosts = EtcdStore(etcd, timeout=30.0)
+            for node, text in enumerate(reports):
+                EtcdHost(hosts, prefix, node, groups=lambda: None).push(text)
+            pool += (lambda store: EtcdCoordinator(EtcdStore(etcd, timeout=30.0), prefix,
+                                                   groups=store),)
+        config = LaunchConfig(nproc=ranks, run_dir=run_dir, checkpoint_every=0, lease=4.0,
+                              take_over=True)
+        t0, w0 = time.thread_time(), time.perf_counter()
+        agent = Agent(config, None, claim(run_dir, False, False, True), HostPool, *pool)
+        agent._start()
+        agent.lib, agent.stages = lost.lib, STAGES
+        if etcd is None:
+            for text in reports:
+                agent.store.queue_push(UP_QUEUE, text)
+            t0, w0 = time.thread_time(), time.perf_counter()
         intake = _Timed(agent.mail.refresh)
         agent.mail.refresh = intake
-        t0, passes = time.thread_time(), 0
+        passes = 0
         while agent.phase is Phase.ADOPTING:
             agent._pass(time.time())
             passes += 1
-        runs.append((time.thread_time() - t0, intake.cpu, passes,
-                     sum(len(HostReport.from_json(t).records) for t in reports),
-                     sum(map(len, reports))))
+        runs.append((time.thread_time() - t0, time.perf_counter() - w0, intake.cpu, passes))
+        agent.mail.transport.close()
     best = min(runs)
-    return {"ranks": ranks, "per_host": per_host, "unsaved_iterations": unsaved,
-            "records": best[3], "report_bytes": best[4], "adopted_cpu_s": best[0],
-            "intake_cpu_s": best[1], "passes": best[2], "runs_cpu_s": [r[0] for r in runs],
+    return {"transport": "etcd" if etcd else "c10d", "ranks": ranks, "per_host": per_host,
+            "unsaved_iterations": unsaved,
+            "records": sum(len(HostReport.from_json(t).records) for t in reports),
+            "report_bytes": sum(map(len, reports)), "adopted_cpu_s": best[0],
+            "adopted_wall_s": best[1], "intake_cpu_s": best[2], "passes": best[3],
+            "runs_cpu_s": [r[0] for r in runs], "runs_wall_s": [r[1] for r in runs],
             "command": " ".join(["python", *sys.argv])}
 
 
