@@ -973,7 +973,8 @@ def _adoption(ranks: int, per_host: int, unsaved: int, repeat: int,
             agent._pass(time.time())
             passes += 1
         runs.append((time.thread_time() - t0, time.perf_counter() - w0, intake.cpu, passes))
-        agent.mail.transport.close()
+        if etcd is not None:
+            agent.mail.transport.close()  # its watch and reaper
     best = min(runs)
     return {"transport": "etcd" if etcd else "c10d", "ranks": ranks, "per_host": per_host,
             "unsaved_iterations": unsaved,
