@@ -47,6 +47,33 @@ def test_the_journal_re_sends_each_record_once_by_its_rule():
     assert '"1"' in texts["OpTimes"]                                   # the latest set wins
 
 
+def test_the_journal_keeps_one_end_per_iteration_for_the_host():
+    """A new leader reads of an iteration's ends only their latest time and generation: the
+    journal keeps one record per iteration, not one per rank, and the leader finds the same
+    ends as from every rank's."""
+    ends = [msg.IterationDone(3, 0, 1, 10.0), msg.IterationDone(3, 1, 1, 10.5),
+            msg.IterationDone(3, 2, 1, 10.2), msg.IterationDone(4, 0, 1, 11.0),
+            msg.IterationDone(4, 1, 2, 10.9),   # a later generation, an earlier time
+            msg.IterationDone(5, 0, 2, 12.0)]
+    journal = _journal_of(*ends)
+    texts = [text for kind, text in journal.records() if kind == "IterationDone"]
+    assert len(texts) == 3
+    assert texts[0] == ends[1].to_json()               # the latest end, as its worker sent it
+    kept = [msg.IterationDone.from_json(t) for t in texts]
+    assert [(d.iteration, d.gen, d.t) for d in kept] == [(3, 1, 10.5), (4, 2, 11.0),
+                                                         (5, 2, 12.0)]
+    transport = _Transport()
+    mail = RelayMail(transport, nnodes=1, per_host=3, beat_every=1.0)
+    transport.queue.append(HostReport(0, 1, tuple(journal.records())).to_json())
+    mail.refresh()
+    for i in (3, 4, 5):   # what `IterationLog._end` takes of them
+        found = [d for d in mail.get_many(msg.IterationDone, [{"iteration": i, "rank": r}
+                                                              for r in range(3)]) if d]
+        sent = [d for d in ends if d.iteration == i]
+        assert (max(d.t for d in found), max(d.gen for d in found)) == \
+            (max(d.t for d in sent), max(d.gen for d in sent))
+
+
 def test_a_count_re_sent_to_a_new_coordinator_counts_once():
     """What was batched but not sent, and what was sent, are both in the journal: the new
     coordinator's counts start from nothing, so each error counts once."""
