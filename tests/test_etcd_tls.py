@@ -84,3 +84,14 @@ def test_tls_settings_are_checked(secured, monkeypatch):
     monkeypatch.setenv("ETCDCTL_KEY", str(folder / "missing.key"))
     with pytest.raises(RecycleError, match="no such file"):
         EtcdTls.from_env()
+
+
+def test_a_cluster_asked_from_elsewhere_is_asked_over_tls(secured):
+    """Members started in another network namespace are asked whether they are ready from
+    there, by a process of its own (`EtcdCluster.wrap`; `env` stands in for `ip netns exec
+    NS` here): that probe speaks TLS with the client's files too, else a TLS cluster in a
+    namespace never became ready."""
+    _, client, folder = secured
+    with EtcdCluster(1, tls=(str(folder / "member.crt"), str(folder / "member.key"), client),
+                     wrap=("env",)) as cluster:
+        assert cluster._answers()

@@ -167,11 +167,22 @@ class EtcdCluster:
         if not self.wrap:
             return answers(self.endpoints, tls=self.tls[2] if self.tls else None)
         # elsewhere (a network namespace): ask from there, with this client, not etcdctl
-        # (Debian ships it apart from the server, in etcd-client)
+        # (Debian ships it apart from the server, in etcd-client); the client's TLS files go
+        # by etcdctl's variables, which `EtcdStore` reads
         probe = ("import sys; from recycle_planner.executor.control.etcd_local import answers; "
                  f"sys.exit(not answers({self.endpoints!r}))")
-        return subprocess.run([*self.wrap, sys.executable, "-c", probe],
-                              capture_output=True).returncode == 0
+        return subprocess.run([*self.wrap, sys.executable, "-c", probe], capture_output=True,
+                              env={**os.environ, **self._tls_env()}).returncode == 0
+
+    def _tls_env(self) -> dict[str, str]:
+        """etcdctl's variables naming this cluster's client TLS files (none without TLS)."""
+        from recycle_planner.executor.control.store import EtcdTls
+
+        if self.tls is None:
+            return {}
+        client = self.tls[2]
+        return {name: path for name, path in zip(EtcdTls.ENV, (client.ca, client.cert,
+                                                                client.key)) if path}
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
         """Stop member `i` at once (SIGKILL: as if its machine vanished)."""
