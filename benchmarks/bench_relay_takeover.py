@@ -664,8 +664,9 @@ def _code() -> str:
     def git(*words: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *words], capture_output=True,
                               text=True).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + (" with changes" if git("status",
-                                                  "--porcelain", "--untracked-files=no") else "")
+    return git("rev-parse", "--short", "HEAD") + (" with changes" if git(
+        "status", "--porcelain", "--untracked-files=no", "--", ".",
+        ":!benchmarks/results") else "")  # the results it writes are not the code
 
 
 def _write(rows: list[dict], args) -> None:
