@@ -257,15 +257,19 @@ class _StandInAgent(HostAgent):
 
 
 def _hosts_main(nodes: list[int], nnodes: int, per_host: int, per_link: int, etcd: str,
-                lease: float, iteration: float, poll: float, nice: int, conn) -> None:
+                lease: float, iteration: float, poll: float, nice: int, cpu: int | None,
+                conn) -> None:
     """A process of stand-in hosts `nodes`: answers the harness's commands until "stop";
-    at the scheduling priority `nice` (`--hosts-nice`)."""
+    at the scheduling priority `nice` (`--hosts-nice`), on CPU `cpu` alone if given
+    (`--pin`)."""
     from recycle_planner.executor.control.store import EtcdStore
 
     import faulthandler
 
     os.setsid()  # its sleeps die with it (the harness kills the group)
     os.nice(nice)
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it is, when asked
     logging.basicConfig(level=logging.WARNING)
     keys = Keys(JOB)
@@ -340,7 +344,8 @@ class _Wrapper:
                    "--ranks", str(args.ranks), "--per-host", str(args.per_host),
                    "--lease", str(args.lease), "--port", str(port), "--run-dir", str(run_dir)]
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen([*_pinned(args, CONTROL_CPU), *command],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
         self.lines: list[tuple[float, str]] = []
         self.marks: list[dict] = []
@@ -380,7 +385,8 @@ def run_once(args, work: Path, with_host: bool) -> dict:
     run_dir = work / "run"
     context = mp.get_context("spawn")
     children: list = []
-    with EtcdCluster(3, folder=work / "etcd", fast=False) as etcd:
+    with EtcdCluster(3, folder=work / "etcd", fast=False,
+                     wrap=_pinned(args, CONTROL_CPU)) as etcd:
         ports = free_ports(2)
         wrappers = [_Wrapper(f"c{i}", etcd.endpoints, ports[i], args, run_dir,
                              work / f"c{i}.log") for i in range(2)]
@@ -392,7 +398,7 @@ def run_once(args, work: Path, with_host: bool) -> dict:
                 proc = context.Process(target=_hosts_main, args=(
                     hosts[k::args.procs], nnodes, args.per_host, args.per_link,
                     etcd.endpoints, args.lease, args.iteration, args.host_poll,
-                    args.hosts_nice, theirs),
+                    args.hosts_nice, HOSTS_CPU if args.pin else None, theirs),
                     daemon=True)
                 proc.start()
                 children.append((proc, ours))
@@ -445,6 +451,15 @@ def run_once(args, work: Path, with_host: bool) -> dict:
                 proc.join(10)
             for w in wrappers:
                 w.stop()
+
+
+CONTROL_CPU, HOSTS_CPU = 0, 1
+"""With `--pin`: the CPUs of the control side (etcd, the coordinators) and of the hosts."""
+
+
+def _pinned(args, cpu: int) -> tuple[str, ...]:
+    """The command prefix that keeps a process and its children on `cpu` (`--pin`)."""
+    return ("taskset", "-c", str(cpu)) if args.pin else ()
 
 
 def _until(ready, seconds: float, what: str) -> None:
@@ -540,7 +555,7 @@ def _row(args, standby, reports: dict, killed: float, lost, took: dict, next_gen
         "ranks": args.ranks, "hosts": nnodes, "per_host": args.per_host,
         "per_link": args.per_link, "processes": args.procs, "lease": args.lease,
         "iteration": args.iteration, "host_poll": args.host_poll,
-        "hosts_nice": args.hosts_nice, "with_host_lost": lost is not None,
+        "hosts_nice": args.hosts_nice, "pinned": args.pin, "with_host_lost": lost is not None,
         "noticed_s": _spread([since(t) for t in noticed]),
         "published_s": since(published),
         "store_up_s": since(store_up["t"]) if store_up else None,
@@ -616,6 +631,10 @@ def main() -> None:
                              "and etcd get the CPU first, as on machines of their own, which "
                              "the control plane has on a cluster; the hosts' share is what "
                              "is left of the 2 cores)")
+    parser.add_argument("--pin", action="store_true",
+                        help="etcd and the coordinators on CPU 0, the stand-in hosts on CPU 1: "
+                             "each side on a machine of its own, as on a cluster (needs 2 "
+                             "CPUs and taskset)")
     parser.add_argument("--lease", type=float, default=4.0)
     parser.add_argument("--iteration", type=float, default=1.0,
                         help="seconds between two iterations of the stand-ins")
@@ -678,10 +697,12 @@ def _write(rows: list[dict], args) -> None:
     for row in rows:
         row.update(code=code, command="python " + " ".join(
             [Path(sys.argv[0]).name, *sys.argv[1:]]))
-    key = (args.ranks, args.per_host, args.lease, args.with_host, args.hosts_nice, code)
+    key = (args.ranks, args.per_host, args.lease, args.with_host, args.hosts_nice, args.pin,
+           code)
     old = json.loads(RESULTS.read_text())["rows"] if RESULTS.is_file() else []
     kept = [r for r in old if (r["ranks"], r["per_host"], r["lease"], r["with_host_lost"],
-                               r.get("hosts_nice", 0), r.get("code")) != key]
+                               r.get("hosts_nice", 0), r.get("pinned", False),
+                               r.get("code")) != key]
     tmp = RESULTS.with_suffix(".tmp")
     tmp.write_text(json.dumps({"version": VERSION, "machine": machine(),
                                "rows": kept + rows}, indent=1) + "\n")
