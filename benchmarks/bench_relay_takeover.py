@@ -40,6 +40,7 @@ counters (`steady_etcd`).
     cd benchmarks && python bench_relay_takeover.py --ranks 1024 --per-host 8 --repeat 3
     python bench_relay_takeover.py --ranks 8192 --per-host 64 --iteration 4 --repeat 3
     python bench_relay_takeover.py --ranks 1024 --per-host 8 --with-host
+    python bench_relay_takeover.py --ranks 512 --per-host 8 --pin   # control on a core apart
 
 The benchmark sets `RES_OPTIONS=timeout:1 attempts:1` for itself and every process it starts
 (as tests/conftest.py does): c10d's store server looks each new client's address up in DNS
