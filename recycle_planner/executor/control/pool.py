@@ -226,7 +226,7 @@ class HostPool:
                  transport: Callable[[Any], CoordinatorTransport] | None = None):
         self.agent = agent
         self.nnodes = nnodes
-        self.on = transport  # the mail's transport, from the c10d store (None: see `mail`)
+        self.transport_for = transport  # the mail's, from the c10d store (None: `mail`)
         self.hosts: dict[int, msg.HostUp] = {}
         self.incarnation: dict[int, int] = {}
         self.leases = HostLeases.from_env()  # the hosts' leases on etcd (`failover.py`)
@@ -239,8 +239,8 @@ class HostPool:
         `--rdzv-backend etcd`: its keys outlive a leader), else on `store`; or on the
         transport the pool was given."""
         c = self.agent.config
-        if self.on is not None:
-            self.transport = self.on(store)
+        if self.transport_for is not None:
+            self.transport = self.transport_for(store)
         elif self.leases is None:
             self.transport = C10dCoordinator(store)
         else:
