@@ -863,6 +863,9 @@ def main() -> None:
     if args.recovery:
         return _recoveries(args)
     if args.adoption:
+        if args.unsaved < 0 or any(r % args.per_host for r in args.ranks):
+            parser.error("--adoption: --unsaved is 0 or more, and --per-host divides every "
+                         "--ranks")
         rows = [adoption(ranks, args.per_host, args.unsaved, transport=args.transport)
                 for ranks in args.ranks]
         for row in rows:

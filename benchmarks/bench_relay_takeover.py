@@ -57,6 +57,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -657,6 +658,9 @@ def main() -> None:
     args.per_link = args.per_link or args.per_host
     if args.ranks % args.per_host or args.per_host % args.per_link:
         sys.exit("--per-host must divide --ranks, and --per-link --per-host")
+    if args.pin and (shutil.which("taskset") is None
+                     or not {CONTROL_CPU, HOSTS_CPU} <= os.sched_getaffinity(0)):
+        sys.exit(f"--pin needs taskset and CPUs {CONTROL_CPU} and {HOSTS_CPU}")
     why = etcd_missing()
     if why:
         sys.exit(f"cannot run: {why}")
