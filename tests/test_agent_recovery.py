@@ -113,6 +113,36 @@ def test_readys_are_read_once_each_and_the_last_one_brings_the_decision(agent):
     assert agent.mail.present(msg.Welcome, [{"rank": 0, "incarnation": 0}])
 
 
+def test_restarted_workers_of_a_host_are_asked_to_join_together(agent):
+    """Host 1 came back rebooted and started both its workers again: the first to say hello
+    waits for the other, still starting, and they join at one boundary; a restart that says
+    nothing within the start-up timeout holds the join back no longer."""
+    from recycle_planner.executor.control.pool import Proc
+
+    for rank in (2, 3):
+        agent.procs[rank] = Proc(rank, 1, None, Path("."), 100.0)
+    agent.procs[2].hello = msg.Hello(2, 1, 0, "h", "lib", None)
+    agent._phase_running(103.0)
+    assert not agent.round.join_posted and agent.phase is Phase.RUNNING
+    agent.procs[3].hello = msg.Hello(3, 1, 0, "h", "lib", None)
+    agent._phase_running(104.0)
+    assert agent.round.join_posted and agent.phase is Phase.GATHERING
+    assert "restarted workers 1:0, 1:1 asked to join" in agent.events[-1].message
+
+
+def test_a_restart_silent_past_the_start_up_timeout_holds_no_join_back(agent):
+    from recycle_planner.executor.control.pool import Proc
+
+    for rank in (2, 3):
+        agent.procs[rank] = Proc(rank, 1, None, Path("."), 100.0)
+    agent.procs[2].hello = msg.Hello(2, 1, 0, "h", "lib", None)
+    agent._phase_running(100.0 + agent.config.startup_timeout - 1)
+    assert not agent.round.join_posted
+    agent._phase_running(100.0 + agent.config.startup_timeout)
+    assert agent.round.join_posted
+    assert "restarted workers 1:0 asked to join" in agent.events[-1].message
+
+
 def test_done_is_looked_for_again_only_once_one_arrives(agent):
     for rank in range(RANKS - 1):
         agent.mail._take(msg.Done(1, rank, 7))

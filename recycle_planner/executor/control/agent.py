@@ -705,7 +705,8 @@ class Agent:
         if self.mail.count(msg.CommError, gen=gen) > 0:
             self._abort("a worker reported a communication error")
             return
-        if (self._joiners() or self.plan_switch) and not self.round.join_posted:
+        if (self._joiners() and not self._starting(now) or self.plan_switch) \
+                and not self.round.join_posted:
             self.mail.put(msg.JoinRequest(gen))
             self.round.join_posted = True
             self.phase = Phase.GATHERING
@@ -972,6 +973,14 @@ class Agent:
         procs, incs = self.procs, self._member_inc()
         return [r for r in self.decision.members
                 if r in procs and procs[r].incarnation == incs.get(r)]
+
+    def _starting(self, now: float) -> list[int]:
+        """Restarted processes that have not said hello yet, within the start-up timeout of
+        their start. A join waits for them: a rebooted host's workers, started together but
+        slow to start on a loaded machine, then join at one boundary, not one generation
+        change each (the slow one counted dead in the first)."""
+        return [r for r, p in self.procs.items() if p.hello is None and not p.killed
+                and now - p.started < self.config.startup_timeout]
 
     def _joiners(self) -> list[int]:
         """Processes that said hello but are not (this incarnation) members: restarted
